@@ -1,0 +1,29 @@
+"""The ``space`` command line.
+
+Client commands (create, ls, rm, exec, cp, demo) go through the SDK; server commands
+(serve, node, keys, template) import the node and control plane only when they run.
+Every failure is one ``error: ...`` line on stderr and a non-zero exit status.
+"""
+
+from __future__ import annotations
+
+import click
+
+from space.cli._common import CliContext
+from space.cli._demo import demo
+from space.cli._sandboxes import cp, create, exec_, ls, rm
+from space.cli._server import keys, node, serve, template
+
+__all__ = ["CliContext", "main"]
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option("0.1.0", prog_name="space")
+@click.pass_context
+def main(ctx: click.Context) -> None:
+    """SPACE: sandboxed virtual machines for agents to run code in."""
+    ctx.ensure_object(CliContext)
+
+
+for _command in (serve, node, keys, template, create, ls, rm, exec_, cp, demo):
+    main.add_command(_command)

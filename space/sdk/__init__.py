@@ -1,0 +1,60 @@
+"""The SPACE Python SDK: sandboxes (sync and async), their commands and files.
+
+    from space import Sandbox
+
+    with Sandbox.create() as sbx:
+        print(sbx.commands.run("python3 -c 'print(6 * 7)'").stdout)
+
+The API URL and key come from ``api_url=``/``api_key=``, else SPACE_API_URL /
+SPACE_API_KEY. Errors are ``space.sdk.errors.SpaceError`` and its leaves.
+"""
+
+from __future__ import annotations
+
+from space.sdk._commands import AsyncCommandHandle, AsyncCommands
+from space.sdk._files import AsyncFiles, ByteStream
+from space.sdk._http import ConnectionConfig
+from space.sdk._models import CommandResult, FileInfo, ProcessInfo, SandboxInfo
+from space.sdk._sandbox import AsyncSandbox
+from space.sdk._sync import CommandHandle, Commands, Files, Sandbox
+from space.sdk.errors import (
+    AuthenticationError,
+    CommandExitError,
+    Conflict,
+    InternalError,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    SpaceError,
+    Timeout,
+    Unavailable,
+)
+
+__all__ = [
+    "AsyncCommandHandle",
+    "AsyncCommands",
+    "AsyncFiles",
+    "AsyncSandbox",
+    "AuthenticationError",
+    "ByteStream",
+    "CommandExitError",
+    "CommandHandle",
+    "CommandResult",
+    "Commands",
+    "Conflict",
+    "ConnectionConfig",
+    "FileInfo",
+    "Files",
+    "InternalError",
+    "InvalidArgument",
+    "NotFound",
+    "PermissionDenied",
+    "ProcessInfo",
+    "ResourceExhausted",
+    "Sandbox",
+    "SandboxInfo",
+    "SpaceError",
+    "Timeout",
+    "Unavailable",
+]

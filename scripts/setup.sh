@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Installs everything SPACE needs on Debian 12, as root, idempotently:
+# Debian packages, a Python virtualenv with the project and its dev tools in .venv,
+# and the `base` guest image (cached by content hash in /var/cache/space/images).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+say() { printf '[setup %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
+
+if [ "$(id -u)" -ne 0 ]; then
+  echo "setup.sh must run as root: SPACE manages VMs, btrfs pools and loop devices" >&2
+  exit 1
+fi
+
+debian_packages=(
+  python3 python3-venv python3-dev gcc ca-certificates
+  qemu-system-x86 qemu-utils
+  debootstrap busybox-static e2fsprogs cpio zstd xz-utils kmod
+  btrfs-progs util-linux
+  nftables iproute2
+)
+missing=()
+for p in "${debian_packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  say "installing Debian packages: ${missing[*]}"
+  apt-get update -q
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+# The venv is rebuilt only when pyproject.toml changes (its hash is the stamp).
+stamp=".venv/.space-setup-$(sha256sum pyproject.toml | cut -c1-16)"
+if [ ! -e "$stamp" ]; then
+  say "creating .venv with $(/usr/bin/python3 --version)"
+  rm -rf .venv
+  /usr/bin/python3 -m venv .venv
+  .venv/bin/pip install -q --upgrade pip
+  .venv/bin/pip install -q -e '.[dev]'
+  touch "$stamp"
+fi
+
+say "building the base guest image (reused at once when unchanged)"
+.venv/bin/space template build base
+say "setup done"

@@ -1,0 +1,199 @@
+"""Client commands: create, ls, rm, exec, cp (all through the SDK)."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
+
+import click
+
+from space.cli._common import ProgressPrinter, api_options, connection, fail, reports_errors
+from space.sdk import CommandResult, Sandbox, SandboxInfo
+
+__all__ = ["cp", "create", "exec_", "ls", "rm"]
+
+#: Exit status of ``space exec`` when the command hit its timeout (as timeout(1) does).
+EXIT_TIMED_OUT = 124
+#: ``-i`` forwards at most this much of stdin (the API carries stdin as one text field).
+MAX_STDIN_BYTES = 16 << 20
+#: ``ID:/path`` names a path in a sandbox; anything else is local (``./a:b`` stays local).
+_REMOTE = re.compile(r"^(?P<id>[A-Za-z0-9][A-Za-z0-9_-]*):(?P<path>.+)$")
+
+
+@click.command()
+@click.option("--template", default="base", show_default=True)
+@click.option("--cpus", default=1, show_default=True, type=int)
+@click.option("--memory-mib", default=256, show_default=True, type=int)
+@click.option("--disk-mib", default=2048, show_default=True, type=int)
+@click.option("--timeout-s", default=300, show_default=True, type=int, help="Lifetime; 0: none.")
+@api_options
+@reports_errors
+def create(
+    template: str,
+    cpus: int,
+    memory_mib: int,
+    disk_mib: int,
+    timeout_s: int,
+    api_url: str | None,
+    api_key: str | None,
+) -> None:
+    """Create a sandbox and print its id."""
+    progress = ProgressPrinter()
+    progress(f"creating a sandbox from template {template!r}")
+    sandbox = Sandbox.create(
+        template,
+        cpus=cpus,
+        memory_mib=memory_mib,
+        disk_mib=disk_mib,
+        timeout_s=timeout_s or None,
+        **connection(api_url, api_key),
+    )
+    progress(f"sandbox {sandbox.sandbox_id} is running")
+    sandbox.close()
+    click.echo(sandbox.sandbox_id)
+
+
+@click.command()
+@api_options
+@reports_errors
+def ls(api_url: str | None, api_key: str | None) -> None:
+    """List your sandboxes."""
+    rows = [_row(info) for info in Sandbox.list(**connection(api_url, api_key))]
+    header = ("ID", "TEMPLATE", "STATE", "CPUS", "MEMORY_MIB", "CREATED", "EXPIRES")
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=False)]
+    for line in (header, *rows):
+        click.echo("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
+
+
+def _row(info: SandboxInfo) -> tuple[str, ...]:
+    def when(value: object) -> str:
+        return value.strftime("%Y-%m-%d %H:%M:%S") if hasattr(value, "strftime") else "-"
+
+    return (
+        info.sandbox_id,
+        info.template,
+        info.state,
+        str(info.cpus),
+        str(info.memory_mib),
+        when(info.created_at),
+        when(info.expires_at),
+    )
+
+
+@click.command()
+@click.argument("sandbox_ids", nargs=-1, required=True)
+@api_options
+@reports_errors
+def rm(sandbox_ids: tuple[str, ...], api_url: str | None, api_key: str | None) -> None:
+    """Delete sandboxes."""
+    for sandbox_id in sandbox_ids:
+        Sandbox.connect(sandbox_id, **connection(api_url, api_key)).kill()
+        click.echo(sandbox_id)
+
+
+@click.command(name="exec", context_settings={"ignore_unknown_options": True})
+@click.argument("sandbox_id")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.option("--env", "-e", multiple=True, help="KEY=VALUE, repeatable.")
+@click.option("--cwd", default=None)
+@click.option("--user", default=None)
+@click.option("--timeout-s", default=300.0, show_default=True, type=float, help="0: none.")
+@click.option("--interactive", "-i", is_flag=True, help="Send this terminal's stdin.")
+@api_options
+@reports_errors
+def exec_(
+    sandbox_id: str,
+    command: tuple[str, ...],
+    env: tuple[str, ...],
+    cwd: str | None,
+    user: str | None,
+    timeout_s: float,
+    interactive: bool,
+    api_url: str | None,
+    api_key: str | None,
+) -> None:
+    """Run a command in a sandbox: space exec ID -- CMD [ARGS...].
+
+    One word runs through the shell (``space exec ID -- 'ls | wc -l'``); several run as
+    an argv, without a shell. Output streams live; the exit status is the command's
+    (128+N for signal N, 124 when it timed out).
+    """
+    with _connected(sandbox_id, api_url, api_key) as sandbox:
+        result = sandbox.commands.run(
+            command[0] if len(command) == 1 else list(command),
+            env=_parse_env(env),
+            cwd=cwd,
+            user=user,
+            stdin=_read_stdin() if interactive else None,
+            timeout_s=timeout_s or None,
+            on_stdout=lambda text: click.echo(text, nl=False),
+            on_stderr=lambda text: click.echo(text, nl=False, err=True),
+        )
+    sys.exit(exit_status(result))
+
+
+def exit_status(result: CommandResult) -> int:
+    """The shell's convention: the exit code, 128+signal, 124 for a timeout."""
+    if result.timed_out:
+        return EXIT_TIMED_OUT
+    if result.signal is not None:
+        return 128 + result.signal
+    return result.exit_code if result.exit_code is not None else 1
+
+
+def _parse_env(pairs: tuple[str, ...]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            fail(f"--env wants KEY=VALUE, got {pair!r}", 2)
+        env[key] = value
+    return env
+
+
+def _read_stdin() -> bytes:
+    data = sys.stdin.buffer.read(MAX_STDIN_BYTES + 1)
+    if len(data) > MAX_STDIN_BYTES:
+        fail(f"stdin is larger than {MAX_STDIN_BYTES} bytes", 2)
+    return data
+
+
+@click.command()
+@click.argument("src")
+@click.argument("dst")
+@api_options
+@reports_errors
+def cp(src: str, dst: str, api_url: str | None, api_key: str | None) -> None:
+    """Copy a file into or out of a sandbox; a sandbox path is written ID:/path."""
+    source, target = _REMOTE.match(src), _REMOTE.match(dst)
+    if (source is None) == (target is None):
+        fail("exactly one of SRC and DST must be a sandbox path (ID:/path)", 2)
+    started = time.monotonic()
+    if target is not None:
+        local = Path(src)
+        remote = target["path"]
+        if remote.endswith("/"):
+            remote += local.name
+        with _connected(target["id"], api_url, api_key) as sandbox:
+            size = sandbox.files.upload_from(local, remote).size
+    elif source is not None:
+        local = Path(dst)
+        if local.is_dir():
+            local /= PurePosixPath(source["path"]).name
+        with _connected(source["id"], api_url, api_key) as sandbox:
+            size = sandbox.files.download_to(source["path"], local)
+    click.echo(f"copied {size} bytes in {time.monotonic() - started:.2f} s", err=True)
+
+
+@contextlib.contextmanager
+def _connected(sandbox_id: str, api_url: str | None, api_key: str | None) -> Iterator[Sandbox]:
+    """A connection to a sandbox for one block; closed (the sandbox kept) afterwards."""
+    sandbox = Sandbox.connect(sandbox_id, **connection(api_url, api_key))
+    try:
+        yield sandbox
+    finally:
+        sandbox.close()

@@ -1,0 +1,235 @@
+"""Server-side commands: serve, node, keys, template.
+
+The node and control-plane packages are imported inside the command functions, so
+``space --help`` stays fast and an SDK-only use of the CLI never imports them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+from collections.abc import Coroutine, Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any, Literal, cast
+from urllib.parse import urlsplit
+
+import click
+
+from space.cli._common import ProgressPrinter, fail
+from space.sdk.errors import SpaceError
+
+__all__ = ["keys", "node", "serve", "template"]
+
+DEFAULT_DATA_DIR = Path("/var/lib/space")
+DEFAULT_CACHE_DIR = Path("/var/cache/space/images")
+
+_data_dir_option = click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=DEFAULT_DATA_DIR,
+    show_default=True,
+)
+
+
+@click.command()
+@_data_dir_option
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8080, show_default=True, type=int)
+@click.option("--accel", type=click.Choice(["auto", "kvm", "tcg"]), default="auto")
+@click.option("--pool-path", type=click.Path(path_type=Path), default=None, help="A btrfs mount.")
+@click.option("--release-pool", is_flag=True, hidden=True, help="Unmount an idle pool on exit.")
+def serve(
+    data_dir: Path, host: str, port: int, accel: str, pool_path: Path | None, release_pool: bool
+) -> None:
+    """Run the control plane and one node in this process (the embedded default)."""
+    from space.control.server import run_control_plane
+    from space.control.settings import ControlSettings
+    from space.node.config import NodeConfig
+    from space.node.service import Node
+
+    progress = ProgressPrinter()
+
+    async def run() -> None:
+        progress(f"starting node (data in {data_dir})")
+        config = NodeConfig(data_dir=data_dir, pool_path=pool_path, accel=_accel(accel))
+        local = await Node.start(config, progress=progress)
+        try:
+            progress(f"node {local.node_id} ready; API on http://{host}:{port}")
+            await run_control_plane(ControlSettings(data_dir=data_dir), local, host=host, port=port)
+        finally:
+            # A loop-file pool is unmounted only when asked and no VM still uses it.
+            idle = release_pool and not await local.list_sandboxes()
+            progress("disconnecting from the VMs (they keep running)")
+            await local.close(unmount_pool=idle)
+
+    _run_until_signal(run())
+
+
+@click.command()
+@click.option("--control-url", required=True, help="The control plane, e.g. http://ctl:8080.")
+@click.option("--token-file", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--listen", default="0.0.0.0:8081", show_default=True, help="HOST:PORT to serve.")
+@click.option("--advertise-url", default=None, help="The URL the control plane calls.")
+@_data_dir_option
+@click.option("--accel", type=click.Choice(["auto", "kvm", "tcg"]), default="auto")
+@click.option("--pool-path", type=click.Path(path_type=Path), default=None, help="A btrfs mount.")
+def node(
+    control_url: str,
+    token_file: Path,
+    listen: str,
+    advertise_url: str | None,
+    data_dir: Path,
+    accel: str,
+    pool_path: Path | None,
+) -> None:
+    """Run a node agent alone and register it with a control plane."""
+    import uvicorn
+
+    from space.control.server import register_remote_node
+    from space.node.config import NodeConfig
+    from space.node.http_api import create_node_app
+    from space.node.service import Node
+
+    control_url = _check_url(control_url)
+    host, port = _split_listen(listen)
+    token = _read_token(token_file)
+    node_url = advertise_url or f"http://{_advertised_host(host)}:{port}"
+    progress = ProgressPrinter()
+
+    async def run() -> None:
+        config = NodeConfig(data_dir=data_dir, pool_path=pool_path, accel=_accel(accel))
+        local = await Node.start(config, progress=progress)
+        try:
+            app = create_node_app(local, token)
+            server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
+            serving = asyncio.create_task(server.serve())
+            # uvicorn offers a flag, not an event: poll it while the task lives.
+            while not server.started and not serving.done():
+                await asyncio.wait({serving}, timeout=0.05)
+            if server.started:
+                progress(f"node {local.node_id} serving on {node_url}; registering")
+                await register_remote_node(control_url, token, node_url, local.node_id)
+                progress(f"registered with {control_url}")
+            await serving
+        finally:
+            await local.close()
+
+    _run_until_signal(run())
+
+
+@click.group()
+def keys() -> None:
+    """Manage API keys."""
+
+
+@keys.command(name="create")
+@click.option("--tenant", required=True, help="The tenant the key belongs to.")
+@_data_dir_option
+def keys_create(tenant: str, data_dir: Path) -> None:
+    """Create an API key for TENANT and print it (shown only this once)."""
+    from space.control.keys import create_key
+    from space.control.settings import ControlSettings
+
+    with _server_errors():
+        key = create_key(ControlSettings(data_dir=data_dir), tenant)
+    click.echo(key)
+
+
+@click.group()
+def template() -> None:
+    """Manage sandbox templates."""
+
+
+@template.command(name="build")
+@click.argument("name", default="base")
+@click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=DEFAULT_CACHE_DIR,
+    show_default=True,
+)
+def template_build(name: str, cache_dir: Path) -> None:
+    """Build template NAME (default: base), or reuse the cached build; print its digest."""
+    from space.node.images import build_template
+
+    progress = ProgressPrinter()
+    progress(f"building template {name!r} in {cache_dir}")
+    with _server_errors():
+        image = build_template(name, cache_dir=cache_dir, progress=progress)
+    progress(f"template {name!r} ready: {image.directory}")
+    click.echo(image.digest)
+
+
+class _Terminate(Exception):
+    """Raised by the SIGTERM handler so ``finally`` blocks run on the way out."""
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise _Terminate
+
+
+def _run_until_signal(main: Coroutine[Any, Any, None]) -> None:
+    """Run a server coroutine; SIGINT/SIGTERM stop it cleanly (exit 0).
+
+    uvicorn handles both signals while it serves and re-raises them once it has shut
+    down; the handler installed here turns that (or a signal during startup) into an
+    exception, so the coroutine's ``finally`` (closing the node) still runs.
+    """
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        with _server_errors():
+            asyncio.run(main)
+    except (KeyboardInterrupt, _Terminate):
+        click.echo("stopped", err=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _server_errors() -> Iterator[None]:
+    """Node, control-plane and OS errors as one ``error: ...`` line and exit code 1."""
+    from space.node.errors import NodeError
+
+    try:
+        yield
+    except (NodeError, SpaceError) as exc:
+        fail(f"{exc.code}: {exc}")
+    except OSError as exc:
+        fail(f"{exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}")
+
+
+def _accel(value: str) -> Literal["auto", "kvm", "tcg"]:
+    # click.Choice has already restricted the value; this narrows its type.
+    return cast('Literal["auto", "kvm", "tcg"]', value)
+
+
+def _split_listen(listen: str) -> tuple[str, int]:
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        fail(f"--listen wants HOST:PORT, got {listen!r}", 2)
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def _advertised_host(host: str) -> str:
+    # A wildcard address cannot be called back; the machine's name usually can.
+    return socket.getfqdn() if host in ("0.0.0.0", "::", "") else host
+
+
+def _read_token(path: Path) -> str:
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        fail(f"cannot read the node token {path}: {exc.strerror}", 2)
+    if not token:
+        fail(f"the node token file {path} is empty", 2)
+    return token
+
+
+def _check_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        fail(f"not an http(s) URL: {url!r}", 2)
+    return url.rstrip("/")

@@ -1,0 +1,91 @@
+"""The control plane's FastAPI application.
+
+``create_app`` wires the routers, the error handlers and a lifespan that, in order:
+applies the database migrations, makes the node token file if missing, records the
+registered nodes (and re-attaches remote ones from earlier runs), reconciles every
+node with the database, and runs the reaper until shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+
+import anyio.to_thread
+from fastapi import FastAPI
+from sqlalchemy.orm import Session
+
+from space.control.deps import ControlContext, load_or_create_node_token
+from space.control.errors import install_error_handlers
+from space.control.nodes import LOCAL_URL, NodeRegistry
+from space.control.reconcile import reaper_loop, reconcile
+from space.control.routers import commands, files, sandboxes
+from space.control.routers import nodes as node_routes
+from space.control.settings import ControlSettings
+from space.control.store import Database, repo
+
+__all__ = ["create_app"]
+
+
+async def _record_nodes(ctx: ControlContext) -> None:
+    now = ctx.clock()
+    registered = [(node_id, ctx.nodes.url(node_id)) for node_id in ctx.nodes.ids()]
+
+    def record(session: Session) -> dict[str, str]:
+        for node_id, url in registered:
+            repo.upsert_node(session, node_id, url, now)
+        return repo.list_nodes(session)
+
+    for node_id, url in (await ctx.db.run(record)).items():
+        if url != LOCAL_URL and node_id not in ctx.nodes:
+            await ctx.nodes.register_remote(node_id, url, ctx.node_token)
+
+
+@contextlib.asynccontextmanager
+async def _running(
+    settings: ControlSettings, nodes: NodeRegistry, clock: Callable[[], float]
+) -> AsyncIterator[ControlContext]:
+    db = Database(settings.database_url)
+    try:
+        await anyio.to_thread.run_sync(db.upgrade)
+        token = load_or_create_node_token(settings.token_file)
+        ctx = ControlContext(settings=settings, db=db, nodes=nodes, clock=clock, node_token=token)
+        await _record_nodes(ctx)
+        await reconcile(ctx)
+        reaper = asyncio.create_task(reaper_loop(ctx, settings.reaper_interval_s))
+        try:
+            yield ctx
+        finally:
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
+            await nodes.aclose()
+    finally:
+        db.dispose()
+
+
+def create_app(
+    settings: ControlSettings,
+    nodes: NodeRegistry,
+    *,
+    clock: Callable[[], float] = time.time,
+) -> FastAPI:
+    """The REST API of docs/api.md over ``nodes``; state lives in ``settings.database_url``.
+
+    ``clock`` (seconds since the epoch) decides creation times and expiry, so tests
+    can move time. Nothing happens until the app's lifespan starts.
+    """
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with _running(settings, nodes, clock) as ctx:
+            app.state.ctx = ctx
+            yield
+
+    app = FastAPI(title="SPACE", version="1", lifespan=lifespan)
+    install_error_handlers(app)
+    for module in (sandboxes, commands, files, node_routes):
+        app.include_router(module.router)
+    return app

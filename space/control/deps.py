@@ -1,0 +1,121 @@
+"""Request context and FastAPI dependencies: the app context, the tenant, the sandbox."""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from space.control.errors import ApiError
+from space.control.keys import tenant_for_key
+from space.control.nodes import NodeRegistry
+from space.control.settings import ControlSettings
+from space.control.store import Database, repo
+from space.control.store.repo import SandboxRecord
+
+__all__ = [
+    "Context",
+    "ControlContext",
+    "LiveSandbox",
+    "Sandbox",
+    "Tenant",
+    "load_or_create_node_token",
+    "require_node_token",
+]
+
+
+@dataclass
+class ControlContext:
+    """What every request handler of one app shares (``app.state.ctx``)."""
+
+    settings: ControlSettings
+    db: Database
+    nodes: NodeRegistry
+    clock: Callable[[], float]
+    node_token: str
+
+
+def load_or_create_node_token(path: Path) -> str:
+    """The node token in ``path``, made (0600, 32 random bytes) if the file is missing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        token = path.read_text().strip()
+        if not token:
+            raise ApiError("internal", f"node token file {path} is empty") from None
+        return token
+    token = secrets.token_urlsafe(32)
+    with os.fdopen(fd, "w") as file:
+        file.write(token + "\n")
+    return token
+
+
+def _context(request: Request) -> ControlContext:
+    ctx: ControlContext = request.app.state.ctx
+    return ctx
+
+
+Context = Annotated[ControlContext, Depends(_context)]
+
+
+def _presented_key(request: Request) -> str | None:
+    scheme, _, value = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        return value.strip()
+    return request.headers.get("x-api-key") or None
+
+
+async def _tenant(request: Request, ctx: Context) -> str:
+    key = _presented_key(request)
+    if key is None:
+        raise ApiError(
+            "unauthenticated", "missing API key: send Authorization: Bearer <key> or X-API-Key"
+        )
+    tenant = await ctx.db.run(lambda session: tenant_for_key(session, key))
+    if tenant is None:
+        raise ApiError("unauthenticated", "unknown or revoked API key")
+    return tenant
+
+
+Tenant = Annotated[str, Depends(_tenant)]
+
+
+async def _sandbox(sandbox_id: str, tenant: Tenant, ctx: Context) -> SandboxRecord:
+    # The tenant is part of the query: another tenant's id is exactly a missing id.
+    record = await ctx.db.run(lambda s: repo.find_sandbox(s, tenant, sandbox_id))
+    if record is None:
+        raise ApiError("not_found", f"no sandbox {sandbox_id!r}", sandbox_id=sandbox_id)
+    return record
+
+
+Sandbox = Annotated[SandboxRecord, Depends(_sandbox)]
+
+
+async def _live_sandbox(record: Sandbox) -> SandboxRecord:
+    if record.state != repo.RUNNING:
+        raise ApiError(
+            "conflict",
+            f"sandbox {record.id} is {record.state}, not running",
+            sandbox_id=record.id,
+            state=record.state,
+        )
+    return record
+
+
+#: A sandbox of the caller's tenant that is running (409 otherwise).
+LiveSandbox = Annotated[SandboxRecord, Depends(_live_sandbox)]
+
+
+async def require_node_token(request: Request, ctx: Context) -> None:
+    """Dependency: the request presents the node token as a bearer token (401 otherwise)."""
+    expected = f"Bearer {ctx.node_token}".encode()
+    given = request.headers.get("authorization", "").encode()
+    if not hmac.compare_digest(given, expected):
+        raise ApiError("unauthenticated", "missing or wrong node token")

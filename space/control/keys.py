@@ -1,0 +1,141 @@
+"""API keys: made once, shown once, stored as SHA-256 only.
+
+A key is ``sk_space_`` + 32 random bytes (urlsafe base64). Because the secret is
+high-entropy, looking a key up by its hash is safe (no per-key salt needed); the found
+hash is still compared in constant time. ``create_key``, ``list_keys`` and
+``revoke_key`` are blocking helpers for the CLI; they apply migrations first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+import time
+from dataclasses import dataclass
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from space.control.errors import ApiError
+from space.control.settings import ControlSettings
+from space.control.store.db import Database
+from space.control.store.models import ApiKeyRow, TenantRow
+
+__all__ = [
+    "KEY_PREFIX",
+    "KeyInfo",
+    "add_key",
+    "create_key",
+    "hash_key",
+    "list_keys",
+    "revoke_key",
+    "tenant_for_key",
+]
+
+KEY_PREFIX = "sk_space_"
+_TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_DISPLAY_CHARS = len(KEY_PREFIX) + 6
+
+
+@dataclass(frozen=True, slots=True)
+class KeyInfo:
+    id: str
+    tenant: str
+    prefix: str
+    created_at: float
+    revoked_at: float | None
+
+
+def hash_key(key: str) -> str:
+    """Hex SHA-256 of a key, as stored."""
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def add_key(session: Session, tenant: str, now: float) -> str:
+    """Create ``tenant`` if needed and a key for it; returns the plaintext key.
+
+    Raises ApiError(invalid_argument) for a malformed tenant name.
+    """
+    if not _TENANT_RE.fullmatch(tenant):
+        raise ApiError("invalid_argument", f"invalid tenant name {tenant!r}", tenant=tenant)
+    if session.get(TenantRow, tenant) is None:
+        session.add(TenantRow(id=tenant, created_at=now))
+        session.flush()
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    session.add(
+        ApiKeyRow(
+            id="key_" + secrets.token_hex(8),
+            tenant_id=tenant,
+            prefix=key[:_DISPLAY_CHARS],
+            key_hash=hash_key(key),
+            created_at=now,
+        )
+    )
+    return key
+
+
+def tenant_for_key(session: Session, key: str) -> str | None:
+    """The tenant of a valid, unrevoked key, or None."""
+    digest = hash_key(key)
+    row = session.scalars(
+        select(ApiKeyRow).where(ApiKeyRow.key_hash == digest, ApiKeyRow.revoked_at.is_(None))
+    ).one_or_none()
+    if row is None or not hmac.compare_digest(row.key_hash, digest):
+        return None
+    return row.tenant_id
+
+
+def _database(settings: ControlSettings) -> Database:
+    db = Database(settings.database_url)
+    db.upgrade()
+    return db
+
+
+def create_key(settings: ControlSettings, tenant: str) -> str:
+    """Make a key for ``tenant`` (created if new); the plaintext is returned only here."""
+    db = _database(settings)
+    try:
+        return db.call(lambda s: add_key(s, tenant, time.time()))
+    finally:
+        db.dispose()
+
+
+def list_keys(settings: ControlSettings, tenant: str | None = None) -> list[KeyInfo]:
+    """Every key (or ``tenant``'s), revoked ones included, oldest first."""
+
+    def query(session: Session) -> list[KeyInfo]:
+        stmt = select(ApiKeyRow).order_by(ApiKeyRow.created_at, ApiKeyRow.id)
+        if tenant is not None:
+            stmt = stmt.where(ApiKeyRow.tenant_id == tenant)
+        return [
+            KeyInfo(r.id, r.tenant_id, r.prefix, r.created_at, r.revoked_at)
+            for r in session.scalars(stmt)
+        ]
+
+    db = _database(settings)
+    try:
+        return db.call(query)
+    finally:
+        db.dispose()
+
+
+def revoke_key(settings: ControlSettings, key_id: str) -> None:
+    """Revoke a key by id (idempotent). Raises ApiError(not_found) for an unknown id."""
+
+    def revoke(session: Session) -> None:
+        row = session.get(ApiKeyRow, key_id)
+        if row is None:
+            raise ApiError("not_found", f"no API key {key_id!r}", key_id=key_id)
+        session.execute(
+            update(ApiKeyRow)
+            .where(ApiKeyRow.id == key_id, ApiKeyRow.revoked_at.is_(None))
+            .values(revoked_at=time.time())
+        )
+
+    db = _database(settings)
+    try:
+        db.call(revoke)
+    finally:
+        db.dispose()

@@ -1,0 +1,204 @@
+"""Request and response bodies of the REST API (docs/api.md), with their limits.
+
+Unknown fields are rejected (422); JSON types are taken strictly (``"1"`` is not a
+number of cpus). Guest paths must be non-empty, without NUL, at most 4096 bytes.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from space.control.store.repo import SandboxRecord
+from space.node.interface import FileStat, ProcessInfo
+
+__all__ = [
+    "ExecBody",
+    "FileStatOut",
+    "GuestPath",
+    "KillBody",
+    "MkdirBody",
+    "NodeRegistration",
+    "ProcessOut",
+    "RenameBody",
+    "SandboxCreate",
+    "SandboxOut",
+    "UserName",
+    "parse_mode",
+]
+
+MAX_PATH_BYTES = 4096
+_USER_PATTERN = r"^[a-z_][a-z0-9_-]{0,31}$"
+_MAX_TEXT = 64 * 1024
+
+
+def _check_path(path: str) -> str:
+    if not path:
+        raise ValueError("path must not be empty")
+    if "\0" in path:
+        raise ValueError("path must not contain NUL")
+    if len(path.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
+        raise ValueError(f"path must be at most {MAX_PATH_BYTES} bytes")
+    return path
+
+
+def _no_nul(text: str) -> str:
+    if "\0" in text:
+        raise ValueError("must not contain NUL")
+    return text
+
+
+GuestPath = Annotated[str, AfterValidator(_check_path)]
+UserName = Annotated[str, Field(pattern=_USER_PATTERN)]
+_Text = Annotated[str, Field(max_length=_MAX_TEXT), AfterValidator(_no_nul)]
+_Env = Annotated[
+    dict[Annotated[str, Field(min_length=1, max_length=256)], _Text], Field(max_length=256)
+]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class SandboxCreate(_Body):
+    template: str = Field("base", pattern=r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+    cpus: int = Field(1, ge=1, le=8)
+    memory_mib: int = Field(256, ge=128, le=16384)
+    disk_mib: int = Field(2048, ge=512, le=65536)
+    #: Lifetime in seconds; null: none; omitted: the control plane's default.
+    timeout_s: int | None = Field(None, ge=1, le=86400)
+    env: _Env = Field(default_factory=dict)
+    metadata: _Env = Field(default_factory=dict)
+
+
+def _iso(ts: float | None) -> str | None:
+    return None if ts is None else datetime.fromtimestamp(ts, UTC).isoformat()
+
+
+class SandboxOut(BaseModel):
+    id: str
+    template: str
+    state: str
+    cpus: int
+    memory_mib: int
+    disk_mib: int
+    env: dict[str, str]
+    metadata: dict[str, Any]
+    created_at: str
+    expires_at: str | None
+    node_id: str
+    error: str | None
+
+    @classmethod
+    def of(cls, record: SandboxRecord) -> SandboxOut:
+        return cls(
+            id=record.id,
+            template=record.template,
+            state=record.state,
+            cpus=record.cpus,
+            memory_mib=record.memory_mib,
+            disk_mib=record.disk_mib,
+            env=record.env,
+            metadata=record.metadata,
+            created_at=_iso(record.created_at) or "",
+            expires_at=_iso(record.expires_at),
+            node_id=record.node_id,
+            error=record.error,
+        )
+
+
+class ExecBody(_Body):
+    cmd: _Text | None = None
+    argv: Annotated[list[_Text], Field(min_length=1, max_length=4096)] | None = None
+    env: _Env = Field(default_factory=dict)
+    cwd: GuestPath | None = None
+    user: UserName = "user"
+    #: Text sent to the process's stdin, then closed.
+    stdin: Annotated[str, Field(max_length=16 * 1024 * 1024)] | None = None
+    timeout_s: float | None = Field(None, gt=0, le=86400)
+    background: bool = False
+
+    @model_validator(mode="after")
+    def _one_command(self) -> ExecBody:
+        if (self.cmd is None) == (self.argv is None):
+            raise ValueError("give exactly one of cmd and argv")
+        return self
+
+
+class KillBody(_Body):
+    signal: int = Field(9, ge=1, le=64)
+
+
+class MkdirBody(_Body):
+    path: GuestPath
+    user: UserName = "user"
+
+
+class RenameBody(_Body):
+    src: GuestPath
+    dst: GuestPath
+    user: UserName = "user"
+
+
+class NodeRegistration(_Body):
+    node_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+    url: str = Field(pattern=r"^https?://[^\s/?#]+(/[^\s?#]*)?$", max_length=2048)
+
+
+class FileStatOut(BaseModel):
+    name: str
+    path: str
+    type: Literal["file", "dir", "symlink", "other"]
+    size: int
+    mode: int
+    mtime: float
+    owner: str
+
+    @classmethod
+    def of(cls, stat: FileStat) -> FileStatOut:
+        return cls(
+            name=stat.name,
+            path=stat.path,
+            type=stat.type,
+            size=stat.size,
+            mode=stat.mode,
+            mtime=stat.mtime,
+            owner=stat.owner,
+        )
+
+
+class ProcessOut(BaseModel):
+    process_id: str
+    pid: int
+    argv: list[str] | None
+    cmd: str | None
+    running: bool
+    exit_code: int | None
+    signal: int | None
+    started_at: str
+
+    @classmethod
+    def of(cls, info: ProcessInfo) -> ProcessOut:
+        return cls(
+            process_id=info.process_id,
+            pid=info.pid,
+            argv=info.argv,
+            cmd=info.cmd,
+            running=info.running,
+            exit_code=info.exit_code,
+            signal=info.signal,
+            started_at=_iso(info.started_at) or "",
+        )
+
+
+_MODE_RE = re.compile(r"^[0-7]{1,4}$")
+
+
+def parse_mode(text: str) -> int:
+    """An octal permission string ("644") as an int; raises ValueError otherwise."""
+    if not _MODE_RE.fullmatch(text):
+        raise ValueError(f"mode must be octal digits like 644, not {text!r}")
+    return int(text, 8)

@@ -1,0 +1,74 @@
+"""Running the control plane: uvicorn in the current event loop, and node registration."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import httpx
+import uvicorn
+
+from space.control.app import create_app
+from space.control.nodes import NodeRegistry
+from space.control.settings import ControlSettings
+from space.node.errors import NodeError, Unavailable
+from space.node.interface import NodeService
+from space.node.remote import error_from_response
+
+__all__ = ["register_remote_node", "run_control_plane"]
+
+
+async def run_control_plane(
+    settings: ControlSettings, node: NodeService | None, *, host: str, port: int
+) -> None:
+    """Serve the REST API on ``host:port`` until cancelled (or SIGINT/SIGTERM).
+
+    ``node`` (if given) is registered as "local"; it stays the caller's to close.
+    Migrations are applied before the first request is accepted. Cancellation shuts
+    the server down gracefully (listening socket closed, lifespan finished: the reaper
+    stopped, the database disposed) before the CancelledError propagates. Raises
+    Unavailable if the server could not start (e.g. the port is taken).
+    """
+    registry = NodeRegistry()
+    if node is not None:
+        registry.register("local", node)
+    app = create_app(settings, registry)
+    config = uvicorn.Config(app, host=host, port=port, lifespan="on", log_level="info")
+    server = uvicorn.Server(config)
+    # Bound here, so a taken port is our Unavailable instead of uvicorn's sys.exit(1).
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        sock = socket.create_server((host, port), family=family, reuse_port=False)
+    except OSError as exc:
+        raise Unavailable(f"cannot listen on {host}:{port}: {exc}") from exc
+    with sock:
+        serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+        try:
+            await asyncio.shield(serving)
+        except asyncio.CancelledError:
+            # Cancelling uvicorn's serve() mid-way leaks its socket: ask it to exit instead.
+            server.should_exit = True
+            await serving
+            raise
+
+
+async def register_remote_node(
+    control_url: str, token: str, node_url: str, node_id: str, *, timeout_s: float = 30.0
+) -> None:
+    """Register the node agent at ``node_url`` with the control plane at ``control_url``.
+
+    Idempotent. Raises space.node.errors leaves: Unavailable if the control plane is
+    unreachable or rejects the token, the mapped leaf for any other error answer.
+    """
+    url = control_url.rstrip("/") + "/v1/nodes"
+    body = {"node_id": node_id, "url": node_url}
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            response = await client.post(
+                url, json=body, headers={"Authorization": f"Bearer {token}"}
+            )
+    except httpx.HTTPError as exc:
+        raise Unavailable(f"control plane at {control_url} unreachable: {exc!r}") from exc
+    if response.status_code >= 400:
+        error: NodeError = error_from_response(response.status_code, response.content, None)
+        raise error

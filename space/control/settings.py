@@ -1,0 +1,39 @@
+"""Configuration of one control-plane replica."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["ControlSettings"]
+
+
+@dataclass(frozen=True)
+class ControlSettings:
+    """Where the control plane keeps its state.
+
+    ``database_url`` defaults to SQLite in ``data_dir`` (``sqlite:///<data_dir>/space.db``);
+    multi-replica deployments point every replica at the same PostgreSQL URL.
+    ``node_token_path`` defaults to ``<data_dir>/node-token``: the shared secret node agents
+    present to register and that the control plane presents to them (created 0600 on
+    first start). ``default_timeout_s`` is a sandbox's lifetime when the request does not
+    say; ``reaper_interval_s`` is how often expired sandboxes are looked for.
+    """
+
+    data_dir: Path
+    database_url: str = ""
+    node_token_path: Path | None = None
+    default_timeout_s: int = 300
+    reaper_interval_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        # Frozen: fill the data_dir-derived defaults once, here.
+        if not self.database_url:
+            object.__setattr__(self, "database_url", f"sqlite:///{self.data_dir / 'space.db'}")
+        if self.node_token_path is None:
+            object.__setattr__(self, "node_token_path", self.data_dir / "node-token")
+
+    @property
+    def token_file(self) -> Path:
+        """The node token's path (``node_token_path`` with its default resolved)."""
+        return self.node_token_path or self.data_dir / "node-token"

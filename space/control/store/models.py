@@ -1,0 +1,82 @@
+"""SQLAlchemy models of the control plane's state.
+
+Times are float seconds since the epoch (UTC), from the app's injected clock, so
+expiry is a plain comparison on every database. The schema itself is created and
+changed only by the Alembic migrations in space/control/migrations (a unit test keeps
+models and migrations identical).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, MetaData, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+__all__ = ["ApiKeyRow", "Base", "NodeRow", "SandboxRow", "TenantRow"]
+
+# Deterministic constraint names, so later migrations can refer to them on any backend.
+_NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=_NAMING)
+
+
+class TenantRow(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+class ApiKeyRow(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    #: The key's first characters, for display; never enough to authenticate.
+    prefix: Mapped[str] = mapped_column(String(32))
+    #: Hex SHA-256 of the whole key; the key itself is never stored.
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class NodeRow(Base):
+    __tablename__ = "nodes"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    #: The node agent's base URL, or "local" for the node embedded in the process.
+    url: Mapped[str] = mapped_column(String(2048))
+    last_seen: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class SandboxRow(Base):
+    __tablename__ = "sandboxes"
+    __table_args__ = (Index("ix_sandboxes_tenant_state", "tenant_id", "state"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id"), index=True)
+    template: Mapped[str] = mapped_column(String(128))
+    cpus: Mapped[int] = mapped_column(Integer)
+    memory_mib: Mapped[int] = mapped_column(Integer)
+    disk_mib: Mapped[int] = mapped_column(Integer)
+    env: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # "metadata" is reserved on declarative classes; the column keeps the API's name.
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON)
+    #: Observed state (space.node.interface.SandboxState values).
+    state: Mapped[str] = mapped_column(String(16))
+    #: What the control plane is driving towards: "running" or "deleted".
+    desired_state: Mapped[str] = mapped_column(String(16))
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    expires_at: Mapped[float | None] = mapped_column(Float, nullable=True, index=True)
+    deleted_at: Mapped[float | None] = mapped_column(Float, nullable=True)

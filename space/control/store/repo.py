@@ -1,0 +1,174 @@
+"""Queries on sandboxes and nodes. Every tenant-facing lookup filters by tenant in SQL.
+
+Functions take an open Session (see ``Database.run``) and return plain frozen
+records, never ORM objects, so nothing touches the database outside its transaction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from space.control.store.models import NodeRow, SandboxRow
+
+__all__ = [
+    "DELETED",
+    "RUNNING",
+    "SandboxRecord",
+    "active_counts",
+    "expired",
+    "find_sandbox",
+    "insert_sandbox",
+    "list_nodes",
+    "list_sandboxes",
+    "mark_deleted",
+    "on_node",
+    "set_desired_deleted",
+    "set_state",
+    "upsert_node",
+]
+
+RUNNING = "running"
+DELETED = "deleted"
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxRecord:
+    id: str
+    tenant_id: str
+    node_id: str
+    template: str
+    cpus: int
+    memory_mib: int
+    disk_mib: int
+    env: dict[str, str]
+    metadata: dict[str, Any]
+    state: str
+    desired_state: str
+    created_at: float
+    expires_at: float | None
+    error: str | None = None
+    deleted_at: float | None = None
+
+
+def _record(row: SandboxRow) -> SandboxRecord:
+    return SandboxRecord(
+        id=row.id,
+        tenant_id=row.tenant_id,
+        node_id=row.node_id,
+        template=row.template,
+        cpus=row.cpus,
+        memory_mib=row.memory_mib,
+        disk_mib=row.disk_mib,
+        env=dict(row.env),
+        metadata=dict(row.meta),
+        state=row.state,
+        desired_state=row.desired_state,
+        created_at=row.created_at,
+        expires_at=row.expires_at,
+        error=row.error,
+        deleted_at=row.deleted_at,
+    )
+
+
+def insert_sandbox(session: Session, record: SandboxRecord) -> None:
+    session.add(
+        SandboxRow(
+            id=record.id,
+            tenant_id=record.tenant_id,
+            node_id=record.node_id,
+            template=record.template,
+            cpus=record.cpus,
+            memory_mib=record.memory_mib,
+            disk_mib=record.disk_mib,
+            env=record.env,
+            meta=record.metadata,
+            state=record.state,
+            desired_state=record.desired_state,
+            created_at=record.created_at,
+            expires_at=record.expires_at,
+        )
+    )
+
+
+def find_sandbox(
+    session: Session, tenant_id: str, sandbox_id: str, *, include_deleted: bool = False
+) -> SandboxRecord | None:
+    """The tenant's sandbox, or None if it is missing, deleted, or another tenant's."""
+    query = select(SandboxRow).where(SandboxRow.id == sandbox_id, SandboxRow.tenant_id == tenant_id)
+    if not include_deleted:
+        query = query.where(SandboxRow.state != DELETED)
+    row = session.scalars(query).one_or_none()
+    return _record(row) if row else None
+
+
+def list_sandboxes(session: Session, tenant_id: str) -> list[SandboxRecord]:
+    query = (
+        select(SandboxRow)
+        .where(SandboxRow.tenant_id == tenant_id, SandboxRow.state != DELETED)
+        .order_by(SandboxRow.created_at, SandboxRow.id)
+    )
+    return [_record(row) for row in session.scalars(query)]
+
+
+def set_state(session: Session, sandbox_id: str, state: str, *, error: str | None = None) -> None:
+    session.execute(
+        update(SandboxRow).where(SandboxRow.id == sandbox_id).values(state=state, error=error)
+    )
+
+
+def set_desired_deleted(session: Session, sandbox_id: str) -> None:
+    session.execute(
+        update(SandboxRow).where(SandboxRow.id == sandbox_id).values(desired_state=DELETED)
+    )
+
+
+def mark_deleted(session: Session, sandbox_id: str, now: float) -> None:
+    session.execute(
+        update(SandboxRow)
+        .where(SandboxRow.id == sandbox_id)
+        .values(state=DELETED, desired_state=DELETED, deleted_at=now)
+    )
+
+
+def expired(session: Session, now: float) -> list[SandboxRecord]:
+    """Every tenant's sandboxes whose lifetime ended (for the reaper, not for tenants)."""
+    query = select(SandboxRow).where(
+        SandboxRow.expires_at.is_not(None),
+        SandboxRow.expires_at <= now,
+        SandboxRow.state != DELETED,
+    )
+    return [_record(row) for row in session.scalars(query)]
+
+
+def on_node(session: Session, node_id: str) -> list[SandboxRecord]:
+    """Every sandbox placed on ``node_id`` that is not deleted (for reconciliation)."""
+    query = select(SandboxRow).where(SandboxRow.node_id == node_id, SandboxRow.state != DELETED)
+    return [_record(row) for row in session.scalars(query)]
+
+
+def active_counts(session: Session) -> dict[str, int]:
+    """Sandboxes per node that are not deleted (placement's load measure)."""
+    query = (
+        select(SandboxRow.node_id, func.count())
+        .where(SandboxRow.state != DELETED)
+        .group_by(SandboxRow.node_id)
+    )
+    return {node_id: count for node_id, count in session.execute(query)}
+
+
+def upsert_node(session: Session, node_id: str, url: str, now: float) -> None:
+    row = session.get(NodeRow, node_id)
+    if row is None:
+        session.add(NodeRow(id=node_id, url=url, last_seen=now))
+    else:
+        row.url = url
+        row.last_seen = now
+
+
+def list_nodes(session: Session) -> dict[str, str]:
+    """Registered nodes: id → URL ("local" for an embedded node)."""
+    return {row.id: row.url for row in session.scalars(select(NodeRow))}

@@ -1,0 +1,79 @@
+"""Run spaced: ``python3 -m space.guest [--stdio] [--user-default NAME] [--home-default PATH]``.
+
+Without ``--stdio`` it serves the virtio-serial port named ``space.agent`` (waiting for
+the device to appear) and never exits on its own; with ``--stdio`` it speaks on
+stdin/stdout and exits at EOF, killing the background processes it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+
+from space.protocol import PORT_NAME
+
+from ._daemon import Daemon
+from ._request import Accounts
+from ._transport import Transport, find_port
+
+__all__ = ["main"]
+
+_log = logging.getLogger("spaced")
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="spaced", description=__doc__)
+    parser.add_argument("--stdio", action="store_true", help="frames on stdin/stdout")
+    parser.add_argument("--port-name", default=PORT_NAME, help="virtio-serial port name")
+    parser.add_argument("--user-default", help='account that stands in for "user"')
+    parser.add_argument("--home-default", help='home directory of "user"')
+    parser.add_argument("--log-level", default="INFO")
+    return parser.parse_args(argv)
+
+
+def _open_port(name: str) -> int:
+    """Wait for the port's device node (modules may still be loading) and open it."""
+    while True:
+        device = find_port(name)
+        if device is not None:
+            try:
+                return os.open(device, os.O_RDWR | os.O_CLOEXEC)
+            except OSError as exc:
+                _log.warning("cannot open %s: %s", device, exc)
+        time.sleep(0.1)
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    if args.stdio:
+        read_fd = os.dup(sys.stdin.fileno())
+        write_fd = os.dup(sys.stdout.fileno())
+        # Nothing else may write frames' bytes: keep stray prints off the channel.
+        os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+        transport = Transport(read_fd, write_fd, reconnecting=False)
+    else:
+        fd = _open_port(args.port_name)
+        transport = Transport(fd, fd, reconnecting=True)
+    daemon = Daemon(transport, Accounts(args.user_default, args.home_default))
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, daemon.stopped.set)
+    await daemon.run()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="spaced %(levelname)s %(name)s: %(message)s",
+    )
+    asyncio.run(_serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""Operation handlers for processes: exec, process.list, process.attach, process.kill."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+
+from space.protocol import DATA_CHUNK_BYTES, Channel, ErrorCode
+
+from ._errors import OpError
+from ._processes import (
+    DRAIN_IDLE_S,
+    ExecSpec,
+    ManagedProcess,
+    ProcessTable,
+    default_env,
+    exit_fields,
+    kill_group,
+    new_process_id,
+    spawn,
+    wait_exit,
+)
+from ._request import Accounts, Fields
+from ._session import Stream, send_batches
+
+__all__ = ["op_attach", "op_exec", "op_kill", "op_list", "parse_exec"]
+
+#: Bound on the total characters of argv or cmd (so a process listing entry fits a message).
+MAX_COMMAND_CHARS = 32 * 1024
+
+
+def parse_exec(fields: Fields, accounts: Accounts) -> ExecSpec:
+    account = accounts.get(fields)
+    argv = fields.string_list("argv")
+    cmd = fields.optional_string("cmd")
+    if (argv is None) == (cmd is None):
+        raise OpError(ErrorCode.INVALID_ARGUMENT, "give exactly one of argv and cmd")
+    command = ["/bin/sh", "-c", cmd] if cmd is not None else argv
+    assert command is not None
+    if sum(len(arg) for arg in command) > MAX_COMMAND_CHARS:
+        raise OpError(ErrorCode.INVALID_ARGUMENT, f"command longer than {MAX_COMMAND_CHARS}")
+    cwd_field = fields.optional_string("cwd")
+    cwd = account.resolve(cwd_field) if cwd_field is not None else account.home
+    if not os.path.isdir(cwd):
+        code = ErrorCode.NOT_A_DIRECTORY if os.path.exists(cwd) else ErrorCode.NOT_FOUND
+        raise OpError(code, f"working directory {cwd!r} is not a directory")
+    return ExecSpec(
+        argv=command,
+        cmd=cmd,
+        env=default_env(account) | fields.string_dict("env"),
+        cwd=cwd,
+        account=account,
+        stdin=fields.boolean("stdin", False),
+        timeout_s=fields.optional_seconds("timeout_s"),
+        background=fields.boolean("background", False),
+    )
+
+
+def _started(process_id: str, pid: int) -> dict[str, object]:
+    return {"event": "started", "pid": pid, "process_id": process_id}
+
+
+async def op_exec(
+    stream: Stream, fields: Fields, accounts: Accounts, table: ProcessTable
+) -> dict[str, object]:
+    spec = parse_exec(fields, accounts)
+    if spec.background:
+        table.reserve()
+    proc = await spawn(spec)
+    process_id = new_process_id()
+    if spec.background:
+        table.add(ManagedProcess(process_id, spec, proc))
+        await stream.send_event(_started(process_id, proc.pid))
+        return {"ok": True, "process_id": process_id, "pid": proc.pid}
+    completed = False
+    table.foreground[process_id] = proc
+    try:
+        await stream.send_event(_started(process_id, proc.pid))
+        result = await _run_foreground(stream, proc, spec)
+        completed = True
+        return result
+    finally:
+        del table.foreground[process_id]
+        if not completed:  # cancelled by the host or the session ended
+            kill_group(proc.pid)
+
+
+async def _run_foreground(
+    stream: Stream, proc: asyncio.subprocess.Process, spec: ExecSpec
+) -> dict[str, object]:
+    assert proc.stdout is not None and proc.stderr is not None
+    stream.on_signal = lambda signum: kill_group(proc.pid, signum)
+    tasks = [
+        asyncio.create_task(_pump(stream, proc.stdout, Channel.OUTPUT)),
+        asyncio.create_task(_pump(stream, proc.stderr, Channel.ERROR)),
+    ]
+    feeder = asyncio.create_task(_feed(stream, proc.stdin)) if proc.stdin else None
+    try:
+        timed_out = await wait_exit(proc, spec.timeout_s)
+        await _drain(stream, tasks)
+    finally:
+        everything = [*tasks, feeder] if feeder else tasks
+        for task in everything:
+            task.cancel()
+        await asyncio.gather(*everything, return_exceptions=True)
+    exit_code, signum = exit_fields(proc.returncode)
+    return {"ok": True, "exit_code": exit_code, "signal": signum, "timed_out": timed_out}
+
+
+async def _pump(stream: Stream, reader: asyncio.StreamReader, channel: Channel) -> None:
+    while chunk := await reader.read(DATA_CHUNK_BYTES - 1):
+        await stream.send_data(channel, chunk)
+    await stream.send_eof(channel)
+
+
+async def _drain(stream: Stream, pumps: list[asyncio.Task[None]]) -> None:
+    """Wait for the output pipes to close, unless nothing moves (a grandchild holds them)."""
+    pending = set(pumps)
+    while pending:
+        before = stream.sent_bytes
+        _, pending = await asyncio.wait(pending, timeout=DRAIN_IDLE_S)
+        if pending and stream.sent_bytes == before and not stream.waiting_credit:
+            return
+
+
+async def _feed(stream: Stream, writer: asyncio.StreamWriter) -> None:
+    """Copy INPUT to stdin, granting credit as it is written; close stdin at EOF."""
+    broken = False
+    while (data := await stream.read_input()) is not None:
+        if not broken:
+            try:
+                writer.write(data)
+                await writer.drain()
+            except (BrokenPipeError, ConnectionResetError):
+                broken = True  # the process stopped reading: discard the rest
+        await stream.consumed(len(data) + 1)
+    with contextlib.suppress(OSError):
+        writer.close()
+
+
+async def op_attach(stream: Stream, fields: Fields, table: ProcessTable) -> dict[str, object]:
+    managed = table.get(fields.string("process_id", max_chars=64))
+    subscriber, replay = managed.subscribe()
+    stream.on_signal = lambda signum: kill_group(managed.proc.pid, signum)
+    try:
+        await stream.send_event(_started(managed.process_id, managed.proc.pid))
+        for channel, data in replay:
+            await stream.send_data(channel, data)
+        while (item := await subscriber.get()) is not None:
+            await stream.send_data(*item)
+        await stream.send_eof(Channel.OUTPUT)
+        await stream.send_eof(Channel.ERROR)
+        return managed.result()
+    finally:
+        managed.unsubscribe(subscriber)
+
+
+async def op_kill(fields: Fields, table: ProcessTable) -> dict[str, object]:
+    signum = fields.integer("signal", 9, low=1, high=64)
+    pid, running = table.pid_of(fields.string("process_id", max_chars=64))
+    if running:
+        kill_group(pid, signum)
+    return {"ok": True}
+
+
+async def op_list(stream: Stream, table: ProcessTable) -> dict[str, object]:
+    items = [managed.info() for managed in table.all()]
+    return {"ok": True, "processes": await send_batches(stream, "processes", items)}

@@ -1,0 +1,172 @@
+"""PID 1 of a SPACE guest: mount the basics, name the host, run and babysit spaced.
+
+Exec'd from the initramfs as ``python3 -B -m space.guest.init``. It must never exit (a
+PID 1 exit panics the kernel): it reaps every child (orphans are re-parented to it),
+restarts spaced with a backoff when it dies, and on SIGTERM/SIGINT syncs and powers off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import fcntl
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import types
+
+__all__ = ["backoff_s", "hostname_from_cmdline", "main"]
+
+_MOUNTS = (
+    # (source, target, fstype, flags, data)
+    ("proc", "/proc", "proc", 0, ""),
+    ("sysfs", "/sys", "sysfs", 0, ""),
+    ("devtmpfs", "/dev", "devtmpfs", 0, "mode=0755"),
+    ("devpts", "/dev/pts", "devpts", 0, "gid=5,mode=620,ptmxmode=666"),
+    ("tmpfs", "/dev/shm", "tmpfs", 0, "mode=1777"),
+    ("tmpfs", "/run", "tmpfs", 0, "mode=0755"),
+    ("tmpfs", "/tmp", "tmpfs", 0, "mode=1777"),
+)
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
+_RB_POWER_OFF = 0x4321FEDC
+_SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
+#: Backoff between spaced restarts; reset once it has run this long.
+_BACKOFF_MAX_S = 5.0
+_HEALTHY_S = 30.0
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def _log(message: str) -> None:
+    with contextlib.suppress(OSError):
+        sys.stderr.write(f"space-init: {message}\n")
+        sys.stderr.flush()
+
+
+def _mounted(target: str) -> bool:
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as mounts:
+            return any(line.split()[1] == target for line in mounts if line.strip())
+    except OSError:
+        return False
+
+
+def mount_basics() -> None:
+    for source, target, fstype, flags, data in _MOUNTS:
+        if _mounted(target):
+            continue
+        with contextlib.suppress(OSError):
+            os.makedirs(target, exist_ok=True)
+        flags |= _MS_NOSUID | (0 if fstype in ("devtmpfs", "tmpfs") else _MS_NOEXEC)
+        result = _libc.mount(
+            source.encode(), target.encode(), fstype.encode(), flags, data.encode()
+        )
+        if result != 0:
+            _log(f"mount {target} failed: {os.strerror(ctypes.get_errno())}")
+
+
+def hostname_from_cmdline(cmdline: str) -> str | None:
+    """The value of ``space.hostname=`` on a kernel command line, if any."""
+    for word in cmdline.split():
+        if word.startswith("space.hostname="):
+            name = word.split("=", 1)[1]
+            if name and len(name) <= 64:
+                return name
+    return None
+
+
+def set_hostname() -> None:
+    try:
+        with open("/proc/cmdline", encoding="utf-8") as file:
+            name = hostname_from_cmdline(file.read())
+        if name is not None:
+            socket.sethostname(name)
+    except OSError as exc:
+        _log(f"cannot set the hostname: {exc}")
+
+
+def loopback_up() -> None:
+    """Bring ``lo`` up with SIOCSIFFLAGS (no /sbin/ip needed); failure is only logged."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            request = struct.pack("16sH14x", b"lo", 0)
+            flags = struct.unpack("16sH14x", fcntl.ioctl(sock, _SIOCGIFFLAGS, request))[1]
+            fcntl.ioctl(sock, _SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | _IFF_UP))
+    except OSError as exc:
+        _log(f"cannot bring lo up: {exc}")
+
+
+def backoff_s(failures: int) -> float:
+    """Pause before the next restart after ``failures`` quick deaths in a row."""
+    return 0.0 if failures <= 0 else min(0.25 * 2 ** (failures - 1), _BACKOFF_MAX_S)
+
+
+def _package_root() -> str:
+    # .../<root>/space/guest/init.py -> <root>, so spaced imports the same package.
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def start_spaced() -> int:
+    env = {
+        "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "LANG": "C.UTF-8",
+        "PYTHONPATH": _package_root(),
+        "HOME": "/root",
+    }
+    proc = subprocess.Popen([sys.executable, "-B", "-m", "space.guest"], env=env, cwd="/")
+    return proc.pid
+
+
+def _power_off(signum: int, frame: types.FrameType | None) -> None:
+    _log(f"signal {signum}: powering off")
+    with contextlib.suppress(OSError):
+        os.kill(-1, signal.SIGTERM)
+    time.sleep(0.5)
+    os.sync()
+    _libc.reboot(_RB_POWER_OFF)
+
+
+def supervise() -> None:
+    """Reap children forever, restarting spaced when it dies."""
+    failures = 0
+    spaced, started = start_spaced(), time.monotonic()
+    while True:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            time.sleep(1.0)
+            pid, status = spaced, 0
+        except OSError:
+            continue
+        if pid != spaced:
+            continue
+        _log(f"spaced exited with status {status}")
+        failures = 0 if time.monotonic() - started > _HEALTHY_S else failures + 1
+        time.sleep(backoff_s(failures))
+        try:
+            spaced, started = start_spaced(), time.monotonic()
+        except OSError as exc:
+            _log(f"cannot start spaced: {exc}")
+
+
+def main() -> None:
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _power_off)
+    mount_basics()
+    set_hostname()
+    loopback_up()
+    while True:  # never return: PID 1 exiting panics the kernel
+        try:
+            supervise()
+        except Exception as exc:
+            _log(f"supervisor failed: {exc!r}")
+            time.sleep(1.0)
+
+
+if __name__ == "__main__":
+    main()

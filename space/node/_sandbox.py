@@ -1,0 +1,178 @@
+"""One sandbox's live parts on the node: its record, QEMU, guest channel and watcher.
+
+Private to space.node.service: the Node owns the lifecycle and the locking; this module
+knows how to bring a sandbox's VM up, reconnect to it and take it apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from space.node.channel import GuestChannel
+from space.node.errors import NodeError, Unavailable
+from space.node.interface import SandboxState
+from space.node.state import SandboxRecord
+from space.node.vmm.accel import Accelerator
+from space.node.vmm.qemu import QemuVM, VmConfig, console_tail, trim_console
+
+__all__ = ["LiveSandbox", "hostname_for", "kill_strays", "vm_config_for"]
+
+log = logging.getLogger(__name__)
+
+_CONSOLE_CHECK_S = 5.0
+_CONSOLE_TAIL_BYTES = 2048
+
+
+def hostname_for(sandbox_id: str) -> str:
+    """A valid hostname derived from the sandbox id (lowercase, [a-z0-9-], <= 63)."""
+    name = re.sub(r"[^a-z0-9-]+", "-", sandbox_id.lower()).strip("-")[:63].strip("-")
+    return name or "sandbox"
+
+
+def vm_config_for(
+    record: SandboxRecord, *, volume: Path, base_cmdline: str, accel: Accelerator, console_log: Path
+) -> VmConfig:
+    """The VM of a sandbox: kernel, initrd and rootfs all come from its own volume."""
+    spec = record.spec
+    return VmConfig(
+        sandbox_id=spec.sandbox_id,
+        run_dir=Path(record.run_dir),
+        kernel=volume / "kernel",
+        initrd=volume / "initrd",
+        rootfs=volume / "rootfs.img",
+        kernel_cmdline=f"{base_cmdline} space.hostname={hostname_for(spec.sandbox_id)}".strip(),
+        console_log=console_log,
+        cpus=spec.cpus,
+        memory_mib=spec.memory_mib,
+        accel=accel,
+    )
+
+
+@dataclass(eq=False)
+class LiveSandbox:
+    """A sandbox known to the node. ``lock`` serialises its lifecycle operations."""
+
+    record: SandboxRecord
+    config: VmConfig
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    vm: QemuVM | None = None
+    channel: GuestChannel | None = None
+    watcher: asyncio.Task[None] | None = None
+
+    @property
+    def sandbox_id(self) -> str:
+        return self.record.sandbox_id
+
+    def console_tail(self) -> str:
+        return console_tail(self.config.console_log, _CONSOLE_TAIL_BYTES)
+
+    async def connect(self, *, hello_timeout_s: float) -> GuestChannel:
+        """Open a fresh guest channel (a new HELLO, a new guest session)."""
+        if self.vm is None or not self.vm.alive:
+            raise Unavailable("the sandbox's VM is not running", sandbox_id=self.sandbox_id)
+        reader, writer = await self.vm.open_agent()
+        try:
+            channel = await GuestChannel.open(
+                reader, writer, sandbox_id=self.sandbox_id, hello_timeout_s=hello_timeout_s
+            )
+        except BaseException:
+            writer.close()
+            raise
+        self.channel = channel
+        return channel
+
+    def watch(self, on_exit: Callable[[LiveSandbox], None], console_max_bytes: int) -> None:
+        """Start the watcher: keeps the console bounded, reports an unexpected exit."""
+        self.watcher = asyncio.create_task(
+            self._watch(on_exit, console_max_bytes), name=f"watch-{self.sandbox_id}"
+        )
+
+    async def _watch(self, on_exit: Callable[[LiveSandbox], None], console_max_bytes: int) -> None:
+        vm = self.vm
+        if vm is None:
+            return
+        while vm.alive:
+            trim_console(self.config.console_log, console_max_bytes)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_CONSOLE_CHECK_S):
+                    await vm.wait_exited()
+        on_exit(self)
+
+    async def teardown(self) -> None:
+        """Stop the watcher, close the channel, stop QEMU (quit, TERM, KILL); idempotent."""
+        await self._unwatch()
+        if self.vm is not None:
+            vm, self.vm = self.vm, None
+            await vm.stop()
+
+    async def disconnect(self) -> None:
+        """Stop watching and drop channel and QMP; QEMU keeps running."""
+        await self._unwatch()
+        if self.vm is not None:
+            await self.vm.detach()
+
+    async def _unwatch(self) -> None:
+        if self.watcher is not None:
+            watcher, self.watcher = self.watcher, None
+            if watcher is not asyncio.current_task():
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watcher
+        if self.channel is not None:
+            channel, self.channel = self.channel, None
+            with contextlib.suppress(NodeError, OSError):
+                await channel.close()
+
+    def mark(self, state: SandboxState, *, error: str | None = None) -> SandboxRecord:
+        pid = self.vm.pid if self.vm is not None and self.vm.alive else None
+        self.record = self.record.with_state(state, vmm_pid=pid, error=error)
+        return self.record
+
+
+async def kill_strays(
+    run_root: Path, expected: dict[str, int | None], say: Callable[[str], None]
+) -> None:
+    """Kill QEMUs of this node (sockets under ``run_root``) that no record names by pid."""
+    for pid, sid in _qemus_under(run_root):
+        if expected.get(sid) == pid:
+            continue
+        say(f"killing stray qemu pid {pid} of sandbox {sid}")
+        with contextlib.suppress(NodeError):
+            vm = await QemuVM.adopt(_vm_config_stub(run_root, sid), pid)
+            await vm.kill()
+
+
+def _qemus_under(run_root: Path) -> list[tuple[int, str]]:
+    """(pid, sandbox id) of every process whose command line has a socket in run_root."""
+    marker = f"path={run_root}/".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if marker in argv:
+            sid = argv.split(marker, 1)[1].split(b"/", 1)[0].decode(errors="replace")
+            found.append((int(proc.name), sid))
+    return found
+
+
+def _vm_config_stub(run_root: Path, sandbox_id: str) -> VmConfig:
+    """Enough of a VmConfig to recognise and stop a QEMU by its sockets."""
+    return VmConfig(
+        sandbox_id=sandbox_id,
+        run_dir=run_root / sandbox_id,
+        kernel=Path(),
+        initrd=Path(),
+        rootfs=Path(),
+        kernel_cmdline="",
+        console_log=Path("/dev/null"),
+    )

@@ -1,0 +1,88 @@
+"""Configuration of one node agent.
+
+``NodeConfig`` is a plain frozen value; nothing here starts processes. The only side
+effect is ``resolve_node_id``, which persists a generated node id in the data dir so it
+stays stable across restarts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+__all__ = ["Accel", "NodeConfig", "resolve_node_id"]
+
+Accel = Literal["auto", "kvm", "tcg"]
+
+_NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Where a node keeps its state and how it runs VMs.
+
+    ``pool_path`` is an existing btrfs mount to use; None means a loop-mounted file
+    ``data_dir/pool.img`` of ``pool_size_gib`` (sparse) mounted at ``data_dir/pool``.
+    ``node_id`` None means: generated once and persisted in ``data_dir/node_id``.
+    ``run_dir`` holds the VMs' unix sockets and pid files; None means a short path under
+    /run/space derived from ``data_dir`` (unix socket paths are limited to 107 bytes, so
+    sockets cannot live under an arbitrarily deep data dir).
+    """
+
+    data_dir: Path = Path("/var/lib/space")
+    pool_path: Path | None = None
+    pool_size_gib: int = 20
+    image_cache_dir: Path = Path("/var/cache/space/images")
+    accel: Accel = "auto"
+    node_id: str | None = None
+    max_sandboxes: int = 64
+    boot_timeout_s: float = 60.0
+    run_dir: Path | None = None
+    qemu_binary: str = "qemu-system-x86_64"
+    #: Bytes of serial console kept per sandbox (older output is rotated away).
+    console_max_bytes: int = 1 << 20
+
+    @property
+    def effective_run_dir(self) -> Path:
+        """The directory for sockets and pid files (see the class docstring)."""
+        if self.run_dir is not None:
+            return self.run_dir
+        tag = hashlib.sha256(str(self.data_dir.resolve()).encode()).hexdigest()[:12]
+        return Path("/run/space") / tag
+
+    @property
+    def effective_pool_path(self) -> Path:
+        return self.pool_path if self.pool_path is not None else self.data_dir / "pool"
+
+
+def resolve_node_id(config: NodeConfig) -> str:
+    """Return the configured node id, else the one persisted in the data dir.
+
+    Creates ``data_dir`` and ``data_dir/node_id`` on first use. Raises ValueError for a
+    configured id that is not a short path-safe token.
+    """
+    if config.node_id is not None:
+        if not _NODE_ID_RE.match(config.node_id):
+            raise ValueError(f"invalid node id {config.node_id!r}")
+        return config.node_id
+    path = config.data_dir / "node_id"
+    try:
+        stored = path.read_text().strip()
+        if _NODE_ID_RE.match(stored):
+            return stored
+    except FileNotFoundError:
+        pass
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    node_id = "node-" + secrets.token_hex(6)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        f.write(node_id + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return node_id

@@ -1,0 +1,366 @@
+"""The node agent's own HTTP API: NodeService under ``/node/v1``, for remote control planes.
+
+``create_node_app(node, token)`` serves every NodeService method; space.node.remote's
+``RemoteNode`` is its client, so a control plane on another host holds that node like a
+local one. Bodies are JSON (dataclasses of space.node.interface, bytes as base64),
+exec/attach answer NDJSON (``start`` line, then events, as docs/api.md), file contents
+travel as raw bytes (a read's FileStat in the ``X-Space-File-Stat`` header). Errors
+answer ``{"error": {"code", "message", "details"}}`` with the status of ``STATUS_BY_CODE``.
+Every request needs ``Authorization: Bearer <node token>``.
+
+The wire helpers here (``encode``/``decode``, ``event_line``, ``ndjson_lines``) are
+shared with RemoteNode and the control plane's NDJSON streams.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import TypeAdapter, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from space.node.errors import InvalidArgument, NodeError
+from space.node.interface import (
+    ExecEvent,
+    ExecOutput,
+    ExecRequest,
+    ExecStream,
+    NodeService,
+    SandboxSpec,
+)
+
+__all__ = [
+    "FILE_STAT_HEADER",
+    "NDJSON",
+    "STATUS_BY_CODE",
+    "create_node_app",
+    "decode",
+    "decode_exec_request",
+    "encode",
+    "encode_exec_request",
+    "error_line",
+    "event_line",
+    "ndjson_lines",
+]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+PREFIX = "/node/v1"
+NDJSON = "application/x-ndjson"
+FILE_STAT_HEADER = "X-Space-File-Stat"
+
+#: Node error code → HTTP status of the node API (the same codes as the REST API).
+STATUS_BY_CODE: dict[str, int] = {
+    "unauthenticated": 401,
+    "permission_denied": 403,
+    "not_found": 404,
+    "conflict": 409,
+    "invalid_argument": 422,
+    "resource_exhausted": 429,
+    "internal": 500,
+    "unavailable": 503,
+    "timeout": 504,
+}
+
+
+# -- wire codecs ---------------------------------------------------------------------
+
+
+_ADAPTERS: dict[object, TypeAdapter[Any]] = {}
+
+
+def _adapter(cls: Any) -> TypeAdapter[Any]:
+    adapter = _ADAPTERS.get(cls)
+    if adapter is None:
+        adapter = _ADAPTERS[cls] = TypeAdapter(cls)
+    return adapter
+
+
+def encode(value: object) -> Any:
+    """A JSON-ready form of a space.node.interface dataclass."""
+    return _adapter(type(value)).dump_python(value, mode="json")
+
+
+def decode(cls: type[T], data: object) -> T:
+    """Validate ``data`` as ``cls``; raises pydantic.ValidationError when malformed."""
+    value: T = _adapter(cls).validate_python(data)
+    return value
+
+
+def encode_exec_request(request: ExecRequest) -> dict[str, Any]:
+    body: dict[str, Any] = encode(dataclasses.replace(request, stdin=None))
+    body["stdin"] = None if request.stdin is None else base64.b64encode(request.stdin).decode()
+    return body
+
+
+def decode_exec_request(body: object) -> ExecRequest:
+    """Raises InvalidArgument for a malformed body (bad base64 included)."""
+    if not isinstance(body, dict):
+        raise InvalidArgument("exec body must be a JSON object")
+    stdin = body.get("stdin")
+    try:
+        raw = None if stdin is None else base64.b64decode(str(stdin), validate=True)
+        request = decode(ExecRequest, {**body, "stdin": None})
+    except (ValueError, ValidationError) as exc:
+        raise InvalidArgument(f"malformed exec request: {exc}") from exc
+    return ExecRequest(
+        argv=request.argv,
+        cmd=request.cmd,
+        env=request.env,
+        cwd=request.cwd,
+        user=request.user,
+        timeout_s=request.timeout_s,
+        background=request.background,
+        stdin=raw,
+    )
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+
+
+def event_line(event: ExecEvent) -> bytes:
+    """One NDJSON line for an exec event (docs/api.md, "Commands")."""
+    if isinstance(event, ExecOutput):
+        return _line({"type": event.stream, "data": base64.b64encode(event.data).decode()})
+    return _line(
+        {
+            "type": "exit",
+            "exit_code": event.exit_code,
+            "signal": event.signal,
+            "timed_out": event.timed_out,
+        }
+    )
+
+
+def error_line(code: str, message: str) -> bytes:
+    return _line({"type": "error", "code": code, "message": message})
+
+
+async def ndjson_lines(stream: ExecStream) -> AsyncIterator[bytes]:
+    """``start``, each event as produced, then nothing (or an ``error`` line if it fails).
+
+    Closing the iterator early (client gone) closes ``stream``: a foreground process is
+    killed, a background one keeps running.
+    """
+    try:
+        yield _line({"type": "start", "pid": stream.pid, "process_id": stream.process_id})
+        async for event in stream:
+            yield event_line(event)
+    except NodeError as exc:
+        yield error_line(exc.code, exc.message)
+    except Exception as exc:
+        log.exception("exec stream failed")
+        yield error_line("internal", f"stream failed: {type(exc).__name__}")
+    finally:
+        await stream.aclose()
+
+
+# -- errors and auth -----------------------------------------------------------------
+
+
+def _error(code: str, message: str, status: int | None = None) -> JSONResponse:
+    body = {"error": {"code": code, "message": message, "details": {}}}
+    return JSONResponse(body, status_code=status or STATUS_BY_CODE.get(code, 500))
+
+
+async def _on_node_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, NodeError)
+    return _error(exc.code, exc.message)
+
+
+async def _on_validation_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError | ValidationError)
+    return _error("invalid_argument", f"invalid request: {exc.errors()}")
+
+
+async def _on_http_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    codes = {status: code for code, status in STATUS_BY_CODE.items()}
+    return _error(codes.get(exc.status_code, "internal"), str(exc.detail), exc.status_code)
+
+
+async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled node API error", exc_info=exc)
+    return _error("internal", f"internal error: {type(exc).__name__}")
+
+
+def _auth_dependency(token: str) -> Any:
+    expected = f"Bearer {token}".encode()
+
+    async def check(request: Request) -> None:
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            raise StarletteHTTPException(401, "missing or wrong node token")
+
+    return Depends(check)
+
+
+# -- routes --------------------------------------------------------------------------
+
+
+def _node(request: Request) -> NodeService:
+    node: NodeService = request.app.state.node
+    return node
+
+
+Node = Annotated[NodeService, Depends(_node)]
+_router = APIRouter()
+
+
+@_router.get("/info")
+async def _info(node: Node) -> Any:
+    return encode(await node.info())
+
+
+@_router.post("/sandboxes", status_code=201)
+async def _create(node: Node, request: Request) -> Any:
+    spec = decode(SandboxSpec, await request.json())
+    return encode(await node.create_sandbox(spec))
+
+
+@_router.get("/sandboxes")
+async def _list(node: Node) -> Any:
+    return [encode(status) for status in await node.list_sandboxes()]
+
+
+@_router.get("/sandboxes/{sandbox_id}")
+async def _get(node: Node, sandbox_id: str) -> Any:
+    return encode(await node.get_sandbox(sandbox_id))
+
+
+@_router.delete("/sandboxes/{sandbox_id}", status_code=204)
+async def _delete(node: Node, sandbox_id: str) -> Response:
+    await node.delete_sandbox(sandbox_id)
+    return Response(status_code=204)
+
+
+@_router.post("/sandboxes/{sandbox_id}/exec")
+async def _exec(node: Node, sandbox_id: str, request: Request) -> StreamingResponse:
+    stream = await node.exec(sandbox_id, decode_exec_request(await request.json()))
+    return StreamingResponse(ndjson_lines(stream), media_type=NDJSON)
+
+
+@_router.get("/sandboxes/{sandbox_id}/processes")
+async def _processes(node: Node, sandbox_id: str) -> Any:
+    return [encode(info) for info in await node.list_processes(sandbox_id)]
+
+
+@_router.get("/sandboxes/{sandbox_id}/processes/{process_id}/attach")
+async def _attach(node: Node, sandbox_id: str, process_id: str) -> StreamingResponse:
+    stream = await node.attach(sandbox_id, process_id)
+    return StreamingResponse(ndjson_lines(stream), media_type=NDJSON)
+
+
+@_router.post("/sandboxes/{sandbox_id}/processes/{process_id}/kill", status_code=204)
+async def _kill(node: Node, sandbox_id: str, process_id: str, request: Request) -> Response:
+    body = await request.json()
+    signal = body.get("signal", 9) if isinstance(body, dict) else None
+    if not isinstance(signal, int):
+        raise InvalidArgument("signal must be an integer")
+    await node.kill_process(sandbox_id, process_id, signal)
+    return Response(status_code=204)
+
+
+@_router.get("/sandboxes/{sandbox_id}/files")
+async def _read(node: Node, sandbox_id: str, path: str, user: str = "user") -> StreamingResponse:
+    reader = await node.read_file(sandbox_id, path, user)
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in reader:
+                yield chunk
+        finally:
+            await reader.aclose()
+
+    headers = {
+        FILE_STAT_HEADER: json.dumps(encode(reader.stat)),
+        "Content-Length": str(reader.stat.size),
+    }
+    return StreamingResponse(body(), media_type="application/octet-stream", headers=headers)
+
+
+async def _chunks(request: Request) -> AsyncIterator[bytes]:
+    async for chunk in request.stream():
+        if chunk:
+            yield chunk
+
+
+@_router.put("/sandboxes/{sandbox_id}/files")
+async def _write(
+    node: Node, sandbox_id: str, path: str, request: Request, user: str = "user", mode: int = 0o644
+) -> Any:
+    stat = await node.write_file(sandbox_id, path, _chunks(request), user=user, mode=mode)
+    return encode(stat)
+
+
+@_router.get("/sandboxes/{sandbox_id}/files/list")
+async def _list_dir(node: Node, sandbox_id: str, path: str, user: str = "user") -> Any:
+    return [encode(stat) for stat in await node.list_dir(sandbox_id, path, user)]
+
+
+@_router.get("/sandboxes/{sandbox_id}/files/stat")
+async def _stat(node: Node, sandbox_id: str, path: str, user: str = "user") -> Any:
+    return encode(await node.stat(sandbox_id, path, user))
+
+
+@_router.delete("/sandboxes/{sandbox_id}/files", status_code=204)
+async def _remove(node: Node, sandbox_id: str, path: str, recursive: bool = False) -> Response:
+    await node.remove(sandbox_id, path, recursive=recursive)
+    return Response(status_code=204)
+
+
+def _str_field(body: object, name: str) -> str:
+    value = body.get(name) if isinstance(body, dict) else None
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{name} must be a string")
+    return value
+
+
+@_router.post("/sandboxes/{sandbox_id}/files/mkdir")
+async def _mkdir(node: Node, sandbox_id: str, request: Request) -> Any:
+    body = await request.json()
+    user = body.get("user", "user") if isinstance(body, dict) else "user"
+    return encode(await node.make_dir(sandbox_id, _str_field(body, "path"), str(user)))
+
+
+@_router.post("/sandboxes/{sandbox_id}/files/rename")
+async def _rename(node: Node, sandbox_id: str, request: Request) -> Any:
+    body = await request.json()
+    user = body.get("user", "user") if isinstance(body, dict) else "user"
+    src, dst = _str_field(body, "src"), _str_field(body, "dst")
+    return encode(await node.rename(sandbox_id, src, dst, str(user)))
+
+
+def create_node_app(node: NodeService, token: str) -> FastAPI:
+    """The node's HTTP API over ``node``, for callers presenting ``token``.
+
+    The app neither starts nor closes ``node``: its owner does.
+    """
+    if not token:
+        raise ValueError("the node API needs a non-empty token")
+    app = FastAPI(title="SPACE node", docs_url=None, redoc_url=None)
+    app.state.node = node
+    app.include_router(_router, prefix=PREFIX, dependencies=[_auth_dependency(token)])
+    app.add_exception_handler(NodeError, _on_node_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(ValidationError, _on_validation_error)
+    app.add_exception_handler(json.JSONDecodeError, _on_json_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_unexpected)
+    return app
+
+
+async def _on_json_error(_: Request, exc: Exception) -> JSONResponse:
+    return _error("invalid_argument", f"body is not JSON: {exc}")

@@ -1,0 +1,260 @@
+"""The node's btrfs pool: read-only template subvolumes and per-sandbox CoW snapshots.
+
+Layout::
+
+    <pool>/templates/<name>/<digest>/   read-only subvolume: kernel, initrd, rootfs.img
+    <pool>/sandboxes/<id>/              writable snapshot of a template subvolume
+
+A sandbox volume is a subvolume snapshot, O(1) whatever the image size; its rootfs
+image is grown (truncate + resize2fs) right after the snapshot and before any boot, and
+never touched by the host again once a guest may have written to it.
+
+Every method raises space.node.errors leaves (Unavailable for a failed command,
+InvalidArgument for a bad name). Commands run through ``btrfs``, ``mount``, ``losetup``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from space.node._run import run
+from space.node.errors import InvalidArgument, NotFound, Unavailable
+
+__all__ = ["BtrfsPool", "TemplateVolume"]
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_DIGEST_RE = re.compile(r"^[A-Za-z0-9]{1,128}$")
+_COMPLETE_MARK = ".complete"
+_TEMPLATE_FILES = ("kernel", "initrd", "rootfs.img")
+
+
+def _check_name(kind: str, name: str) -> str:
+    if not _NAME_RE.match(name) or ".." in name:
+        raise InvalidArgument(f"invalid {kind} {name!r}: want [A-Za-z0-9_.-], at most 63")
+    return name
+
+
+def _check_digest(digest: str) -> str:
+    if not _DIGEST_RE.match(digest):
+        raise InvalidArgument(f"invalid digest {digest!r}: want [A-Za-z0-9], at most 128")
+    return digest
+
+
+@dataclass(frozen=True, slots=True)
+class TemplateVolume:
+    """An imported template: its subvolume and the files in it."""
+
+    name: str
+    digest: str
+    path: Path
+
+    @property
+    def kernel(self) -> Path:
+        return self.path / "kernel"
+
+    @property
+    def initrd(self) -> Path:
+        return self.path / "initrd"
+
+    @property
+    def rootfs(self) -> Path:
+        return self.path / "rootfs.img"
+
+
+class BtrfsPool:
+    """A btrfs filesystem the node owns (see the module docstring).
+
+    Create with ``await BtrfsPool.open(...)``; ``close(unmount=True)`` unmounts a pool
+    this object loop-mounted (and detaches its loop device).
+    """
+
+    def __init__(
+        self, root: Path, *, image: Path | None, mounted_here: bool, fresh_mount: bool = False
+    ) -> None:
+        self.root = root
+        self._image = image
+        self._mounted_here = mounted_here
+        #: True if ``open`` mounted it just now (it was not mounted before).
+        self.fresh_mount = fresh_mount
+
+    @classmethod
+    async def open(cls, *, pool_path: Path | None, data_dir: Path, size_gib: int) -> BtrfsPool:
+        """Use ``pool_path`` (must be btrfs) or the loop file ``data_dir/pool.img``.
+
+        The loop file is created sparse and formatted on first use; if it is already
+        mounted at ``data_dir/pool`` that mount is reused. Idempotent.
+        """
+        if pool_path is not None:
+            await _require_btrfs(pool_path)
+            pool = cls(pool_path, image=None, mounted_here=False)
+        else:
+            pool = await cls._open_loop(data_dir, size_gib)
+        for sub in ("templates", "sandboxes"):
+            (pool.root / sub).mkdir(exist_ok=True)
+        return pool
+
+    @classmethod
+    async def _open_loop(cls, data_dir: Path, size_gib: int) -> BtrfsPool:
+        image, mountpoint = data_dir / "pool.img", data_dir / "pool"
+        mounted, created = await asyncio.to_thread(_prepare_loop_files, image, size_gib)
+        if mounted:
+            await _require_btrfs(mountpoint)
+            return cls(mountpoint, image=image, mounted_here=True)
+        if created:
+            await run("mkfs.btrfs", "-q", str(image))
+        await run("mount", "-o", "loop", str(image), str(mountpoint))
+        return cls(mountpoint, image=image, mounted_here=True, fresh_mount=True)
+
+    async def close(self, *, unmount: bool = False) -> None:
+        """Forget the pool; with ``unmount`` also unmount a loop pool and free its loop."""
+        if not (unmount and self._mounted_here):
+            return
+        mountpoint = str(self.root)
+        loops = await _loops_for(self._image) if self._image else []
+        if await asyncio.to_thread(os.path.ismount, mountpoint):
+            await run("umount", mountpoint)
+        for loop in loops:
+            await run("losetup", "-d", loop, check=False)
+
+    # templates
+
+    def template(self, name: str, digest: str) -> TemplateVolume:
+        """The template volume ``name``/``digest`` (NotFound unless fully imported)."""
+        vol = TemplateVolume(
+            _check_name("template", name),
+            _check_digest(digest),
+            self.root / "templates" / name / digest,
+        )
+        if not (vol.path / _COMPLETE_MARK).exists():
+            raise NotFound(f"template {name}@{digest} is not in the pool")
+        return vol
+
+    def templates(self) -> list[TemplateVolume]:
+        """Every fully imported template volume."""
+        found = []
+        for name_dir in sorted((self.root / "templates").iterdir()):
+            for dig_dir in sorted(name_dir.iterdir()):
+                if (dig_dir / _COMPLETE_MARK).exists():
+                    found.append(TemplateVolume(name_dir.name, dig_dir.name, dig_dir))
+        return found
+
+    async def import_template(
+        self, name: str, digest: str, *, kernel: Path, initrd: Path, rootfs: Path
+    ) -> TemplateVolume:
+        """Copy a built image into a read-only subvolume once; idempotent.
+
+        A half-finished import (no completion mark) is deleted and redone.
+        """
+        try:
+            return self.template(name, digest)
+        except NotFound:
+            pass
+        path = self.root / "templates" / name / digest
+        path.parent.mkdir(exist_ok=True)
+        if path.exists():
+            await self._delete_subvolume(path)
+        await run("btrfs", "subvolume", "create", str(path))
+        for src, dst in zip((kernel, initrd, rootfs), _TEMPLATE_FILES, strict=True):
+            await run("cp", "--reflink=auto", "--sparse=always", str(src), str(path / dst))
+        (path / _COMPLETE_MARK).write_text(digest + "\n")
+        await asyncio.to_thread(os.sync)
+        await run("btrfs", "property", "set", "-ts", str(path), "ro", "true")
+        return TemplateVolume(name, digest, path)
+
+    # sandboxes
+
+    def sandbox_path(self, sandbox_id: str) -> Path:
+        return self.root / "sandboxes" / _check_name("sandbox id", sandbox_id)
+
+    def sandbox_ids(self) -> list[str]:
+        return sorted(p.name for p in (self.root / "sandboxes").iterdir())
+
+    async def create_sandbox_volume(
+        self, sandbox_id: str, template: TemplateVolume, *, disk_mib: int
+    ) -> Path:
+        """Snapshot the template for a sandbox and grow its rootfs to ``disk_mib``.
+
+        Raises Conflict-free: an existing volume for the id is replaced (the caller owns
+        idempotency). Raises InvalidArgument if ``disk_mib`` is below the image size.
+        """
+        path = self.sandbox_path(sandbox_id)
+        if path.exists():
+            await self._delete_subvolume(path)
+        await run("btrfs", "subvolume", "snapshot", str(template.path), str(path))
+        try:
+            (path / _COMPLETE_MARK).unlink(missing_ok=True)
+            await grow_image(path / "rootfs.img", disk_mib)
+        except BaseException:
+            await self._delete_subvolume(path)
+            raise
+        return path
+
+    async def delete_sandbox_volume(self, sandbox_id: str) -> None:
+        """Delete the sandbox's subvolume; idempotent."""
+        path = self.sandbox_path(sandbox_id)
+        if path.exists():
+            await self._delete_subvolume(path)
+
+    async def _delete_subvolume(self, path: Path) -> None:
+        if _is_subvolume(path):
+            await run("btrfs", "property", "set", "-ts", str(path), "ro", "false", check=False)
+            await run("btrfs", "subvolume", "delete", str(path))
+        else:
+            await asyncio.to_thread(shutil.rmtree, path, True)
+
+
+async def grow_image(image: Path, disk_mib: int) -> None:
+    """Grow a pristine ext4 image file to ``disk_mib`` MiB (never shrinks it).
+
+    Only for an image no guest has written to yet: it runs resize2fs on the host.
+    """
+    if await asyncio.to_thread(_extend_file, image, disk_mib << 20):
+        await run("resize2fs", "-f", str(image), timeout_s=120.0)
+
+
+def _extend_file(path: Path, size: int) -> bool:
+    """Grow ``path`` (sparse) to ``size`` bytes; False if it already has that size."""
+    current = path.stat().st_size
+    if size < current:
+        raise InvalidArgument(f"disk of {size >> 20} MiB is below the image's {current >> 20} MiB")
+    if size == current:
+        return False
+    os.truncate(path, size)
+    return True
+
+
+def _prepare_loop_files(image: Path, size_gib: int) -> tuple[bool, bool]:
+    """Make the mountpoint and (sparse) image; returns (already mounted, image created)."""
+    mountpoint = image.parent / "pool"
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    if os.path.ismount(mountpoint):
+        return True, False
+    if image.exists():
+        return False, False
+    with open(image, "wb") as f:
+        f.truncate(size_gib << 30)
+    return False, True
+
+
+def _is_subvolume(path: Path) -> bool:
+    # The root directory of every btrfs subvolume has inode number 256.
+    try:
+        return path.stat().st_ino == 256
+    except FileNotFoundError:
+        return False
+
+
+async def _require_btrfs(path: Path) -> None:
+    fstype = (await run("stat", "-f", "-c", "%T", str(path))).strip()
+    if fstype != "btrfs":
+        raise Unavailable(f"{path} is not a btrfs filesystem (it is {fstype})")
+
+
+async def _loops_for(image: Path) -> list[str]:
+    out = await run("losetup", "-l", "-n", "-O", "NAME", "-j", str(image), check=False)
+    return [line.strip() for line in out.splitlines() if line.strip()]

@@ -1,0 +1,336 @@
+"""One QEMU process per sandbox: command line, launch, re-adoption, QMP, stop.
+
+QEMU outlives the node agent (a restarted agent re-adopts it): it is spawned in its own
+session with stdio on files, never pipes, and is found again by pid plus a check that
+``/proc/<pid>/cmdline`` names this sandbox's agent socket. Exit is watched through a
+pidfd, which also makes signals immune to pid reuse.
+
+Every public method raises space.node.errors leaves (Unavailable, Timeout), never
+OSError or a QMP exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+from qemu.qmp import QMPClient
+
+from space.node.errors import Unavailable
+from space.node.vmm.accel import Accelerator
+
+__all__ = ["QemuVM", "VmConfig", "build_command", "pid_runs_vm"]
+
+log = logging.getLogger(__name__)
+
+_QMP_TIMEOUT_S = 5.0
+_SECCOMP = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+
+
+@dataclass(frozen=True, slots=True)
+class VmConfig:
+    """What one sandbox VM is made of. ``run_dir`` holds its sockets and pid file."""
+
+    sandbox_id: str
+    run_dir: Path
+    kernel: Path
+    initrd: Path
+    rootfs: Path
+    kernel_cmdline: str
+    console_log: Path
+    cpus: int = 1
+    memory_mib: int = 256
+    accel: Accelerator = "tcg"
+    # i440fx ("pc") has fewer devices to probe than q35, so the guest boots faster.
+    machine: str = "pc"
+
+    @property
+    def qmp_socket(self) -> Path:
+        return self.run_dir / "qmp.sock"
+
+    @property
+    def agent_socket(self) -> Path:
+        return self.run_dir / "agent.sock"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.run_dir / "qemu.pid"
+
+    @property
+    def stderr_log(self) -> Path:
+        return self.run_dir / "qemu.log"
+
+
+def build_command(cfg: VmConfig, *, qemu_binary: str = "qemu-system-x86_64") -> list[str]:
+    """The full QEMU argv for ``cfg`` (pure; no I/O)."""
+    if cfg.accel == "kvm":
+        accel, cpu = "kvm", "host"
+    else:
+        # A 64 MiB translation cache instead of the default saves ~90 MiB RSS per VM
+        # (measured: 334 -> 242 MiB) at no visible boot cost.
+        accel, cpu = "tcg,tb-size=64", "max"
+    return [
+        qemu_binary,
+        "-name", f"space-{cfg.sandbox_id},process=space-{cfg.sandbox_id}",
+        "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+        "-machine", cfg.machine, "-accel", accel, "-cpu", cpu,
+        "-smp", str(cfg.cpus), "-m", str(cfg.memory_mib),
+        "-kernel", str(cfg.kernel), "-initrd", str(cfg.initrd),
+        "-append", cfg.kernel_cmdline,
+        "-drive", f"file={cfg.rootfs},if=none,id=root,format=raw",
+        "-device", "virtio-blk-pci,drive=root",
+        "-device", "virtio-serial-pci,id=vser",
+        "-chardev", f"socket,id=agent,path={cfg.agent_socket},server=on,wait=off",
+        "-device", "virtserialport,bus=vser.0,chardev=agent,name=space.agent",
+        "-chardev", f"file,id=console,path={cfg.console_log},append=on",
+        "-serial", "chardev:console",
+        "-qmp", f"unix:{cfg.qmp_socket},server=on,wait=off",
+        "-pidfile", str(cfg.pid_file),
+        "-sandbox", _SECCOMP,
+    ]  # fmt: skip
+
+
+def pid_runs_vm(pid: int, cfg: VmConfig) -> bool:
+    """True iff ``pid`` is a live (non-zombie) QEMU serving ``cfg``'s agent socket."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    needle = f"path={cfg.agent_socket},".encode()
+    return any(needle in arg for arg in argv)
+
+
+class QemuVM:
+    """A running QEMU. Create with ``launch`` or ``adopt``; end with ``stop``."""
+
+    def __init__(self, cfg: VmConfig, pid: int, pidfd: int) -> None:
+        self.config = cfg
+        self.pid = pid
+        self._pidfd = pidfd
+        self._exited = asyncio.get_running_loop().create_future()
+        self._qmp: QMPClient | None = None
+        asyncio.get_running_loop().add_reader(pidfd, self._on_exit)
+
+    @property
+    def sandbox_id(self) -> str:
+        return self.config.sandbox_id
+
+    @classmethod
+    async def launch(
+        cls,
+        cfg: VmConfig,
+        *,
+        qemu_binary: str = "qemu-system-x86_64",
+        start_timeout_s: float = 10.0,
+    ) -> QemuVM:
+        """Start QEMU for ``cfg`` and connect QMP (the guest may still be booting).
+
+        Raises Unavailable (with QEMU's own error output) if it exits or does not open
+        its QMP socket within ``start_timeout_s``; nothing is left running then.
+        """
+        cfg.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for stale in (cfg.qmp_socket, cfg.agent_socket, cfg.pid_file):
+            stale.unlink(missing_ok=True)
+        pid = _spawn(build_command(cfg, qemu_binary=qemu_binary), cfg.stderr_log)
+        vm = cls(cfg, pid, os.pidfd_open(pid))
+        try:
+            await vm._wait_for_qmp_socket(start_timeout_s)
+            await vm.connect_qmp()
+        except BaseException:
+            await vm.kill()
+            raise
+        return vm
+
+    @classmethod
+    async def adopt(cls, cfg: VmConfig, pid: int) -> QemuVM:
+        """Take over a QEMU started by an earlier node process; Unavailable if it is gone."""
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError as exc:
+            raise Unavailable(f"qemu pid {pid} is gone", sandbox_id=cfg.sandbox_id) from exc
+        # Checked after the pidfd exists, so a recycled pid cannot slip in between.
+        if not pid_runs_vm(pid, cfg):
+            os.close(pidfd)
+            _reap(pid)  # a dead QEMU this very process spawned is a zombie until reaped
+            raise Unavailable(f"pid {pid} is not this sandbox's qemu", sandbox_id=cfg.sandbox_id)
+        vm = cls(cfg, pid, pidfd)
+        try:
+            await vm.connect_qmp()
+        except Unavailable as exc:
+            log.warning("sandbox %s: QMP reconnect failed (%s); signals only", pid, exc)
+        return vm
+
+    # lifecycle
+
+    @property
+    def alive(self) -> bool:
+        return not self._exited.done()
+
+    async def wait_exited(self) -> None:
+        """Return once QEMU has exited (immediately if it has)."""
+        await asyncio.shield(self._exited)
+
+    async def connect_qmp(self) -> None:
+        client = QMPClient(f"space-{self.sandbox_id}")
+        try:
+            async with asyncio.timeout(_QMP_TIMEOUT_S):
+                await client.connect(str(self.config.qmp_socket))
+        except Exception as exc:
+            raise Unavailable(f"QMP connect failed: {exc}", sandbox_id=self.sandbox_id) from exc
+        self._qmp = client
+
+    async def query_status(self) -> str:
+        """QEMU's run state (``running``, ``paused``, ...); Unavailable without QMP."""
+        if self._qmp is None:
+            raise Unavailable("no QMP connection", sandbox_id=self.sandbox_id)
+        try:
+            async with asyncio.timeout(_QMP_TIMEOUT_S):
+                reply = await self._qmp.execute("query-status")
+        except Exception as exc:
+            raise Unavailable(
+                f"QMP query-status failed: {exc}", sandbox_id=self.sandbox_id
+            ) from exc
+        return str(reply["status"]) if isinstance(reply, dict) else "unknown"
+
+    async def stop(self, *, grace_s: float = 3.0) -> None:
+        """QMP quit, then SIGTERM, then SIGKILL, each with a deadline; idempotent."""
+        if self.alive and self._qmp is not None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(grace_s):
+                    await self._qmp.execute("quit")
+        if await self._wait(grace_s):
+            await self.detach()
+            return
+        self._signal(signal.SIGTERM)
+        if not await self._wait(grace_s):
+            await self.kill()
+        await self.detach()
+
+    async def kill(self) -> None:
+        """SIGKILL and wait for the exit; Unavailable if it survives 10 s."""
+        self._signal(signal.SIGKILL)
+        if not await self._wait(10.0):
+            raise Unavailable(f"qemu pid {self.pid} survived SIGKILL", sandbox_id=self.sandbox_id)
+        await self.detach()
+
+    async def detach(self) -> None:
+        """Drop QMP and the exit watch; QEMU itself keeps running."""
+        if self._qmp is not None:
+            qmp, self._qmp = self._qmp, None
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(_QMP_TIMEOUT_S):
+                    await qmp.disconnect()
+        if self._pidfd >= 0:
+            asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = -1
+
+    async def open_agent(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """Connect to the guest agent's chardev socket."""
+        try:
+            return await asyncio.open_unix_connection(str(self.config.agent_socket))
+        except OSError as exc:
+            raise Unavailable(f"agent socket: {exc}", sandbox_id=self.sandbox_id) from exc
+
+    def console_tail(self, max_bytes: int = 4096) -> str:
+        return console_tail(self.config.console_log, max_bytes)
+
+    # internals
+
+    def _on_exit(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._pidfd)
+        _reap(self.pid)
+        if not self._exited.done():
+            self._exited.set_result(None)
+
+    async def _wait(self, timeout_s: float) -> bool:
+        if not self.alive:
+            return True
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self.wait_exited()
+        return not self.alive
+
+    def _signal(self, sig: signal.Signals) -> None:
+        if self.alive and self._pidfd >= 0:
+            with contextlib.suppress(ProcessLookupError, OSError):
+                signal.pidfd_send_signal(self._pidfd, sig)
+
+    async def _wait_for_qmp_socket(self, timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self.config.qmp_socket.exists():
+            if not self.alive:
+                raise Unavailable(
+                    f"qemu exited at start: {_read_tail(self.config.stderr_log, 2048)}",
+                    sandbox_id=self.sandbox_id,
+                )
+            if loop.time() > deadline:
+                raise Unavailable("qemu did not open its QMP socket", sandbox_id=self.sandbox_id)
+            await asyncio.sleep(0.02)
+
+
+def _reap(pid: int) -> None:
+    """Collect the exit status if ``pid`` is our own child (it is not after a restart)."""
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def _spawn(argv: list[str], stderr_log: Path) -> int:
+    """posix_spawn in a new session, stdio on /dev/null and a log file.
+
+    Not subprocess.Popen: the node must be able to forget a still-running QEMU (it is
+    re-adopted after a restart), and an abandoned Popen object warns.
+    """
+    actions = [
+        (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+        (os.POSIX_SPAWN_OPEN, 1, str(stderr_log), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600),
+        (os.POSIX_SPAWN_DUP2, 1, 2),
+    ]
+    try:
+        return os.posix_spawnp(argv[0], argv, dict(os.environ), file_actions=actions, setsid=True)
+    except OSError as exc:
+        raise Unavailable(f"cannot start {argv[0]}: {exc}") from exc
+
+
+def console_tail(console_log: Path, max_bytes: int = 4096) -> str:
+    """The last ``max_bytes`` of a console log (including its rotated part)."""
+    data = _read_bytes_tail(console_log.with_suffix(".old"), max_bytes)
+    data = (data + _read_bytes_tail(console_log, max_bytes))[-max_bytes:]
+    return data.decode(errors="replace")
+
+
+def trim_console(console_log: Path, max_bytes: int) -> None:
+    """Keep a console log under ``max_bytes``: its tail moves to ``.old``, it restarts.
+
+    QEMU appends (append=on), so after the truncation it writes at the new end. Output
+    written between the read and the truncation can be lost; it is only a console.
+    """
+    try:
+        if console_log.stat().st_size <= max_bytes:
+            return
+        tail = _read_bytes_tail(console_log, max_bytes // 2)
+        console_log.with_suffix(".old").write_bytes(tail)
+        os.truncate(console_log, 0)
+    except OSError as exc:
+        log.warning("cannot trim %s: %s", console_log, exc)
+
+
+def _read_bytes_tail(path: Path, max_bytes: int) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_bytes))
+            return f.read(max_bytes)
+    except OSError:
+        return b""
+
+
+def _read_tail(path: Path, max_bytes: int) -> str:
+    return _read_bytes_tail(path, max_bytes).decode(errors="replace").strip()

@@ -1,0 +1,284 @@
+"""The sync facade: ``Sandbox`` and friends, wrapped from the async core.
+
+Every sync method runs the matching async method on one private event loop in a
+daemon thread (``asyncio.run_coroutine_threadsafe``) and blocks for its result, so the
+logic lives once, in the async classes. Consequences worth knowing:
+
+* output callbacks (``on_stdout``...) run on that loop thread, not the caller's;
+* calling the sync SDK from inside such a callback would deadlock, so it raises
+  InvalidArgument instead (use AsyncSandbox for that);
+* Ctrl-C in the caller cancels the running operation (a foreground command is then
+  killed by the server, as with the async API).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import functools
+import threading
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from types import TracebackType
+from typing import Any, Concatenate, Generic, Literal, ParamSpec, TypeVar, overload
+
+from space.sdk._commands import DEFAULT_COMMAND_TIMEOUT_S, AsyncCommandHandle, AsyncCommands
+from space.sdk._events import OutputCallback
+from space.sdk._files import AsyncFiles, ByteStream
+from space.sdk._models import CommandResult
+from space.sdk._sandbox import AsyncSandbox
+from space.sdk.errors import InvalidArgument
+
+__all__ = ["CommandHandle", "Commands", "Files", "Sandbox"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+A = TypeVar("A")
+
+
+class _LoopThread:
+    """One event loop in a daemon thread, started on first use, shared by the facade."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(
+                    target=loop.run_forever, name="space-sdk-loop", daemon=True
+                )
+                thread.start()
+                self._loop, self._thread = loop, thread
+            return self._loop
+
+    def on_loop_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def run(self, coro: Coroutine[Any, Any, R]) -> R:
+        """Run ``coro`` on the loop and block for its result (or exception)."""
+        if self.on_loop_thread():
+            coro.close()
+            raise InvalidArgument(
+                "the sync SDK cannot be called from an output callback; use AsyncSandbox"
+            )
+        future: Future[R] = asyncio.run_coroutine_threadsafe(coro, self.loop())
+        try:
+            return future.result()
+        except KeyboardInterrupt:
+            future.cancel()
+            raise
+
+    def close_soon(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run a cleanup ``coro`` without waiting if we are on the loop thread."""
+        if self.on_loop_thread():
+            self.loop().create_task(coro)
+        else:
+            self.run(coro)
+
+
+_LOOP = _LoopThread()
+
+
+class _Facade(Generic[A]):
+    """A sync object wrapping one async object ``_inner``."""
+
+    _inner: A
+
+    def __init__(self, inner: A) -> None:
+        self._inner = inner
+
+
+def _blocking(
+    method: Callable[Concatenate[A, P], Coroutine[Any, Any, R]],
+) -> Callable[Concatenate[_Facade[A], P], R]:
+    """The sync twin of an async method: same signature and docstring, blocks."""
+
+    @functools.wraps(method)
+    def call(self: _Facade[A], /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return _LOOP.run(method(self._inner, *args, **kwargs))
+
+    return call
+
+
+def _blocking_static(
+    function: Callable[P, Coroutine[Any, Any, R]],
+) -> Callable[P, R]:
+    """The sync twin of an async classmethod, mapping nothing."""
+
+    @functools.wraps(function)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        return _LOOP.run(function(*args, **kwargs))
+
+    return call
+
+
+def _sandbox_factory(
+    function: Callable[P, Coroutine[Any, Any, AsyncSandbox]],
+) -> Callable[P, Sandbox]:
+    """The sync twin of an AsyncSandbox constructor, returning a Sandbox."""
+
+    @functools.wraps(function)
+    def call(*args: P.args, **kwargs: P.kwargs) -> Sandbox:
+        return Sandbox(_LOOP.run(function(*args, **kwargs)))
+
+    return call
+
+
+class CommandHandle(_Facade[AsyncCommandHandle]):
+    """A background process (sync). See AsyncCommandHandle."""
+
+    @property
+    def pid(self) -> int:
+        return self._inner.pid
+
+    @property
+    def process_id(self) -> str:
+        return self._inner.process_id
+
+    @property
+    def sandbox_id(self) -> str:
+        return self._inner.sandbox_id
+
+    def __repr__(self) -> str:
+        return f"<CommandHandle {self.sandbox_id}/{self.process_id} pid={self.pid}>"
+
+    wait = _blocking(AsyncCommandHandle.wait)
+    kill = _blocking(AsyncCommandHandle.kill)
+
+
+class Commands(_Facade[AsyncCommands]):
+    """``sandbox.commands`` (sync). See AsyncCommands."""
+
+    @overload
+    def run(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        stdin: str | bytes | None = None,
+        timeout_s: float | None = DEFAULT_COMMAND_TIMEOUT_S,
+        background: Literal[False] = False,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        check: bool = False,
+    ) -> CommandResult: ...
+
+    @overload
+    def run(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        stdin: str | bytes | None = None,
+        timeout_s: float | None = DEFAULT_COMMAND_TIMEOUT_S,
+        background: Literal[True],
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        check: bool = False,
+    ) -> CommandHandle: ...
+
+    def run(self, cmd: str | Sequence[str], **options: Any) -> CommandResult | CommandHandle:
+        result: CommandResult | AsyncCommandHandle = _LOOP.run(self._inner.run(cmd, **options))
+        if isinstance(result, AsyncCommandHandle):
+            return CommandHandle(result)
+        return result
+
+    run.__doc__ = AsyncCommands.run.__doc__
+
+    def connect(self, process_id: str) -> CommandHandle:
+        """A handle on an existing process; NotFound if none."""
+        return CommandHandle(_LOOP.run(self._inner.connect(process_id)))
+
+    list = _blocking(AsyncCommands.list)
+    kill = _blocking(AsyncCommands.kill)
+
+
+class Files(_Facade[AsyncFiles]):
+    """``sandbox.files`` (sync). See AsyncFiles."""
+
+    @overload
+    def read(self, path: str, *, format: Literal["text"] = "text") -> str: ...
+    @overload
+    def read(self, path: str, *, format: Literal["bytes"]) -> bytes: ...
+    @overload
+    def read(self, path: str, *, format: Literal["stream"]) -> Iterator[bytes]: ...
+
+    def read(
+        self, path: str, *, format: Literal["text", "bytes", "stream"] = "text"
+    ) -> str | bytes | Iterator[bytes]:
+        if format == "stream":
+            return _iterate(_LOOP.run(self._inner.read(path, format="stream")))
+        if format == "bytes":
+            return _LOOP.run(self._inner.read(path, format="bytes"))
+        return _LOOP.run(self._inner.read(path, format="text"))
+
+    read.__doc__ = AsyncFiles.read.__doc__
+
+    write = _blocking(AsyncFiles.write)
+    list = _blocking(AsyncFiles.list)
+    stat = _blocking(AsyncFiles.stat)
+    exists = _blocking(AsyncFiles.exists)
+    remove = _blocking(AsyncFiles.remove)
+    make_dir = _blocking(AsyncFiles.make_dir)
+    rename = _blocking(AsyncFiles.rename)
+    download_to = _blocking(AsyncFiles.download_to)
+    upload_from = _blocking(AsyncFiles.upload_from)
+
+
+class Sandbox(_Facade[AsyncSandbox]):
+    """A sandbox (sync). See AsyncSandbox; ``with Sandbox.create() as sbx`` kills on exit."""
+
+    def __init__(self, inner: AsyncSandbox) -> None:
+        super().__init__(inner)
+        self.commands = Commands(inner.commands)
+        self.files = Files(inner.files)
+
+    def __repr__(self) -> str:
+        return f"<Sandbox {self.sandbox_id}>"
+
+    @property
+    def sandbox_id(self) -> str:
+        return self._inner.sandbox_id
+
+    create = staticmethod(_sandbox_factory(AsyncSandbox.create))
+    connect = staticmethod(_sandbox_factory(AsyncSandbox.connect))
+    list = staticmethod(_blocking_static(AsyncSandbox.list))
+
+    get_info = _blocking(AsyncSandbox.get_info)
+    kill = _blocking(AsyncSandbox.kill)
+    close = _blocking(AsyncSandbox.close)
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: builtins.type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.kill()
+
+
+def _iterate(stream: ByteStream) -> Iterator[bytes]:
+    """A sync iterator over a download; closing or abandoning it closes the download."""
+    try:
+        while (chunk := _LOOP.run(_next_chunk(stream))) is not None:
+            yield chunk
+    finally:
+        _LOOP.close_soon(stream.aclose())
+
+
+async def _next_chunk(stream: ByteStream) -> bytes | None:
+    try:
+        return await anext(stream)
+    except StopAsyncIteration:
+        return None

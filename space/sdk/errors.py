@@ -1,0 +1,169 @@
+"""Errors raised by the SPACE SDK.
+
+Everything the SDK raises on purpose derives from ``SpaceError``; no httpx, OSError or
+JSON exception crosses the public API (connection failures, protocol errors and client
+deadlines are translated here).
+
+    SpaceError                 root; carries code, status_code, sandbox_id, operation
+    ├── NotFound               404 not_found: unknown sandbox, process, file, template
+    ├── Conflict               409 conflict: already exists, wrong state
+    ├── InvalidArgument        422 invalid_argument (and 400): malformed or out of range
+    ├── AuthenticationError    401 unauthenticated: missing or unknown API key
+    ├── PermissionDenied       403 permission_denied: the guest refused
+    ├── ResourceExhausted      429 resource_exhausted: a quota or size limit was hit
+    ├── Timeout                504 timeout, or a client-side deadline passed
+    ├── Unavailable            503 unavailable, or the API could not be reached
+    ├── InternalError          500 internal, or an answer the SDK cannot understand
+    └── CommandExitError       a command exited non-zero and ``check=True`` was asked
+
+``_ERROR_TABLE`` is the one table from HTTP status / wire code to class.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from space.sdk._models import CommandResult
+
+__all__ = [
+    "AuthenticationError",
+    "CommandExitError",
+    "Conflict",
+    "InternalError",
+    "InvalidArgument",
+    "NotFound",
+    "PermissionDenied",
+    "ResourceExhausted",
+    "SpaceError",
+    "Timeout",
+    "Unavailable",
+]
+
+
+class SpaceError(Exception):
+    """Root of every SDK error.
+
+    ``code`` is the wire error code (``"not_found"``...), ``status_code`` the HTTP status
+    when the error came from an answer, ``operation`` what the SDK was doing
+    (``"commands.run"``), ``sandbox_id`` the sandbox concerned, ``message`` the server's
+    (or the SDK's) own words.
+    """
+
+    code = "internal"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        sandbox_id: str | None = None,
+        operation: str | None = None,
+        status_code: int | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.sandbox_id = sandbox_id
+        self.operation = operation
+        self.status_code = status_code
+        self.details = details or {}
+
+    def __str__(self) -> str:
+        context = [
+            f"{name}={value}"
+            for name, value in (
+                ("operation", self.operation),
+                ("sandbox", self.sandbox_id),
+                ("status", self.status_code),
+            )
+            if value is not None
+        ]
+        suffix = f" ({', '.join(context)})" if context else ""
+        return f"{self.message}{suffix}"
+
+
+class NotFound(SpaceError):
+    code = "not_found"
+
+
+class Conflict(SpaceError):
+    code = "conflict"
+
+
+class InvalidArgument(SpaceError):
+    code = "invalid_argument"
+
+
+class AuthenticationError(SpaceError):
+    code = "unauthenticated"
+
+
+class PermissionDenied(SpaceError):
+    code = "permission_denied"
+
+
+class ResourceExhausted(SpaceError):
+    code = "resource_exhausted"
+
+
+class Timeout(SpaceError):
+    code = "timeout"
+
+
+class Unavailable(SpaceError):
+    code = "unavailable"
+
+
+class InternalError(SpaceError):
+    code = "internal"
+
+
+class CommandExitError(SpaceError):
+    """A command finished unsuccessfully: non-zero exit, a signal, or its timeout.
+
+    ``result`` is the whole CommandResult (stdout, stderr, exit_code, signal, timed_out).
+    """
+
+    code = "command_exit"
+
+    def __init__(self, result: CommandResult, *, sandbox_id: str | None = None) -> None:
+        if result.timed_out:
+            what = "timed out"
+        elif result.signal is not None:
+            what = f"was killed by signal {result.signal}"
+        else:
+            what = f"exited with code {result.exit_code}"
+        super().__init__(f"command {what}", sandbox_id=sandbox_id, operation="commands.run")
+        self.result = result
+        self.exit_code = result.exit_code
+        self.signal = result.signal
+        self.stdout = result.stdout
+        self.stderr = result.stderr
+
+
+# The one table. A wire code decides when the body has one; the status decides for answers
+# without a readable error body (a proxy's 502, an HTML error page).
+_ERROR_TABLE: tuple[tuple[int, str | None, type[SpaceError]], ...] = (
+    (400, None, InvalidArgument),
+    (401, "unauthenticated", AuthenticationError),
+    (403, "permission_denied", PermissionDenied),
+    (404, "not_found", NotFound),
+    (409, "conflict", Conflict),
+    (422, "invalid_argument", InvalidArgument),
+    (429, "resource_exhausted", ResourceExhausted),
+    (500, "internal", InternalError),
+    (502, None, Unavailable),
+    (503, "unavailable", Unavailable),
+    (504, "timeout", Timeout),
+)
+_BY_CODE = {code: cls for _, code, cls in _ERROR_TABLE if code is not None}
+_BY_STATUS = {status: cls for status, _, cls in _ERROR_TABLE}
+
+
+def error_class(*, code: str | None, status_code: int | None) -> type[SpaceError]:
+    """The class for a wire code, else for an HTTP status, else InternalError."""
+    if code is not None and code in _BY_CODE:
+        return _BY_CODE[code]
+    if status_code is not None:
+        return _BY_STATUS.get(status_code, InternalError)
+    return InternalError

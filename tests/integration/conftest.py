@@ -1,0 +1,108 @@
+"""Shared VM fixtures: a node on a loop-file btrfs pool in a temp data dir.
+
+``node_config`` gives a NodeConfig whose data dir is private to the test session (the
+image cache is the machine's shared one, so the guest image is built once per machine).
+``node`` starts a Node for one test and, on teardown, deletes every sandbox, unmounts
+the pool and checks that no QEMU process, mount or loop device of that data dir is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from space.node.config import NodeConfig
+from space.node.service import Node
+
+T = TypeVar("T")
+
+
+def qemu_pids_of(data_dir: Path) -> list[int]:
+    """QEMU processes whose command line mentions ``data_dir``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            cmdline = (entry / "cmdline").read_bytes()
+            if b"qemu-system" in cmdline and str(data_dir).encode() in cmdline:
+                pids.append(int(entry.name))
+    return pids
+
+
+def loops_of(image: Path) -> list[str]:
+    out = subprocess.run(
+        ["losetup", "-l", "-n", "-O", "NAME", "-j", str(image)],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
+    return out.split()
+
+
+def release_data_dir(data_dir: Path) -> list[str]:
+    """Kill, unmount and detach whatever is left of a node's data dir; say what was."""
+    left = [f"qemu pid {pid}" for pid in qemu_pids_of(data_dir)]
+    for pid in qemu_pids_of(data_dir):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    pool = data_dir / "pool"
+    if os.path.ismount(pool):
+        left.append(f"mount {pool}")
+        subprocess.run(["umount", "-l", str(pool)], check=False)
+    for loop in loops_of(data_dir / "pool.img"):
+        left.append(f"loop {loop}")
+        subprocess.run(["losetup", "-d", loop], check=False)
+    return left
+
+
+@dataclass
+class NodeHarness:
+    """A started Node and the event loop it lives on (tests are synchronous)."""
+
+    config: NodeConfig
+    runner: asyncio.Runner
+    node: Node
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self.runner.run(coro)
+
+    def restart(self) -> Node:
+        """Close the node (VMs keep running) and start a new one on the same config."""
+        self.run(self.node.close())
+        self.node = self.run(Node.start(self.config))
+        return self.node
+
+
+@pytest.fixture(scope="session")
+def node_config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeConfig]:
+    if os.geteuid() != 0:
+        pytest.fail("node tests boot QEMU VMs on a loop-mounted btrfs pool: run them as root")
+    data_dir = tmp_path_factory.mktemp("node")
+    yield NodeConfig(data_dir=data_dir, pool_size_gib=8, boot_timeout_s=90.0)
+    leaked = release_data_dir(data_dir)
+    assert not leaked, f"left behind by the node tests: {leaked}"
+
+
+@pytest.fixture
+def node(node_config: NodeConfig) -> Iterator[NodeHarness]:
+    runner = asyncio.Runner()
+    try:
+        harness = NodeHarness(node_config, runner, runner.run(Node.start(node_config)))
+        try:
+            yield harness
+        finally:
+            harness.run(harness.node.shutdown(unmount_pool=True))
+    finally:
+        runner.close()
+        leaked = release_data_dir(node_config.data_dir)
+        assert not leaked, f"left behind after node shutdown: {leaked}"

@@ -1,0 +1,133 @@
+"""A real embedded platform for end-to-end tests: `space serve` in a subprocess.
+
+The platform owns its data directory (SQLite, btrfs pool on a loop file, VM state) and
+its teardown verifies that nothing is left: no QEMU process, no mount, no loop device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+SPACE = [str(Path(sys.executable).parent / "space")]
+READY_TIMEOUT_S = 240.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Platform:
+    data_dir: Path
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        with (self.data_dir / "serve.log").open("ab") as log:
+            self.process = subprocess.Popen(
+                [*SPACE, "serve", "--data-dir", str(self.data_dir), "--port", str(self.port)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"space serve exited early:\n{self.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/openapi.json", timeout=2).status_code == 200:
+                    return
+            time.sleep(0.2)
+        raise RuntimeError(f"space serve not ready in {READY_TIMEOUT_S} s:\n{self.log_tail()}")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.process is None:
+            return
+        self.process.send_signal(sig)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        self.process = None
+
+    def create_key(self, tenant: str) -> str:
+        out = subprocess.run(
+            [*SPACE, "keys", "create", "--tenant", tenant, "--data-dir", str(self.data_dir)],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        return out.stdout.strip().splitlines()[-1]
+
+    def log_tail(self, lines: int = 40) -> str:
+        path = self.data_dir / "serve.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def qemu_pids(data_dir: Path) -> list[int]:
+    """QEMU processes whose command line mentions this data directory."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            cmdline = (entry / "cmdline").read_bytes()
+            if b"qemu-system" in cmdline and str(data_dir).encode() in cmdline:
+                pids.append(int(entry.name))
+    return pids
+
+
+def mounts_under(path: Path) -> list[str]:
+    with open("/proc/mounts") as f:
+        return [line.split()[1] for line in f if line.split()[1].startswith(str(path))]
+
+
+def loops_backed_by(path: Path) -> list[str]:
+    out = subprocess.run(["losetup", "-a"], capture_output=True, text=True, check=False).stdout
+    return [line.split(":")[0] for line in out.splitlines() if str(path) in line]
+
+
+def release(data_dir: Path) -> list[str]:
+    """Kill, unmount and detach whatever is left under data_dir; say what was left."""
+    left = []
+    for pid in qemu_pids(data_dir):
+        left.append(f"qemu pid {pid}")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for mount in sorted(mounts_under(data_dir), reverse=True):
+        subprocess.run(["umount", "-l", mount], check=False)
+    for loop in loops_backed_by(data_dir):
+        subprocess.run(["losetup", "-d", loop], check=False)
+    return left
+
+
+@contextlib.contextmanager
+def running_platform(data_dir: Path) -> Iterator[Platform]:
+    platform = Platform(data_dir)
+    try:
+        platform.start()
+        yield platform
+    finally:
+        platform.stop()
+        leaked = release(data_dir)
+        assert not leaked, f"left behind after the platform stopped: {leaked}"
+        assert not mounts_under(data_dir), "mounts left behind"
+        assert not loops_backed_by(data_dir), "loop devices left behind"

@@ -1,0 +1,97 @@
+"""Run spaced as a real subprocess in --stdio mode and connect a GuestChannel to it."""
+
+from __future__ import annotations
+
+import asyncio
+import getpass
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, cast
+
+from space.node.channel import GuestChannel
+
+
+class NonClosingWriter:
+    """Lets a test drop one GuestChannel and open another on the same pipes."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self._writer = writer
+        self.transport = writer.transport
+
+    def write(self, data: bytes) -> None:
+        self._writer.write(data)
+
+    async def drain(self) -> None:
+        await self._writer.drain()
+
+    def close(self) -> None:
+        pass
+
+    async def wait_closed(self) -> None:
+        pass
+
+
+class Guest:
+    def __init__(self, proc: asyncio.subprocess.Process, home: Path) -> None:
+        self.proc = proc
+        self.home = home
+
+    async def channel(self, sandbox_id: str = "sb-test") -> GuestChannel:
+        assert self.proc.stdout is not None and self.proc.stdin is not None
+        writer = cast(asyncio.StreamWriter, NonClosingWriter(self.proc.stdin))
+        return await GuestChannel.open(
+            self.proc.stdout, writer, sandbox_id=sandbox_id, hello_timeout_s=10
+        )
+
+    def vm_hwm_kib(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+        raise AssertionError("no VmHWM")
+
+
+@asynccontextmanager
+async def running_guest(home: Path) -> AsyncIterator[Guest]:
+    """Start spaced; on exit close its stdin and check that it (and its children) ended."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-B",
+        "-m",
+        "space.guest",
+        "--stdio",
+        "--user-default",
+        getpass.getuser(),
+        "--home-default",
+        str(home),
+        "--log-level",
+        "WARNING",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        yield Guest(proc, home)
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        try:
+            async with asyncio.timeout(10):
+                await proc.wait()
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise AssertionError("spaced did not exit at EOF") from None
+    assert proc.returncode == 0
+
+
+def run_with_channel(home: Path, body: Callable[[GuestChannel, Guest], Awaitable[Any]]) -> Any:
+    async def main() -> Any:
+        async with running_guest(home) as guest:
+            channel = await guest.channel()
+            try:
+                return await body(channel, guest)
+            finally:
+                await channel.close()
+
+    return asyncio.run(main())

@@ -1,0 +1,308 @@
+"""Test doubles for the control plane: an in-memory NodeService and an app harness.
+
+FakeNode keeps sandboxes, files and processes in dicts and emits scripted exec events;
+it stands in for API behaviour only (real VMs are tested in tests/integration).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from fastapi import FastAPI
+
+from space.control import ControlSettings, NodeRegistry, create_app, create_key
+from space.node.errors import Conflict, NodeError, NotFound, PermissionDenied, Unavailable
+from space.node.interface import (
+    ExecEvent,
+    ExecExited,
+    ExecOutput,
+    ExecRequest,
+    FileStat,
+    NodeInfo,
+    ProcessInfo,
+    SandboxSpec,
+    SandboxState,
+    SandboxStatus,
+)
+
+CHUNK = 1024 * 1024
+
+
+class FakeExecStream:
+    def __init__(self, pid: int, process_id: str, events: list[ExecEvent | NodeError]) -> None:
+        self.pid = pid
+        self.process_id = process_id
+        self._events = events
+        self.closed = False
+
+    async def __aiter__(self) -> AsyncIterator[ExecEvent]:
+        for event in self._events:
+            if isinstance(event, NodeError):
+                raise event
+            yield event
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+class FakeReader:
+    def __init__(self, stat: FileStat, data: bytes) -> None:
+        self.stat = stat
+        self._data = data
+        self.closed = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for offset in range(0, len(self._data), CHUNK):
+            yield self._data[offset : offset + CHUNK]
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def _script(request: ExecRequest) -> list[ExecEvent | NodeError]:
+    """echo ARGS → stdout; fail-midway → some output, then Unavailable; cmd → stdout+stderr."""
+    if request.background:
+        return []
+    if request.argv and request.argv[0] == "fail-midway":
+        return [ExecOutput("stdout", b"partial"), Unavailable("channel broke")]
+    if request.argv and request.argv[0] == "echo":
+        out = (" ".join(request.argv[1:]) + "\n").encode()
+    else:
+        out = (request.cmd or "").encode() + (request.stdin or b"")
+    return [ExecOutput("stdout", out), ExecOutput("stderr", b"err"), ExecExited(0, None)]
+
+
+@dataclass
+class _Box:
+    status: SandboxStatus
+    files: dict[str, bytes] = field(default_factory=dict)
+    dirs: set[str] = field(default_factory=lambda: {"/"})
+    processes: dict[str, tuple[ProcessInfo, list[ExecEvent | NodeError]]] = field(
+        default_factory=dict
+    )
+
+
+class FakeNode:
+    """An in-memory NodeService. ``calls`` records (method, sandbox_id) of every call."""
+
+    def __init__(self, node_id: str = "local") -> None:
+        self.node_id = node_id
+        self.boxes: dict[str, _Box] = {}
+        self.calls: list[tuple[str, str]] = []
+        self.fail_create: NodeError | None = None
+        self.fail_next: NodeError | None = None
+        self.upload_chunk_sizes: list[int] = []
+        self.streams: list[FakeExecStream] = []
+
+    def _box(self, method: str, sandbox_id: str) -> _Box:
+        self.calls.append((method, sandbox_id))
+        if self.fail_next is not None:
+            error, self.fail_next = self.fail_next, None
+            raise error
+        box = self.boxes.get(sandbox_id)
+        if box is None:
+            raise NotFound(f"no sandbox {sandbox_id}", sandbox_id=sandbox_id)
+        return box
+
+    def snapshot(self) -> object:
+        """Everything observable, for "nothing changed" checks."""
+        return {
+            sid: (
+                box.status,
+                dict(box.files),
+                set(box.dirs),
+                {p: i for p, (i, _) in box.processes.items()},
+            )
+            for sid, box in self.boxes.items()
+        }
+
+    async def info(self) -> NodeInfo:
+        return NodeInfo(self.node_id, "tcg", ["base"], len(self.boxes))
+
+    async def create_sandbox(self, spec: SandboxSpec) -> SandboxStatus:
+        self.calls.append(("create_sandbox", spec.sandbox_id))
+        if self.fail_create is not None:
+            raise self.fail_create
+        if spec.sandbox_id not in self.boxes:
+            status = SandboxStatus(
+                spec.sandbox_id,
+                SandboxState.RUNNING,
+                spec.template,
+                spec.cpus,
+                spec.memory_mib,
+                spec.disk_mib,
+                time.time(),
+                vmm_pid=4242,
+            )
+            self.boxes[spec.sandbox_id] = _Box(status)
+        return self.boxes[spec.sandbox_id].status
+
+    async def delete_sandbox(self, sandbox_id: str) -> None:
+        self.calls.append(("delete_sandbox", sandbox_id))
+        self.boxes.pop(sandbox_id, None)
+
+    async def get_sandbox(self, sandbox_id: str) -> SandboxStatus:
+        return self._box("get_sandbox", sandbox_id).status
+
+    async def list_sandboxes(self) -> list[SandboxStatus]:
+        return [box.status for box in self.boxes.values()]
+
+    async def exec(self, sandbox_id: str, request: ExecRequest) -> FakeExecStream:
+        box = self._box("exec", sandbox_id)
+        if request.cwd is not None and request.cwd not in box.dirs:
+            raise NotFound(f"no directory {request.cwd}", sandbox_id=sandbox_id)
+        process_id = f"p{len(box.processes) + 1}"
+        events = _script(request)
+        info = ProcessInfo(
+            process_id,
+            100 + len(box.processes),
+            request.argv,
+            request.cmd,
+            request.background,
+            None if request.background else 0,
+            None,
+            time.time(),
+        )
+        box.processes[process_id] = (info, events)
+        stream = FakeExecStream(info.pid, process_id, events)
+        self.streams.append(stream)
+        return stream
+
+    async def attach(self, sandbox_id: str, process_id: str) -> FakeExecStream:
+        box = self._box("attach", sandbox_id)
+        if process_id not in box.processes:
+            raise NotFound(f"no process {process_id}", sandbox_id=sandbox_id)
+        info, events = box.processes[process_id]
+        return FakeExecStream(info.pid, process_id, events)
+
+    async def list_processes(self, sandbox_id: str) -> list[ProcessInfo]:
+        return [info for info, _ in self._box("list_processes", sandbox_id).processes.values()]
+
+    async def kill_process(self, sandbox_id: str, process_id: str, signal: int = 9) -> None:
+        box = self._box("kill_process", sandbox_id)
+        if process_id not in box.processes:
+            raise NotFound(f"no process {process_id}", sandbox_id=sandbox_id)
+        info, events = box.processes[process_id]
+        killed = ProcessInfo(
+            info.process_id, info.pid, info.argv, info.cmd, False, None, signal, info.started_at
+        )
+        box.processes[process_id] = (killed, events)
+
+    def _stat(self, box: _Box, path: str) -> FileStat:
+        name = path.rstrip("/").rsplit("/", 1)[-1]
+        if path in box.dirs:
+            return FileStat(name, path, "dir", 0, 0o755, 1.0, "user")
+        if path in box.files:
+            return FileStat(name, path, "file", len(box.files[path]), 0o644, 1.0, "user")
+        raise NotFound(f"no file {path}")
+
+    async def read_file(self, sandbox_id: str, path: str, user: str = "user") -> FakeReader:
+        box = self._box("read_file", sandbox_id)
+        stat = self._stat(box, path)
+        return FakeReader(stat, box.files.get(path, b""))
+
+    async def write_file(
+        self,
+        sandbox_id: str,
+        path: str,
+        data: AsyncIterable[bytes],
+        *,
+        user: str = "user",
+        mode: int = 0o644,
+    ) -> FileStat:
+        box = self._box("write_file", sandbox_id)
+        if path.startswith("/readonly"):
+            raise PermissionDenied(f"cannot write {path}")
+        content = bytearray()
+        async for chunk in data:
+            self.upload_chunk_sizes.append(len(chunk))
+            content += chunk
+        box.files[path] = bytes(content)
+        return self._stat(box, path)
+
+    async def list_dir(self, sandbox_id: str, path: str, user: str = "user") -> list[FileStat]:
+        box = self._box("list_dir", sandbox_id)
+        prefix = path.rstrip("/") + "/"
+        names = [p for p in [*box.files, *box.dirs] if p != path and p.startswith(prefix)]
+        return [self._stat(box, p) for p in sorted(names) if "/" not in p[len(prefix) :]]
+
+    async def stat(self, sandbox_id: str, path: str, user: str = "user") -> FileStat:
+        return self._stat(self._box("stat", sandbox_id), path)
+
+    async def make_dir(self, sandbox_id: str, path: str, user: str = "user") -> FileStat:
+        box = self._box("make_dir", sandbox_id)
+        if path in box.dirs or path in box.files:
+            raise Conflict(f"{path} exists", sandbox_id=sandbox_id)
+        box.dirs.add(path)
+        return self._stat(box, path)
+
+    async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
+        box = self._box("remove", sandbox_id)
+        self._stat(box, path)
+        box.files.pop(path, None)
+        box.dirs.discard(path)
+
+    async def rename(self, sandbox_id: str, src: str, dst: str, user: str = "user") -> FileStat:
+        box = self._box("rename", sandbox_id)
+        if src not in box.files:
+            raise NotFound(f"no file {src}", sandbox_id=sandbox_id)
+        box.files[dst] = box.files.pop(src)
+        return self._stat(box, dst)
+
+
+class FakeClock:
+    def __init__(self, now: float = 1_800_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Harness:
+    app: FastAPI
+    client: httpx.AsyncClient
+    settings: ControlSettings
+    node: FakeNode
+    clock: FakeClock
+
+    def key(self, tenant: str) -> dict[str, str]:
+        """Auth headers with a fresh key of ``tenant``."""
+        return {"Authorization": f"Bearer {create_key(self.settings, tenant)}"}
+
+
+@contextlib.asynccontextmanager
+async def control_app(
+    data_dir: Path,
+    node: FakeNode | None = None,
+    *,
+    registry: NodeRegistry | None = None,
+    reaper_interval_s: float = 3600.0,
+    clock: FakeClock | None = None,
+) -> AsyncIterator[Harness]:
+    """The control plane over a FakeNode (as "local"), lifespan running, with a client."""
+    node = node or FakeNode()
+    clock = clock or FakeClock()
+    settings = ControlSettings(data_dir=data_dir, reaper_interval_s=reaper_interval_s)
+    if registry is None:
+        registry = NodeRegistry()
+        registry.register("local", node)
+    app = create_app(settings, registry, clock=clock)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://control") as client:
+            yield Harness(app, client, settings, node, clock)
+
+
+async def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)

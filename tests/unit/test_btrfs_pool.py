@@ -1,0 +1,143 @@
+"""The btrfs pool on a loop file: templates, O(1) sandbox snapshots, clean teardown.
+
+Needs root (mount, losetup); fails loudly without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from space.node.errors import InvalidArgument, NotFound
+from space.node.storage.btrfs import BtrfsPool
+
+IMAGE_MIB = 64
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Iterator[Path]:
+    if os.geteuid() != 0:
+        pytest.fail("the btrfs pool tests mount a loop file: run them as root")
+    yield tmp_path
+    # Whatever the test did, leave no mount or loop device behind.
+    subprocess.run(["umount", str(tmp_path / "pool")], capture_output=True, check=False)
+    loops = loops_of(tmp_path / "pool.img")
+    for loop in loops:
+        subprocess.run(["losetup", "-d", loop], check=False)
+    assert not loops, f"loop devices left behind: {loops}"
+
+
+@pytest.fixture
+def image_files(tmp_path: Path) -> dict[str, Path]:
+    src = tmp_path / "image"
+    src.mkdir()
+    (src / "vmlinuz").write_bytes(b"kernel")
+    (src / "initrd.img").write_bytes(b"initrd")
+    rootfs = src / "rootfs.img"
+    subprocess.run(
+        ["mkfs.ext4", "-q", "-F", str(rootfs), f"{IMAGE_MIB}M"], check=True, capture_output=True
+    )
+    return {"kernel": src / "vmlinuz", "initrd": src / "initrd.img", "rootfs": rootfs}
+
+
+def loops_of(image: Path) -> list[str]:
+    out = subprocess.run(
+        ["losetup", "-l", "-n", "-O", "NAME", "-j", str(image)],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
+    return out.split()
+
+
+def _btrfs(*args: str) -> str:
+    return subprocess.run(["btrfs", *args], check=True, capture_output=True, text=True).stdout
+
+
+def _field(show: str, name: str) -> str:
+    """One field of ``btrfs subvolume show`` output."""
+    for line in show.splitlines():
+        key, _, value = line.strip().partition(":")
+        if key == name:
+            return value.strip()
+    raise AssertionError(f"no {name} in {show!r}")
+
+
+@pytest.fixture
+def runner() -> Iterator[asyncio.Runner]:
+    with asyncio.Runner() as r:
+        yield r
+
+
+@pytest.fixture
+def pool(data_dir: Path, runner: asyncio.Runner) -> Iterator[BtrfsPool]:
+    pool = runner.run(BtrfsPool.open(pool_path=None, data_dir=data_dir, size_gib=2))
+    try:
+        yield pool
+    finally:
+        runner.run(pool.close(unmount=True))
+    assert not os.path.ismount(pool.root)
+
+
+def test_pool_on_a_loop_file_is_mounted_and_reused_when_opened_again(
+    pool: BtrfsPool, data_dir: Path, runner: asyncio.Runner
+) -> None:
+    assert os.path.ismount(pool.root)
+    assert (pool.root / "templates").is_dir() and (pool.root / "sandboxes").is_dir()
+    again = runner.run(BtrfsPool.open(pool_path=None, data_dir=data_dir, size_gib=2))
+    assert again.root == pool.root
+    assert len(loops_of(data_dir / "pool.img")) == 1
+
+
+def test_template_import_is_read_only_and_idempotent(
+    pool: BtrfsPool, runner: asyncio.Runner, image_files: dict[str, Path]
+) -> None:
+    vol = runner.run(pool.import_template("base", "d1", **image_files))
+    assert vol.kernel.read_bytes() == b"kernel"
+    assert "ro=true" in _btrfs("property", "get", "-ts", str(vol.path), "ro")
+    again = runner.run(pool.import_template("base", "d1", **image_files))
+    assert again == vol
+    assert [t.digest for t in pool.templates()] == ["d1"]
+
+
+def test_sandbox_volume_is_an_o1_snapshot_with_a_grown_rootfs(
+    pool: BtrfsPool, runner: asyncio.Runner, image_files: dict[str, Path]
+) -> None:
+    vol = runner.run(pool.import_template("base", "d1", **image_files))
+    start = time.monotonic()
+    path = runner.run(pool.create_sandbox_volume("sb-1", vol, disk_mib=IMAGE_MIB * 2))
+    elapsed = time.monotonic() - start
+    # The volume's parent is the template subvolume: a CoW snapshot, not a copy.
+    template_uuid = _field(_btrfs("subvolume", "show", str(vol.path)), "UUID")
+    assert _field(_btrfs("subvolume", "show", str(path)), "Parent UUID") == template_uuid
+    assert elapsed < 5  # snapshot + resize2fs of a 64 MiB image
+    assert (path / "rootfs.img").stat().st_size == IMAGE_MIB * 2 << 20
+    assert vol.rootfs.stat().st_size == IMAGE_MIB << 20  # the template is untouched
+    fsck = subprocess.run(["e2fsck", "-fn", str(path / "rootfs.img")], capture_output=True)
+    assert fsck.returncode == 0, fsck.stdout
+    assert pool.sandbox_ids() == ["sb-1"]
+    runner.run(pool.delete_sandbox_volume("sb-1"))
+    runner.run(pool.delete_sandbox_volume("sb-1"))  # idempotent
+    assert not path.exists() and pool.sandbox_ids() == []
+
+
+def test_negative_disk_smaller_than_the_image_is_refused_and_leaves_no_volume(
+    pool: BtrfsPool, runner: asyncio.Runner, image_files: dict[str, Path]
+) -> None:
+    vol = runner.run(pool.import_template("base", "d1", **image_files))
+    with pytest.raises(InvalidArgument):
+        runner.run(pool.create_sandbox_volume("sb-1", vol, disk_mib=IMAGE_MIB - 1))
+    assert pool.sandbox_ids() == []
+
+
+def test_negative_unknown_template_and_bad_names_are_refused(pool: BtrfsPool) -> None:
+    with pytest.raises(NotFound):
+        pool.template("base", "nope")
+    with pytest.raises(InvalidArgument):
+        pool.sandbox_path("../etc")

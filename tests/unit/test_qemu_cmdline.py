@@ -1,0 +1,148 @@
+"""The QEMU command line is a pure function of the VM config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from space.node._sandbox import hostname_for, vm_config_for
+from space.node.interface import SandboxSpec, SandboxState
+from space.node.state import SandboxRecord
+from space.node.vmm.qemu import VmConfig, build_command, console_tail, trim_console
+
+
+def _config(**overrides: object) -> VmConfig:
+    base: dict[str, object] = {
+        "sandbox_id": "sb-1",
+        "run_dir": Path("/run/space/x/sb-1"),
+        "kernel": Path("/pool/sandboxes/sb-1/kernel"),
+        "initrd": Path("/pool/sandboxes/sb-1/initrd"),
+        "rootfs": Path("/pool/sandboxes/sb-1/rootfs.img"),
+        "kernel_cmdline": "console=ttyS0 space.hostname=sb-1",
+        "console_log": Path("/data/sandboxes/sb-1.console.log"),
+        "cpus": 2,
+        "memory_mib": 512,
+    }
+    base.update(overrides)
+    return VmConfig(**base)  # type: ignore[arg-type]
+
+
+def _option(argv: list[str], flag: str) -> list[str]:
+    return [argv[i + 1] for i, arg in enumerate(argv) if arg == flag]
+
+
+def test_command_line_has_no_default_devices_and_no_display() -> None:
+    argv = build_command(_config())
+    assert argv[0] == "qemu-system-x86_64"
+    assert "-nodefaults" in argv and "-no-user-config" in argv
+    assert _option(argv, "-display") == ["none"]
+
+
+def test_tcg_uses_a_64_mib_translation_cache() -> None:
+    argv = build_command(_config(accel="tcg"))
+    assert _option(argv, "-accel") == ["tcg,tb-size=64"]
+
+
+def test_kvm_uses_the_host_cpu() -> None:
+    argv = build_command(_config(accel="kvm"))
+    assert _option(argv, "-accel") == ["kvm"]
+    assert _option(argv, "-cpu") == ["host"]
+
+
+def test_resources_kernel_and_cmdline_come_from_the_config() -> None:
+    argv = build_command(_config())
+    assert _option(argv, "-smp") == ["2"]
+    assert _option(argv, "-m") == ["512"]
+    assert _option(argv, "-kernel") == ["/pool/sandboxes/sb-1/kernel"]
+    assert _option(argv, "-initrd") == ["/pool/sandboxes/sb-1/initrd"]
+    assert _option(argv, "-append") == ["console=ttyS0 space.hostname=sb-1"]
+
+
+def test_rootfs_is_a_raw_virtio_blk_disk() -> None:
+    argv = build_command(_config())
+    (drive,) = _option(argv, "-drive")
+    assert drive.startswith("file=/pool/sandboxes/sb-1/rootfs.img,")
+    assert "format=raw" in drive.split(",")
+    assert "virtio-blk-pci,drive=root" in _option(argv, "-device")
+
+
+def test_agent_port_is_a_named_virtio_serial_port_on_a_server_socket() -> None:
+    argv = build_command(_config())
+    chardevs = _option(argv, "-chardev")
+    assert "socket,id=agent,path=/run/space/x/sb-1/agent.sock,server=on,wait=off" in chardevs
+    devices = _option(argv, "-device")
+    assert "virtio-serial-pci,id=vser" in devices
+    assert "virtserialport,bus=vser.0,chardev=agent,name=space.agent" in devices
+
+
+def test_qmp_console_and_pidfile_live_in_the_run_dir_and_data_dir() -> None:
+    argv = build_command(_config())
+    assert _option(argv, "-qmp") == ["unix:/run/space/x/sb-1/qmp.sock,server=on,wait=off"]
+    assert _option(argv, "-pidfile") == ["/run/space/x/sb-1/qemu.pid"]
+    assert "file,id=console,path=/data/sandboxes/sb-1.console.log,append=on" in _option(
+        argv, "-chardev"
+    )
+    assert _option(argv, "-serial") == ["chardev:console"]
+
+
+def test_seccomp_sandbox_denies_spawn_privileges_and_resource_control() -> None:
+    (sandbox,) = _option(build_command(_config()), "-sandbox")
+    assert sandbox.split(",") == [
+        "on",
+        "obsolete=deny",
+        "elevateprivileges=deny",
+        "spawn=deny",
+        "resourcecontrol=deny",
+    ]
+
+
+def test_guest_reboot_ends_qemu_instead_of_rebooting() -> None:
+    assert "-no-reboot" in build_command(_config())
+
+
+def test_console_is_trimmed_to_its_cap_keeping_the_tail(tmp_path: Path) -> None:
+    log = tmp_path / "sb.console.log"
+    log.write_bytes(b"a" * 3000 + b"THE END")
+    trim_console(log, 1000)
+    assert log.stat().st_size == 0
+    assert console_tail(log, 100).endswith("THE END")
+    assert len(log.with_suffix(".old").read_bytes()) <= 500
+
+
+def test_console_under_its_cap_is_left_alone(tmp_path: Path) -> None:
+    log = tmp_path / "sb.console.log"
+    log.write_bytes(b"boot ok\n")
+    trim_console(log, 1000)
+    assert log.read_bytes() == b"boot ok\n"
+    assert console_tail(log, 3) == "ok\n"
+
+
+def test_sandbox_kernel_cmdline_adds_a_hostname_derived_from_the_id() -> None:
+    record = SandboxRecord(
+        spec=SandboxSpec("Team_A.sb-42", cpus=2, memory_mib=384),
+        state=SandboxState.CREATING,
+        created_at=0.0,
+        template_digest="d",
+        run_dir="/run/space/x/Team_A.sb-42",
+    )
+    cfg = vm_config_for(
+        record,
+        volume=Path("/pool/sandboxes/Team_A.sb-42"),
+        base_cmdline="console=ttyS0 quiet",
+        accel="tcg",
+        console_log=Path("/data/c.log"),
+    )
+    assert cfg.kernel_cmdline == "console=ttyS0 quiet space.hostname=team-a-sb-42"
+    assert (cfg.cpus, cfg.memory_mib) == (2, 384)
+    # The VM boots from its own volume's copies, never the template's files.
+    assert cfg.rootfs == Path("/pool/sandboxes/Team_A.sb-42/rootfs.img")
+    assert cfg.kernel.parent == cfg.initrd.parent == cfg.rootfs.parent
+
+
+@pytest.mark.parametrize(
+    "sandbox_id, hostname",
+    [("sb-1", "sb-1"), ("--x--", "x"), ("___", "sandbox"), ("a" * 63, "a" * 63)],
+)
+def test_hostnames_are_valid_whatever_the_id(sandbox_id: str, hostname: str) -> None:
+    assert hostname_for(sandbox_id) == hostname

@@ -1,0 +1,51 @@
+"""The SDK against the real control-plane app over an in-memory node (no VMs).
+
+The SDK's own tests use a fake built from docs/api.md; this one checks that the two
+readings of the contract (the SDK's and the control plane's) agree.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from space.sdk import AsyncSandbox
+from space.sdk.errors import AuthenticationError, NotFound, Unavailable
+from tests.unit.fakes import control_app
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def test_sdk_drives_the_control_plane_through_a_whole_session(tmp_path: Path) -> None:
+    async with control_app(tmp_path) as h:
+        key = h.key("acme")["Authorization"].removeprefix("Bearer ")
+        transport = httpx.ASGITransport(app=h.app)
+        sandbox = await AsyncSandbox.create(cpus=2, api_key=key, _transport=transport)
+        listed = await AsyncSandbox.list(api_key=key, _transport=transport)
+        chunks: list[str] = []
+        result = await sandbox.commands.run(["echo", "hi"], on_stdout=chunks.append)
+        handle = await sandbox.commands.run("sleep", background=True)
+        processes = await sandbox.commands.list()
+        written = await sandbox.files.write("/home/user/a.txt", iter([b"ab", b"cd"]))
+        text = await sandbox.files.read("/home/user/a.txt")
+        entries = await sandbox.files.list("/home/user")
+        with pytest.raises(Unavailable, match="channel broke"):
+            await sandbox.commands.run(["fail-midway"])
+        assert await sandbox.kill() is True
+        with pytest.raises(NotFound):
+            await AsyncSandbox.connect(sandbox.sandbox_id, api_key=key, _transport=transport)
+        with pytest.raises(AuthenticationError):
+            await AsyncSandbox.list(api_key="sk_space_wrong", _transport=transport)
+    assert [s.sandbox_id for s in listed] == [sandbox.sandbox_id] and listed[0].cpus == 2
+    assert (result.stdout, result.stderr, result.exit_code, "".join(chunks)) == (
+        "hi\n", "err", 0, "hi\n"
+    )  # fmt: skip
+    assert handle.process_id in [p.process_id for p in processes]
+    assert (written.size, text, [e.name for e in entries]) == (4, "abcd", ["a.txt"])

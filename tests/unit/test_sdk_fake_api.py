@@ -1,0 +1,333 @@
+"""A fake SPACE API, built only from docs/api.md, for testing the SDK and CLI without VMs.
+
+Commands do not run: a test scripts what an exec answers (``FakeApi.scripts``), keyed by
+the shell string or the argv joined with spaces. The tests at the bottom pin the fake
+itself to the contract, so the SDK tests do not test the SDK against a wrong fake.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+API_KEY = "sk-test-key"
+
+#: One scripted event: ("stdout" | "stderr", bytes), or ("exit", exit_code, signal,
+#: timed_out), or ("error", code, message).
+Event = tuple[Any, ...]
+
+
+@dataclass
+class FakeProcess:
+    process_id: str
+    pid: int
+    body: dict[str, Any]
+    events: list[Event]
+    killed_with: int | None = None
+
+
+@dataclass
+class FakeApi:
+    sandboxes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    files: dict[tuple[str, str], bytes] = field(default_factory=dict)
+    scripts: dict[str, list[Event]] = field(default_factory=dict)
+    processes: dict[str, FakeProcess] = field(default_factory=dict)
+    requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
+    exec_bodies: list[dict[str, Any]] = field(default_factory=list)
+    upload_chunks: list[int] = field(default_factory=list)
+    #: (status, code, message) answered to the next request instead of the real answer.
+    fail_next: tuple[int, str, str] | None = None
+    _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+
+    def transport(self) -> httpx.ASGITransport:
+        return httpx.ASGITransport(app=self.app())
+
+    def app(self) -> Callable[[Any, Any, Any], Awaitable[None]]:
+        base = "/v1/sandboxes"
+        routes = [
+            Route(base, self._create, methods=["POST"]),
+            Route(base, self._list, methods=["GET"]),
+            Route(base + "/{sid}", self._get, methods=["GET"]),
+            Route(base + "/{sid}", self._delete, methods=["DELETE"]),
+            Route(base + "/{sid}/exec", self._exec, methods=["POST"]),
+            Route(base + "/{sid}/processes", self._processes, methods=["GET"]),
+            Route(base + "/{sid}/processes/{pid}/stream", self._stream, methods=["GET"]),
+            Route(base + "/{sid}/processes/{pid}/kill", self._kill, methods=["POST"]),
+            Route(base + "/{sid}/files", self._write, methods=["PUT"]),
+            Route(base + "/{sid}/files", self._read, methods=["GET"]),
+            Route(base + "/{sid}/files", self._remove, methods=["DELETE"]),
+            Route(base + "/{sid}/files/stat", self._stat, methods=["GET"]),
+            Route(base + "/{sid}/files/list", self._listdir, methods=["GET"]),
+            Route(base + "/{sid}/files/mkdir", self._mkdir, methods=["POST"]),
+            Route(base + "/{sid}/files/rename", self._rename, methods=["POST"]),
+        ]
+        app = Starlette(routes=routes)
+
+        async def guarded(scope: Any, receive: Any, send: Any) -> None:
+            request = Request(scope)
+            self.requests.append((request.method, request.url.path, dict(request.headers)))
+            denial = self._precheck(request)
+            if denial is not None:
+                await denial(scope, receive, send)
+            else:
+                await app(scope, receive, send)
+
+        return guarded
+
+    # plumbing
+
+    def _precheck(self, request: Request) -> Response | None:
+        if self.fail_next is not None:
+            status, code, message = self.fail_next
+            self.fail_next = None
+            return _error(status, code, message)
+        auth = request.headers.get("authorization", "")
+        if auth != f"Bearer {API_KEY}" and request.headers.get("x-api-key") != API_KEY:
+            return _error(401, "unauthenticated", "missing or unknown API key")
+        return None
+
+    def _sandbox(self, request: Request) -> dict[str, Any] | None:
+        return self.sandboxes.get(request.path_params["sid"])
+
+    # sandboxes
+
+    async def _create(self, request: Request) -> Response:
+        body = await request.json()
+        if not 1 <= body.get("cpus", 1) <= 8:
+            return _error(422, "invalid_argument", "cpus must be 1-8")
+        sid = f"sbx{next(self._ids):04d}"
+        self.sandboxes[sid] = {
+            "id": sid,
+            "template": body.get("template", "base"),
+            "state": "running",
+            "cpus": body.get("cpus", 1),
+            "memory_mib": body.get("memory_mib", 256),
+            "disk_mib": body.get("disk_mib", 2048),
+            "env": body.get("env", {}),
+            "metadata": body.get("metadata", {}),
+            "created_at": "2026-11-30T12:00:00Z",
+            "expires_at": "2026-11-30T12:05:00Z",
+            "node_id": "local",
+        }
+        return JSONResponse(self.sandboxes[sid], status_code=201)
+
+    async def _list(self, request: Request) -> Response:
+        return JSONResponse({"sandboxes": list(self.sandboxes.values())})
+
+    async def _get(self, request: Request) -> Response:
+        sandbox = self._sandbox(request)
+        return JSONResponse(sandbox) if sandbox else _missing()
+
+    async def _delete(self, request: Request) -> Response:
+        if self.sandboxes.pop(request.path_params["sid"], None) is None:
+            return _missing()
+        return Response(status_code=204)
+
+    # commands
+
+    async def _exec(self, request: Request) -> Response:
+        if self._sandbox(request) is None:
+            return _missing()
+        body = await request.json()
+        self.exec_bodies.append(body)
+        key = body["cmd"] if "cmd" in body else " ".join(body["argv"])
+        events = self.scripts.get(key, [("stderr", b"not found\n"), ("exit", 127, None, False)])
+        process = FakeProcess(f"p{next(self._ids)}", 100 + len(self.processes), body, events)
+        self.processes[process.process_id] = process
+        start = {"type": "start", "pid": process.pid, "process_id": process.process_id}
+        lines = [start] if body.get("background") else [start, *_wire(process.events)]
+        return _ndjson(lines)
+
+    async def _processes(self, request: Request) -> Response:
+        listing = [
+            {
+                "process_id": p.process_id,
+                "pid": p.pid,
+                "argv": p.body.get("argv"),
+                "cmd": p.body.get("cmd"),
+                "running": p.killed_with is None,
+                "exit_code": None,
+                "signal": p.killed_with,
+                "started_at": 0.0,
+            }
+            for p in self.processes.values()
+        ]
+        return JSONResponse({"processes": listing})
+
+    async def _stream(self, request: Request) -> Response:
+        process = self.processes.get(request.path_params["pid"])
+        if process is None:
+            return _missing()
+        start = {"type": "start", "pid": process.pid, "process_id": process.process_id}
+        events = process.events
+        if process.killed_with is not None:
+            events = [e for e in events if e[0] != "exit"] + [
+                ("exit", None, process.killed_with, False)
+            ]
+        return _ndjson([start, *_wire(events)])
+
+    async def _kill(self, request: Request) -> Response:
+        process = self.processes.get(request.path_params["pid"])
+        if process is None:
+            return _missing()
+        process.killed_with = (await request.json()).get("signal", 9)
+        return Response(status_code=204)
+
+    # files
+
+    async def _write(self, request: Request) -> Response:
+        if self._sandbox(request) is None:
+            return _missing()
+        path = request.query_params["path"]
+        data = bytearray()
+        async for chunk in request.stream():
+            if chunk:
+                self.upload_chunks.append(len(chunk))
+            data += chunk
+        self.files[(request.path_params["sid"], path)] = bytes(data)
+        return JSONResponse(_stat(path, len(data)))
+
+    async def _read(self, request: Request) -> Response:
+        data = self.files.get((request.path_params["sid"], request.query_params["path"]))
+        if data is None:
+            return _missing()
+        return Response(data, headers={"Content-Length": str(len(data))})
+
+    async def _remove(self, request: Request) -> Response:
+        key = (request.path_params["sid"], request.query_params["path"])
+        if self.files.pop(key, None) is None:
+            return _missing()
+        return Response(status_code=204)
+
+    async def _stat(self, request: Request) -> Response:
+        path = request.query_params["path"]
+        data = self.files.get((request.path_params["sid"], path))
+        return _missing() if data is None else JSONResponse(_stat(path, len(data)))
+
+    async def _listdir(self, request: Request) -> Response:
+        prefix = request.query_params["path"].rstrip("/") + "/"
+        entries = [
+            _stat(path, len(data))
+            for (sid, path), data in self.files.items()
+            if sid == request.path_params["sid"] and path.startswith(prefix)
+        ]
+        return JSONResponse({"entries": entries})
+
+    async def _mkdir(self, request: Request) -> Response:
+        path = (await request.json())["path"]
+        return JSONResponse({**_stat(path, 0), "type": "dir", "mode": 0o755})
+
+    async def _rename(self, request: Request) -> Response:
+        body = await request.json()
+        sid = request.path_params["sid"]
+        data = self.files.pop((sid, body["src"]), None)
+        if data is None:
+            return _missing()
+        self.files[(sid, body["dst"])] = data
+        return JSONResponse(_stat(body["dst"], len(data)))
+
+
+def _error(status: int, code: str, message: str) -> Response:
+    return JSONResponse({"error": {"code": code, "message": message, "details": {}}}, status)
+
+
+def _missing() -> Response:
+    return _error(404, "not_found", "no such thing")
+
+
+def _stat(path: str, size: int) -> dict[str, Any]:
+    name = path.rsplit("/", 1)[-1]
+    return {
+        "name": name,
+        "path": path,
+        "type": "file",
+        "size": size,
+        "mode": 0o644,
+        "mtime": 0.0,
+        "owner": "user",
+    }
+
+
+def _wire(events: list[Event]) -> list[dict[str, Any]]:
+    lines: list[dict[str, Any]] = []
+    for event in events:
+        if event[0] in ("stdout", "stderr"):
+            lines.append({"type": event[0], "data": base64.b64encode(event[1]).decode()})
+        elif event[0] == "exit":
+            _, code, sig, timed_out = event
+            lines.append({"type": "exit", "exit_code": code, "signal": sig, "timed_out": timed_out})
+        else:
+            lines.append({"type": "error", "code": event[1], "message": event[2]})
+    return lines
+
+
+def _ndjson(lines: list[dict[str, Any]]) -> Response:
+    async def body() -> AsyncIterator[bytes]:
+        for line in lines:
+            yield json.dumps(line).encode() + b"\n"
+
+    return StreamingResponse(body(), media_type="application/x-ndjson")
+
+
+# The fake itself follows the contract.
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def fake() -> FakeApi:
+    return FakeApi()
+
+
+async def _client(fake: FakeApi) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        transport=fake.transport(),
+        base_url="http://space",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    )
+
+
+async def test_fake_api_creates_sandbox_with_201_and_the_documented_fields(fake: FakeApi) -> None:
+    async with await _client(fake) as client:
+        answer = await client.post("/v1/sandboxes", json={"template": "base"})
+    assert answer.status_code == 201
+    assert set(answer.json()) == {
+        "id", "template", "state", "cpus", "memory_mib", "disk_mib",
+        "env", "metadata", "created_at", "expires_at", "node_id",
+    }  # fmt: skip
+
+
+async def test_negative_fake_api_answers_401_in_the_error_shape_without_a_key(
+    fake: FakeApi,
+) -> None:
+    async with httpx.AsyncClient(transport=fake.transport(), base_url="http://x") as client:
+        answer = await client.get("/v1/sandboxes")
+    assert answer.status_code == 401
+    assert answer.json()["error"]["code"] == "unauthenticated"
+
+
+async def test_fake_api_exec_streams_start_output_exit_as_ndjson(fake: FakeApi) -> None:
+    fake.sandboxes["s1"] = {"id": "s1"}
+    fake.scripts["echo hi"] = [("stdout", b"hi\n"), ("exit", 0, None, False)]
+    async with await _client(fake) as client:
+        answer = await client.post("/v1/sandboxes/s1/exec", json={"cmd": "echo hi"})
+    events = [json.loads(line) for line in answer.text.splitlines()]
+    assert answer.headers["content-type"] == "application/x-ndjson"
+    assert [e["type"] for e in events] == ["start", "stdout", "exit"]
+    assert base64.b64decode(events[1]["data"]) == b"hi\n"

@@ -1,0 +1,85 @@
+"""The sync facade: plain sync code drives the async core on the SDK's loop thread."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from space.sdk import CommandHandle, Sandbox
+from space.sdk.errors import CommandExitError, InvalidArgument, NotFound
+from tests.unit.test_sdk_fake_api import API_KEY, FakeApi
+
+
+@pytest.fixture
+def fake() -> FakeApi:
+    return FakeApi()
+
+
+def _create(fake: FakeApi) -> Sandbox:
+    return Sandbox.create(api_key=API_KEY, _transport=fake.transport())
+
+
+def test_sync_sandbox_creates_runs_and_kills_from_plain_sync_code(fake: FakeApi) -> None:
+    fake.scripts["echo hi"] = [("stdout", b"hi\n"), ("exit", 0, None, False)]
+    threads: list[str] = []
+    with _create(fake) as sandbox:
+        result = sandbox.commands.run(
+            "echo hi", on_stdout=lambda _t: threads.append(threading.current_thread().name)
+        )
+        info = sandbox.get_info()
+    assert result.stdout == "hi\n" and info.sandbox_id == sandbox.sandbox_id
+    assert fake.sandboxes == {}  # the with block killed it
+    assert threads == ["space-sdk-loop"]  # callbacks run on the SDK's loop thread
+
+
+def test_sync_list_connect_and_check(fake: FakeApi) -> None:
+    fake.scripts["false"] = [("exit", 1, None, False)]
+    sandbox = _create(fake)
+    again = Sandbox.connect(sandbox.sandbox_id, api_key=API_KEY, _transport=fake.transport())
+    listed = Sandbox.list(api_key=API_KEY, _transport=fake.transport())
+    with pytest.raises(CommandExitError):
+        again.commands.run("false", check=True)
+    assert [s.sandbox_id for s in listed] == [sandbox.sandbox_id]
+    assert again.kill() is True and sandbox.kill() is False
+
+
+def test_sync_background_handle_waits_and_kills(fake: FakeApi) -> None:
+    fake.scripts["job"] = [("stdout", b"a"), ("stdout", b"b"), ("exit", 0, None, False)]
+    with _create(fake) as sandbox:
+        handle = sandbox.commands.run("job", background=True)
+        assert isinstance(handle, CommandHandle)
+        seen: list[str] = []
+        result = handle.wait(on_stdout=seen.append)
+        assert handle.kill() is True
+        connected = sandbox.commands.connect(handle.process_id)
+    assert (result.stdout, seen, connected.pid) == ("ab", ["a", "b"], handle.pid)
+
+
+def test_sync_files_round_trip_including_a_streamed_read(fake: FakeApi) -> None:
+    def generate() -> Iterator[bytes]:
+        for i in range(5):
+            yield bytes([i]) * 1000
+
+    with _create(fake) as sandbox:
+        sandbox.files.write("/f", generate())
+        chunks = list(sandbox.files.read("/f", format="stream"))
+        text_missing = sandbox.files.exists("/nope")
+        with pytest.raises(NotFound):
+            sandbox.files.read("/nope")
+    assert b"".join(chunks) == b"".join(bytes([i]) * 1000 for i in range(5))
+    assert text_missing is False
+
+
+def test_negative_calling_the_sync_sdk_from_its_own_callback_raises_instead_of_deadlocking(
+    fake: FakeApi,
+) -> None:
+    fake.scripts["x"] = [("stdout", b"x"), ("exit", 0, None, False)]
+    with _create(fake) as sandbox, pytest.raises(InvalidArgument, match="callback"):
+        sandbox.commands.run("x", on_stdout=lambda _t: sandbox.files.exists("/"))
+
+
+def test_sync_methods_keep_the_async_signature_and_docstring() -> None:
+    assert Sandbox.kill.__doc__ and "Idempotent" in Sandbox.kill.__doc__
+    assert Sandbox.create.__doc__ and "Create a sandbox" in Sandbox.create.__doc__
