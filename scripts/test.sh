@@ -9,7 +9,8 @@ echo "== ruff format --check"
 .venv/bin/ruff format --check space tests bench
 echo "== ruff check"
 .venv/bin/ruff check space tests bench
-echo "== mypy (strict on space/)"
+echo "== mypy (strict on space/, check_untyped_defs on tests/ and bench/)"
 .venv/bin/mypy
+.venv/bin/mypy tests bench
 echo "== pytest"
 exec .venv/bin/pytest -q -p no:cacheprovider "$@"

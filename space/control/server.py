@@ -35,13 +35,7 @@ async def run_control_plane(
     app = create_app(settings, registry)
     config = uvicorn.Config(app, host=host, port=port, lifespan="on", log_level="info")
     server = uvicorn.Server(config)
-    # Bound here, so a taken port is our Unavailable instead of uvicorn's sys.exit(1).
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        sock = socket.create_server((host, port), family=family, reuse_port=False)
-    except OSError as exc:
-        raise Unavailable(f"cannot listen on {host}:{port}: {exc}") from exc
-    with sock:
+    with _listen(host, port) as sock:
         serving = asyncio.ensure_future(server.serve(sockets=[sock]))
         try:
             await asyncio.shield(serving)
@@ -50,6 +44,26 @@ async def run_control_plane(
             server.should_exit = True
             await serving
             raise
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket, bound here so a taken port is our Unavailable (uvicorn
+    would sys.exit(1)).
+
+    proto is IPPROTO_TCP, not socket.create_server's 0: asyncio sets TCP_NODELAY only on
+    sockets whose proto says TCP, and without it every keep-alive response waited 40 ms
+    for the client's delayed ACK (measured: 46 ms vs 4 ms per request).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        raise Unavailable(f"cannot listen on {host}:{port}: {exc}") from exc
+    return sock
 
 
 async def register_remote_node(

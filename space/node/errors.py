@@ -87,4 +87,7 @@ _GUEST_CODES: dict[str, type[NodeError]] = {
 
 def error_for_code(code: str, message: str, *, sandbox_id: str | None = None) -> NodeError:
     """Build the node error for a guest's wire error code (unknown codes: GuestError)."""
-    return _GUEST_CODES.get(code, GuestError)(f"{code}: {message}", sandbox_id=sandbox_id)
+    leaf = _GUEST_CODES.get(code, GuestError)
+    # The guest's code stays in the message only where the leaf's own code loses it.
+    text = message if leaf.code == code else f"{code}: {message}"
+    return leaf(text, sandbox_id=sandbox_id)

@@ -8,14 +8,12 @@ travel as raw bytes (a read's FileStat in the ``X-Space-File-Stat`` header). Err
 answer ``{"error": {"code", "message", "details"}}`` with the status of ``STATUS_BY_CODE``.
 Every request needs ``Authorization: Bearer <node token>``.
 
-The wire helpers here (``encode``/``decode``, ``event_line``, ``ndjson_lines``) are
-shared with RemoteNode and the control plane's NDJSON streams.
+The JSON and NDJSON shapes live in space.node.wire, shared with RemoteNode and the
+control plane.
 """
 
 from __future__ import annotations
 
-import base64
-import dataclasses
 import hmac
 import json
 import logging
@@ -25,40 +23,27 @@ from typing import Annotated, Any, TypeVar
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from space.node.errors import InvalidArgument, NodeError
-from space.node.interface import (
-    ExecEvent,
-    ExecOutput,
-    ExecRequest,
-    ExecStream,
-    NodeService,
-    SandboxSpec,
+from space.node.interface import NodeService, SandboxSpec
+from space.node.wire import (
+    FILE_STAT_HEADER,
+    NDJSON,
+    decode,
+    decode_exec_request,
+    encode,
+    ndjson_lines,
 )
 
-__all__ = [
-    "FILE_STAT_HEADER",
-    "NDJSON",
-    "STATUS_BY_CODE",
-    "create_node_app",
-    "decode",
-    "decode_exec_request",
-    "encode",
-    "encode_exec_request",
-    "error_line",
-    "event_line",
-    "ndjson_lines",
-]
+__all__ = ["PREFIX", "STATUS_BY_CODE", "create_node_app"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 PREFIX = "/node/v1"
-NDJSON = "application/x-ndjson"
-FILE_STAT_HEADER = "X-Space-File-Stat"
 
 #: Node error code → HTTP status of the node API (the same codes as the REST API).
 STATUS_BY_CODE: dict[str, int] = {
@@ -72,99 +57,6 @@ STATUS_BY_CODE: dict[str, int] = {
     "unavailable": 503,
     "timeout": 504,
 }
-
-
-# -- wire codecs ---------------------------------------------------------------------
-
-
-_ADAPTERS: dict[object, TypeAdapter[Any]] = {}
-
-
-def _adapter(cls: Any) -> TypeAdapter[Any]:
-    adapter = _ADAPTERS.get(cls)
-    if adapter is None:
-        adapter = _ADAPTERS[cls] = TypeAdapter(cls)
-    return adapter
-
-
-def encode(value: object) -> Any:
-    """A JSON-ready form of a space.node.interface dataclass."""
-    return _adapter(type(value)).dump_python(value, mode="json")
-
-
-def decode(cls: type[T], data: object) -> T:
-    """Validate ``data`` as ``cls``; raises pydantic.ValidationError when malformed."""
-    value: T = _adapter(cls).validate_python(data)
-    return value
-
-
-def encode_exec_request(request: ExecRequest) -> dict[str, Any]:
-    body: dict[str, Any] = encode(dataclasses.replace(request, stdin=None))
-    body["stdin"] = None if request.stdin is None else base64.b64encode(request.stdin).decode()
-    return body
-
-
-def decode_exec_request(body: object) -> ExecRequest:
-    """Raises InvalidArgument for a malformed body (bad base64 included)."""
-    if not isinstance(body, dict):
-        raise InvalidArgument("exec body must be a JSON object")
-    stdin = body.get("stdin")
-    try:
-        raw = None if stdin is None else base64.b64decode(str(stdin), validate=True)
-        request = decode(ExecRequest, {**body, "stdin": None})
-    except (ValueError, ValidationError) as exc:
-        raise InvalidArgument(f"malformed exec request: {exc}") from exc
-    return ExecRequest(
-        argv=request.argv,
-        cmd=request.cmd,
-        env=request.env,
-        cwd=request.cwd,
-        user=request.user,
-        timeout_s=request.timeout_s,
-        background=request.background,
-        stdin=raw,
-    )
-
-
-def _line(obj: dict[str, Any]) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
-
-
-def event_line(event: ExecEvent) -> bytes:
-    """One NDJSON line for an exec event (docs/api.md, "Commands")."""
-    if isinstance(event, ExecOutput):
-        return _line({"type": event.stream, "data": base64.b64encode(event.data).decode()})
-    return _line(
-        {
-            "type": "exit",
-            "exit_code": event.exit_code,
-            "signal": event.signal,
-            "timed_out": event.timed_out,
-        }
-    )
-
-
-def error_line(code: str, message: str) -> bytes:
-    return _line({"type": "error", "code": code, "message": message})
-
-
-async def ndjson_lines(stream: ExecStream) -> AsyncIterator[bytes]:
-    """``start``, each event as produced, then nothing (or an ``error`` line if it fails).
-
-    Closing the iterator early (client gone) closes ``stream``: a foreground process is
-    killed, a background one keeps running.
-    """
-    try:
-        yield _line({"type": "start", "pid": stream.pid, "process_id": stream.process_id})
-        async for event in stream:
-            yield event_line(event)
-    except NodeError as exc:
-        yield error_line(exc.code, exc.message)
-    except Exception as exc:
-        log.exception("exec stream failed")
-        yield error_line("internal", f"stream failed: {type(exc).__name__}")
-    finally:
-        await stream.aclose()
 
 
 # -- errors and auth -----------------------------------------------------------------

@@ -26,7 +26,7 @@ from space.node.errors import (
     Timeout,
     Unavailable,
 )
-from space.node.http_api import FILE_STAT_HEADER, PREFIX, decode, encode, encode_exec_request
+from space.node.http_api import PREFIX
 from space.node.interface import (
     ExecEvent,
     ExecExited,
@@ -39,6 +39,7 @@ from space.node.interface import (
     SandboxSpec,
     SandboxStatus,
 )
+from space.node.wire import FILE_STAT_HEADER, decode, encode, encode_exec_request
 
 __all__ = ["RemoteNode", "error_from_response"]
 

@@ -40,6 +40,7 @@ class Platform:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
         with (self.data_dir / "serve.log").open("ab") as log:
             self.process = subprocess.Popen(
                 [*SPACE, "serve", "--data-dir", str(self.data_dir), "--port", str(self.port)],

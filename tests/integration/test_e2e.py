@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -135,7 +136,7 @@ def test_negative_another_tenant_sees_404_on_every_sandbox_call(
 ) -> None:
     other = {"Authorization": f"Bearer {platform.create_key('tenant-b')}"}
     base = f"{platform.url}/v1/sandboxes/{sbx.sandbox_id}"
-    calls = [
+    calls: list[tuple[str, str, dict[str, Any]]] = [
         ("GET", base, {}),
         ("POST", f"{base}/exec", {"json": {"cmd": "true"}}),
         ("GET", f"{base}/processes", {}),

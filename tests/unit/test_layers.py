@@ -1,0 +1,60 @@
+"""Each layer imports only what its seam allows (ARCHITECTURE.md), checked with `ast`."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "space"
+
+# Which space.* modules each layer may import, as prefixes.
+ALLOWED: dict[str, tuple[str, ...]] = {
+    "protocol": ("space.protocol",),
+    "guest": ("space.guest", "space.protocol"),
+    "node": ("space.node", "space.protocol"),
+    "control": (
+        "space.control",
+        "space.node.interface",
+        "space.node.errors",
+        "space.node.remote",
+        "space.node.wire",
+    ),
+    "sdk": ("space.sdk",),
+}
+
+
+def space_imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+    return {name for name in found if name == "space" or name.startswith("space.")}
+
+
+def allowed(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+@pytest.mark.parametrize("layer", sorted(ALLOWED))
+def test_a_layer_imports_only_through_its_seams(layer: str) -> None:
+    modules = sorted((PACKAGE / layer).rglob("*.py"))
+    assert modules, f"no modules found for layer {layer}"
+    offending = {
+        f"{path.relative_to(PACKAGE)}: {name}"
+        for path in modules
+        for name in space_imports(path)
+        if not allowed(name, ALLOWED[layer])
+    }
+    assert offending == set()
+
+
+def test_negative_the_checker_notices_a_cross_layer_import(tmp_path: Path) -> None:
+    module = tmp_path / "bad.py"
+    module.write_text("from space.node.service import Node\nimport os\n")
+    names = space_imports(module)
+    assert names == {"space.node.service"}
+    assert not allowed("space.node.service", ALLOWED["control"])
