@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 
 from space.node.images import ImageBuildError
-from space.node.images._cache import MANIFEST_NAME, ensure_entry, read_manifest, remove_tree
+from space.node.images._cache import (
+    MANIFEST_NAME,
+    ensure_entry,
+    prune,
+    read_manifest,
+    remove_tree,
+)
 
 DIGEST = "ab" * 32
 
@@ -135,3 +141,22 @@ def test_remove_tree_detaches_mounts_below_it_instead_of_deleting_through_them(
     finally:
         subprocess.run(["umount", "--lazy", str(mount_point)], capture_output=True)
     assert str(mount_point) not in Path("/proc/self/mountinfo").read_text()
+
+
+def test_prune_keeps_the_current_build_and_the_newest_other_of_that_template(
+    tmp_path: Path,
+) -> None:
+    digests = [f"{i:02x}" * 32 for i in range(4)]
+    for age, digest in enumerate(digests):
+        entry = ensure_entry(tmp_path, digest, _Builder())
+        os.utime(entry, (1000 + age, 1000 + age))
+    other = ensure_entry(tmp_path, "ff" * 32, lambda tmp: {"template": "other"})
+    deleted = prune(tmp_path, template="base", keep=digests[0])
+    assert sorted(deleted) == sorted(digests[1:3])
+    assert read_manifest(tmp_path / digests[0], digests[0]) is not None
+    assert read_manifest(tmp_path / digests[3], digests[3]) is not None
+    assert other.exists()
+
+
+def test_negative_prune_of_a_missing_cache_deletes_nothing(tmp_path: Path) -> None:
+    assert prune(tmp_path / "absent", template="base", keep=DIGEST) == []

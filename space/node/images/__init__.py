@@ -19,6 +19,7 @@ from pathlib import Path
 
 from space.node.errors import NotFound
 
+from ._cache import prune
 from ._command import ImageBuildError
 from ._template import KERNEL_CMDLINE, build_entry, inputs_for
 
@@ -76,9 +77,15 @@ def build_template(
     report(f"resolving inputs of template {name!r}")
     inputs = inputs_for(name)
     directory = build_entry(inputs, cache_dir, report)
+    digest = inputs.digest()
+    try:
+        for old in prune(cache_dir, template=name, keep=digest):
+            report(f"removed old build {old[:12]} of template {name!r}")
+    except OSError as exc:
+        raise ImageBuildError(f"image cache {cache_dir}: {exc}") from exc
     return GuestImage(
         name=name,
-        digest=inputs.digest(),
+        digest=digest,
         directory=directory,
         kernel=directory / "vmlinuz",
         initrd=directory / "initrd.img",

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ._command import ImageBuildError, run_command
 
-__all__ = ["MANIFEST_NAME", "ensure_entry", "read_manifest", "remove_tree"]
+__all__ = ["MANIFEST_NAME", "ensure_entry", "prune", "read_manifest", "remove_tree"]
 
 MANIFEST_NAME = "manifest.json"
 
@@ -67,6 +67,28 @@ def read_manifest(entry: Path, digest: str) -> dict[str, object] | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return manifest if isinstance(manifest, dict) else None
+
+
+def prune(root: Path, *, template: str, keep: str, spare: int = 1) -> list[str]:
+    """Delete complete entries of ``template`` other than ``keep``, sparing the ``spare``
+    most recent; return the digests deleted.
+
+    Every change to the guest daemon makes a new ~180 MB entry, so without this the cache
+    grows with each build. Nodes copy an image into their own pool, so an old entry is
+    needed only by a build of it in progress: each deletion holds that digest's lock.
+    """
+    entries = []
+    for entry in root.iterdir() if root.is_dir() else ():
+        manifest = read_manifest(entry, entry.name)
+        if entry.name != keep and manifest is not None and manifest.get("template") == template:
+            entries.append(entry)
+    entries.sort(key=lambda e: e.stat().st_mtime, reverse=True)
+    deleted = []
+    for entry in entries[spare:]:
+        with _locked(root / f".{entry.name}.lock"):
+            remove_tree(entry)
+        deleted.append(entry.name)
+    return deleted
 
 
 def remove_tree(path: Path) -> None:
