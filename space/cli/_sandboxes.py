@@ -1,4 +1,4 @@
-"""Client commands: create, ls, rm, exec, cp (all through the SDK)."""
+"""Client commands: create, ls, rm, pause, resume, exec, cp (all through the SDK)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import click
 from space.cli._common import ProgressPrinter, api_options, connection, fail, reports_errors
 from space.sdk import CommandResult, Sandbox, SandboxInfo
 
-__all__ = ["cp", "create", "exec_", "ls", "rm"]
+__all__ = ["cp", "create", "exec_", "ls", "pause", "resume", "rm"]
 
 #: Exit status of ``space exec`` when the command hit its timeout (as timeout(1) does).
 EXIT_TIMED_OUT = 124
@@ -93,6 +93,28 @@ def rm(sandbox_ids: tuple[str, ...], api_url: str | None, api_key: str | None) -
     for sandbox_id in sandbox_ids:
         Sandbox.connect(sandbox_id, **connection(api_url, api_key)).kill()
         click.echo(sandbox_id)
+
+
+@click.command()
+@click.argument("sandbox_ids", nargs=-1, required=True)
+@api_options
+@reports_errors
+def pause(sandbox_ids: tuple[str, ...], api_url: str | None, api_key: str | None) -> None:
+    """Pause sandboxes (vCPUs stopped, memory kept; exec or cp resumes them)."""
+    for sandbox_id in sandbox_ids:
+        with _connected(sandbox_id, api_url, api_key) as sandbox:
+            click.echo(f"{sandbox_id}  {sandbox.pause().state}")
+
+
+@click.command()
+@click.argument("sandbox_ids", nargs=-1, required=True)
+@api_options
+@reports_errors
+def resume(sandbox_ids: tuple[str, ...], api_url: str | None, api_key: str | None) -> None:
+    """Resume paused sandboxes."""
+    for sandbox_id in sandbox_ids:
+        with _connected(sandbox_id, api_url, api_key) as sandbox:
+            click.echo(f"{sandbox_id}  {sandbox.resume().state}")
 
 
 @click.command(name="exec", context_settings={"ignore_unknown_options": True})

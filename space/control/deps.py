@@ -6,7 +6,7 @@ import hmac
 import os
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated
 
@@ -18,6 +18,7 @@ from space.control.nodes import NodeRegistry
 from space.control.settings import ControlSettings
 from space.control.store import Database, repo
 from space.control.store.repo import SandboxRecord
+from space.node.interface import SandboxState
 
 __all__ = [
     "Context",
@@ -98,7 +99,14 @@ async def _sandbox(sandbox_id: str, tenant: Tenant, ctx: Context) -> SandboxReco
 Sandbox = Annotated[SandboxRecord, Depends(_sandbox)]
 
 
-async def _live_sandbox(record: Sandbox) -> SandboxRecord:
+async def _live_sandbox(record: Sandbox, ctx: Context) -> SandboxRecord:
+    if record.state == SandboxState.PAUSED.value:
+        # Guest operations resume a paused sandbox transparently (the node would too);
+        # resuming here first keeps the row's state true.
+        status = await ctx.nodes.get(record.node_id).resume_sandbox(record.id)
+        state = status.state.value
+        await ctx.db.run(lambda s: repo.set_state(s, record.id, state, error=status.error))
+        record = replace(record, state=state, error=status.error)
     if record.state != repo.RUNNING:
         raise ApiError(
             "conflict",
@@ -109,7 +117,8 @@ async def _live_sandbox(record: Sandbox) -> SandboxRecord:
     return record
 
 
-#: A sandbox of the caller's tenant that is running (409 otherwise).
+#: A sandbox of the caller's tenant that is running, resumed first if it was paused
+#: (409 in any other state).
 LiveSandbox = Annotated[SandboxRecord, Depends(_live_sandbox)]
 
 

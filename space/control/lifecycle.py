@@ -20,9 +20,18 @@ from space.control.schemas import SandboxCreate
 from space.control.store import repo
 from space.control.store.repo import SandboxRecord
 from space.node.errors import NodeError, NotFound
-from space.node.interface import SandboxSpec, SandboxState
+from space.node.interface import SandboxSpec, SandboxState, SandboxStatus
 
-__all__ = ["create_sandbox", "delete_sandbox", "new_sandbox_id"]
+__all__ = [
+    "create_sandbox",
+    "delete_sandbox",
+    "new_sandbox_id",
+    "pause_sandbox",
+    "resume_sandbox",
+]
+
+#: The states pause and resume accept (either is a no-op on the state it leads to).
+_PAUSABLE = frozenset({SandboxState.RUNNING.value, SandboxState.PAUSED.value})
 
 log = logging.getLogger(__name__)
 
@@ -111,3 +120,43 @@ async def delete_sandbox(ctx: ControlContext, record: SandboxRecord) -> None:
         await node.delete_sandbox(record.id)
     now = ctx.clock()
     await ctx.db.run(lambda s: repo.mark_deleted(s, record.id, now))
+
+
+async def pause_sandbox(ctx: ControlContext, record: SandboxRecord) -> SandboxRecord:
+    """Pause a running sandbox on its node and record ``paused``; idempotent.
+
+    Raises ApiError(conflict) naming the state for a sandbox neither running nor paused
+    (nothing is asked of the node then), or the node's NodeError (the row unchanged).
+    """
+    _check_pausable("pause", record)
+    status = await ctx.nodes.get(record.node_id).pause_sandbox(record.id)
+    return await _record_status(ctx, record, status)
+
+
+async def resume_sandbox(ctx: ControlContext, record: SandboxRecord) -> SandboxRecord:
+    """Resume a paused sandbox on its node and record ``running``; idempotent.
+
+    Raises as ``pause_sandbox``.
+    """
+    _check_pausable("resume", record)
+    status = await ctx.nodes.get(record.node_id).resume_sandbox(record.id)
+    return await _record_status(ctx, record, status)
+
+
+def _check_pausable(operation: str, record: SandboxRecord) -> None:
+    if record.state not in _PAUSABLE:
+        raise ApiError(
+            "conflict",
+            f"cannot {operation} sandbox {record.id}: it is {record.state}",
+            sandbox_id=record.id,
+            state=record.state,
+        )
+
+
+async def _record_status(
+    ctx: ControlContext, record: SandboxRecord, status: SandboxStatus
+) -> SandboxRecord:
+    state = status.state.value
+    if state != record.state or status.error != record.error:
+        await ctx.db.run(lambda s: repo.set_state(s, record.id, state, error=status.error))
+    return replace(record, state=state, error=status.error)

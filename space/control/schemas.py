@@ -67,7 +67,7 @@ class SandboxCreate(_Body):
     template: str = Field("base", pattern=r"^[a-z0-9][a-z0-9_.-]{0,63}$")
     cpus: int = Field(1, ge=1, le=8)
     memory_mib: int = Field(256, ge=128, le=16384)
-    disk_mib: int = Field(2048, ge=512, le=65536)
+    disk_mib: int = Field(2048, ge=1024, le=65536)
     #: Lifetime in seconds; null: none; omitted: the control plane's default.
     timeout_s: int | None = Field(None, ge=1, le=86400)
     env: _Env = Field(default_factory=dict)

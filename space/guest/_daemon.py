@@ -26,7 +26,7 @@ from space.protocol import (
     Op,
     ProtocolError,
     decode_credit,
-    decode_data,
+    decode_data_view,
     decode_eof,
     decode_json,
     encode_json,
@@ -166,7 +166,7 @@ class Daemon:
         if stream is None:
             return  # a stream that just ended: the host's frames crossed our RESULT
         if frame.kind is FrameKind.DATA:
-            channel, data = decode_data(frame.payload)
+            channel, data = decode_data_view(frame.payload)
             if channel is not Channel.INPUT:
                 raise ProtocolError("the host sent DATA on an output channel")
             stream.receive_input(len(frame.payload), data)

@@ -12,21 +12,26 @@ from collections.abc import Callable
 
 from space.protocol import (
     DATA_CHUNK_BYTES,
+    DATA_HEADER_BYTES,
     INITIAL_WINDOW_BYTES,
     Channel,
     FrameKind,
     ProtocolError,
     encode_credit,
-    encode_data,
+    encode_data_frame,
     encode_eof,
     encode_frame,
     encode_json,
+    pack_data_header,
 )
 
 from ._errors import SessionLost
 from ._transport import Transport
 
-__all__ = ["Session", "Stream"]
+__all__ = ["Chunk", "Session", "Stream"]
+
+#: Bulk data as it travels through spaced (views avoid copying it).
+Chunk = bytes | bytearray | memoryview
 
 #: Largest credit the guest accumulates; more from a buggy host is capped, not trusted.
 MAX_SEND_CREDIT = 1 << 40
@@ -44,9 +49,13 @@ class Session:
         self.last_stream_id = 0
 
     async def send(self, kind: FrameKind, stream_id: int, payload: bytes = b"") -> None:
+        await self.send_raw(encode_frame(kind, stream_id, payload))
+
+    async def send_raw(self, frame: bytes | bytearray) -> None:
+        """Send an already encoded frame; raises SessionLost once the session ended."""
         if not self.alive:
             raise SessionLost(self.session_id)
-        await self._transport.send(encode_frame(kind, stream_id, payload), self.generation)
+        await self._transport.send(frame, self.generation)
 
     def send_nowait(self, kind: FrameKind, stream_id: int, payload: bytes = b"") -> None:
         if self.alive:
@@ -74,7 +83,7 @@ class Stream:
         self._send_credit = INITIAL_WINDOW_BYTES
         self._credit_changed = asyncio.Event()
         self._recv_allowed = INITIAL_WINDOW_BYTES
-        self._inbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._inbox: asyncio.Queue[Chunk | None] = asyncio.Queue()
 
     # -- from the host (called synchronously by the frame dispatcher) --
 
@@ -82,7 +91,7 @@ class Stream:
         self._send_credit = min(self._send_credit + increment, MAX_SEND_CREDIT)
         self._credit_changed.set()
 
-    def receive_input(self, payload_size: int, data: bytes) -> None:
+    def receive_input(self, payload_size: int, data: Chunk) -> None:
         """Queue INPUT DATA; raises ProtocolError beyond the window we granted."""
         self._recv_allowed -= payload_size
         if self._recv_allowed < 0:
@@ -98,7 +107,7 @@ class Stream:
 
     # -- used by operation handlers --
 
-    async def read_input(self) -> bytes | None:
+    async def read_input(self) -> Chunk | None:
         """Next INPUT chunk, or None at EOF. Call ``consumed`` once it is used."""
         return await self._inbox.get()
 
@@ -108,14 +117,26 @@ class Stream:
             self._recv_allowed += size
             await self.session.send(FrameKind.CREDIT, self.id, encode_credit(size))
 
-    async def send_data(self, channel: Channel, data: bytes) -> None:
+    async def send_data(self, channel: Channel, data: Chunk) -> None:
         """Send ``data`` in chunks, each within the host's credit (waits for CREDIT)."""
         step = DATA_CHUNK_BYTES - 1
-        for start in range(0, len(data), step):
-            payload = encode_data(channel, data[start : start + step])
-            await self._take_credit(len(payload))
-            await self.session.send(FrameKind.DATA, self.id, payload)
-            self.sent_bytes += len(payload)
+        view = memoryview(data)
+        for start in range(0, len(view), step):
+            chunk = view[start : start + step]
+            await self._take_credit(len(chunk) + 1)
+            await self.session.send_raw(encode_data_frame(self.id, channel, chunk))
+            self.sent_bytes += len(chunk) + 1
+
+    async def send_data_frame(self, channel: Channel, frame: bytearray) -> None:
+        """Send a DATA frame whose data the caller put at ``frame[DATA_HEADER_BYTES:]``.
+
+        Saves a copy of bulk data; the caller must not touch ``frame`` afterwards.
+        """
+        size = len(frame) - DATA_HEADER_BYTES
+        pack_data_header(frame, self.id, channel, size)
+        await self._take_credit(size + 1)
+        await self.session.send_raw(frame)
+        self.sent_bytes += size + 1
 
     async def _take_credit(self, size: int) -> None:
         while self._send_credit < size:

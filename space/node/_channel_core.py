@@ -40,7 +40,7 @@ from space.protocol import (
     decode_eof,
     decode_json,
     encode_credit,
-    encode_data,
+    encode_data_frame,
     encode_eof,
     encode_frame,
     encode_json,
@@ -202,10 +202,13 @@ class ChannelCore:
     # -- writing --
 
     async def _send(self, kind: FrameKind, stream_id: int, payload: bytes = b"") -> None:
+        await self._send_frame(encode_frame(kind, stream_id, payload))
+
+    async def _send_frame(self, frame: bytes) -> None:
         if self._closed:
             raise self._unavailable()
         try:
-            self._writer.write(encode_frame(kind, stream_id, payload))
+            self._writer.write(frame)
             await self._writer.drain()
         except (OSError, RuntimeError) as exc:
             self._fail(f"write failed: {exc}")
@@ -300,13 +303,14 @@ class ChannelCore:
 
     async def _send_chunk(self, stream: GuestStream, chunk: bytes) -> None:
         step = DATA_CHUNK_BYTES - 1
-        for start in range(0, len(chunk), step):
-            payload = encode_data(Channel.INPUT, chunk[start : start + step])
-            while stream.send_credit < len(payload) and not stream.done:
+        view = memoryview(chunk)
+        for start in range(0, len(view), step):
+            data = view[start : start + step]
+            while stream.send_credit < len(data) + 1 and not stream.done:
                 stream.credit_changed.clear()
                 async with asyncio.timeout(self._request_timeout_s):
                     await stream.credit_changed.wait()
             if stream.done:
                 return  # the guest answered early (an error): the caller reads it
-            stream.send_credit -= len(payload)
-            await self._send(FrameKind.DATA, stream.id, payload)
+            stream.send_credit -= len(data) + 1
+            await self._send_frame(encode_data_frame(stream.id, Channel.INPUT, data))

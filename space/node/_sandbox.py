@@ -10,18 +10,26 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from space.node.channel import GuestChannel
-from space.node.errors import NodeError, Unavailable
+from space.node.errors import Conflict, NodeError, Timeout, Unavailable
 from space.node.interface import SandboxState
 from space.node.state import SandboxRecord
 from space.node.vmm.accel import Accelerator
 from space.node.vmm.qemu import QemuVM, VmConfig, console_tail, trim_console
 
-__all__ = ["LiveSandbox", "hostname_for", "kill_strays", "vm_config_for"]
+__all__ = [
+    "LiveSandbox",
+    "hostname_for",
+    "kill_strays",
+    "not_allowed",
+    "settled",
+    "vm_config_for",
+    "with_console",
+]
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +94,29 @@ class LiveSandbox:
             raise
         self.channel = channel
         return channel
+
+    async def pause(self) -> None:
+        """Stop the vCPUs; returns once QEMU confirmed. Unavailable if it cannot."""
+        await self._running_vm().pause()
+
+    async def resume(self) -> None:
+        """Restart the vCPUs; returns once QEMU confirmed. Unavailable if it cannot."""
+        await self._running_vm().resume()
+
+    async def vm_is_paused(self) -> bool:
+        """Whether QEMU's vCPUs are stopped, by QMP ``query-status``.
+
+        Without a working QMP connection the persisted record is believed instead.
+        """
+        try:
+            return await self._running_vm().query_status() == "paused"
+        except Unavailable:
+            return self.record.state == SandboxState.PAUSED
+
+    def _running_vm(self) -> QemuVM:
+        if self.vm is None or not self.vm.alive:
+            raise Unavailable("the sandbox's VM is not running", sandbox_id=self.sandbox_id)
+        return self.vm
 
     def watch(self, on_exit: Callable[[LiveSandbox], None], console_max_bytes: int) -> None:
         """Start the watcher: keeps the console bounded, reports an unexpected exit."""
@@ -175,4 +206,43 @@ def _vm_config_stub(run_root: Path, sandbox_id: str) -> VmConfig:
         rootfs=Path(),
         kernel_cmdline="",
         console_log=Path("/dev/null"),
+    )
+
+
+async def settled(transition: Awaitable[None]) -> None:
+    """Run ``transition`` to its end even if the caller is cancelled meanwhile.
+
+    A pause or resume is one QMP command and one state write, bounded by the QMP
+    timeout; abandoning it half-way would leave the record and the VM disagreeing.
+    """
+    task = asyncio.ensure_future(transition)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):  # the cancellation is what the caller gets
+            await task
+        raise
+
+
+def not_allowed(operation: str, sandbox: LiveSandbox) -> Conflict:
+    state = sandbox.record.state.value
+    return Conflict(
+        f"cannot {operation} sandbox {sandbox.sandbox_id}: it is {state}",
+        sandbox_id=sandbox.sandbox_id,
+    )
+
+
+def with_console(exc: BaseException, sandbox_id: str, tail: str) -> BaseException:
+    """The error to raise for a failed boot: a node error carrying the console tail.
+
+    Cancellation and node errors that are not about the VM (bad arguments) pass as is.
+    """
+    if not isinstance(exc, Exception):
+        return exc
+    if isinstance(exc, NodeError):
+        if not isinstance(exc, Unavailable | Timeout):
+            return exc
+        return type(exc)(f"{exc.message}; console tail:\n{tail[-1500:]}", sandbox_id=sandbox_id)
+    return Unavailable(
+        f"{type(exc).__name__}: {exc}; console tail:\n{tail[-1500:]}", sandbox_id=sandbox_id
     )

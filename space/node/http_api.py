@@ -138,6 +138,16 @@ async def _delete(node: Node, sandbox_id: str) -> Response:
     return Response(status_code=204)
 
 
+@_router.post("/sandboxes/{sandbox_id}/pause")
+async def _pause(node: Node, sandbox_id: str) -> Any:
+    return encode(await node.pause_sandbox(sandbox_id))
+
+
+@_router.post("/sandboxes/{sandbox_id}/resume")
+async def _resume(node: Node, sandbox_id: str) -> Any:
+    return encode(await node.resume_sandbox(sandbox_id))
+
+
 @_router.post("/sandboxes/{sandbox_id}/exec")
 async def _exec(node: Node, sandbox_id: str, request: Request) -> StreamingResponse:
     stream = await node.exec(sandbox_id, decode_exec_request(await request.json()))

@@ -33,6 +33,8 @@ __all__ = [
 class SandboxState(enum.StrEnum):
     CREATING = "creating"
     RUNNING = "running"
+    #: vCPUs stopped, memory kept; resumed by ``resume_sandbox`` or any guest operation.
+    PAUSED = "paused"
     STOPPED = "stopped"
     ERROR = "error"
     DELETED = "deleted"
@@ -153,7 +155,10 @@ class NodeService(Protocol):
     """Operations on one node. Every method raises space.node.errors.NodeError leaves.
 
     create and delete are idempotent per sandbox id; create returns once the guest
-    daemon answered its hello (state RUNNING).
+    daemon answered its hello (state RUNNING). pause and resume are idempotent too
+    (pausing a PAUSED sandbox returns its status) and raise Conflict, naming the state,
+    for a sandbox that is neither RUNNING nor PAUSED. Every guest operation (exec,
+    attach, processes, files) on a PAUSED sandbox resumes it first.
     """
 
     async def info(self) -> NodeInfo: ...
@@ -161,6 +166,10 @@ class NodeService(Protocol):
     async def create_sandbox(self, spec: SandboxSpec) -> SandboxStatus: ...
 
     async def delete_sandbox(self, sandbox_id: str) -> None: ...
+
+    async def pause_sandbox(self, sandbox_id: str) -> SandboxStatus: ...
+
+    async def resume_sandbox(self, sandbox_id: str) -> SandboxStatus: ...
 
     async def get_sandbox(self, sandbox_id: str) -> SandboxStatus: ...
 

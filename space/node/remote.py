@@ -257,6 +257,14 @@ class RemoteNode(NodeService):
     async def delete_sandbox(self, sandbox_id: str) -> None:
         await self._json("DELETE", f"/sandboxes/{sandbox_id}", sandbox_id)
 
+    async def pause_sandbox(self, sandbox_id: str) -> SandboxStatus:
+        body = await self._json("POST", f"/sandboxes/{sandbox_id}/pause", sandbox_id)
+        return _parse(SandboxStatus, body, sandbox_id)
+
+    async def resume_sandbox(self, sandbox_id: str) -> SandboxStatus:
+        body = await self._json("POST", f"/sandboxes/{sandbox_id}/resume", sandbox_id)
+        return _parse(SandboxStatus, body, sandbox_id)
+
     async def get_sandbox(self, sandbox_id: str) -> SandboxStatus:
         body = await self._json("GET", f"/sandboxes/{sandbox_id}", sandbox_id)
         return _parse(SandboxStatus, body, sandbox_id)

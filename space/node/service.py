@@ -19,10 +19,18 @@ import shutil
 import time
 import weakref
 from collections.abc import AsyncIterable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
-from space.node._sandbox import LiveSandbox, kill_strays, vm_config_for
+from space.node._sandbox import (
+    LiveSandbox,
+    kill_strays,
+    not_allowed,
+    settled,
+    vm_config_for,
+    with_console,
+)
+from space.node._template import Template, prepare_template
 from space.node.channel import GuestChannel
 from space.node.config import NodeConfig, resolve_node_id
 from space.node.errors import (
@@ -31,10 +39,8 @@ from space.node.errors import (
     NodeError,
     NotFound,
     ResourceExhausted,
-    Timeout,
     Unavailable,
 )
-from space.node.images import GuestImage, build_template
 from space.node.interface import (
     ExecRequest,
     ExecStream,
@@ -47,7 +53,7 @@ from space.node.interface import (
     SandboxStatus,
 )
 from space.node.state import SandboxRecord, StateStore
-from space.node.storage.btrfs import BtrfsPool, TemplateVolume
+from space.node.storage.btrfs import BtrfsPool
 from space.node.vmm.accel import Accelerator, detect_accelerator
 from space.node.vmm.qemu import QemuVM
 
@@ -55,16 +61,10 @@ __all__ = ["Node"]
 
 log = logging.getLogger(__name__)
 
+#: Persisted states whose VM a restarted node takes over (others are cleaned up).
+_ADOPTABLE = (SandboxState.CREATING, SandboxState.RUNNING, SandboxState.PAUSED)
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _LIMITS = {"cpus": (1, 8), "memory_mib": (128, 16384), "disk_mib": (1, 65536)}
-
-
-@dataclass(frozen=True, slots=True)
-class _Template:
-    image: GuestImage
-    volume: TemplateVolume
-    #: The smallest disk a sandbox of this template may ask for (the image's size).
-    min_disk_mib: int
 
 
 class Node:
@@ -76,7 +76,7 @@ class Node:
         *,
         node_id: str,
         pool: BtrfsPool,
-        templates: dict[str, _Template],
+        templates: dict[str, Template],
         accel: Accelerator,
     ) -> None:
         self.config = config
@@ -108,7 +108,7 @@ class Node:
             pool_path=config.pool_path, data_dir=config.data_dir, size_gib=config.pool_size_gib
         )
         try:
-            template = await _prepare_template(pool, config, say)
+            template = await prepare_template(pool, config, say)
             accel = await detect_accelerator(
                 config.accel,
                 data_dir=config.data_dir,
@@ -196,13 +196,13 @@ class Node:
             except BaseException as exc:
                 tail = sandbox.console_tail()
                 await asyncio.shield(self._destroy(sandbox))
-                error = _with_console(exc, spec.sandbox_id, tail)
+                error = with_console(exc, spec.sandbox_id, tail)
                 if error is exc:
                     raise
                 raise error from exc
             return sandbox.record.status()
 
-    async def _boot(self, sandbox: LiveSandbox, template: _Template) -> None:
+    async def _boot(self, sandbox: LiveSandbox, template: Template) -> None:
         spec = sandbox.record.spec
         self._store.save(sandbox.record)  # CREATING, before anything exists to clean up
         await self.pool.create_sandbox_volume(
@@ -223,6 +223,47 @@ class Node:
                 await self._remove_leftovers(sandbox_id)
                 return
             await asyncio.shield(self._destroy(sandbox))
+
+    async def pause_sandbox(self, sandbox_id: str) -> SandboxStatus:
+        """Stop the sandbox's vCPUs, keeping its memory; returns its status (PAUSED).
+
+        Idempotent (a PAUSED sandbox's status comes back as is). PAUSED is persisted
+        after QEMU confirmed and before returning. Raises NotFound, Conflict naming the
+        state (neither running nor paused), Unavailable (QMP failed: still RUNNING). A
+        cancellation waits for QEMU's answer (at most the QMP timeout), so the record
+        and the VM agree.
+        """
+        return await self._switch(sandbox_id, SandboxState.PAUSED)
+
+    async def resume_sandbox(self, sandbox_id: str) -> SandboxStatus:
+        """Restart a PAUSED sandbox's vCPUs; returns its status (RUNNING).
+
+        Idempotent, persisted and raising as ``pause_sandbox``. The guest's clock stood
+        still while paused: it runs behind by the paused time until the guest syncs it.
+        """
+        return await self._switch(sandbox_id, SandboxState.RUNNING)
+
+    async def _switch(self, sandbox_id: str, target: SandboxState) -> SandboxStatus:
+        _check_id(sandbox_id)
+        async with self._lock(sandbox_id):
+            sandbox = self._get(sandbox_id)
+            await self._switch_locked(sandbox, target)
+            return sandbox.record.status()
+
+    async def _switch_locked(self, sandbox: LiveSandbox, target: SandboxState) -> None:
+        """RUNNING <-> PAUSED, persisted once QEMU confirmed; the caller holds the lock."""
+        state = sandbox.record.state
+        if state == target:
+            return
+        if state not in (SandboxState.RUNNING, SandboxState.PAUSED):
+            raise not_allowed("pause" if target == SandboxState.PAUSED else "resume", sandbox)
+        action = sandbox.pause if target == SandboxState.PAUSED else sandbox.resume
+
+        async def switch() -> None:
+            await action()
+            self._store.save(sandbox.mark(target))
+
+        await settled(switch())
 
     async def get_sandbox(self, sandbox_id: str) -> SandboxStatus:
         return self._get(sandbox_id).record.status()
@@ -296,8 +337,17 @@ class Node:
         return sandbox
 
     async def _channel(self, sandbox_id: str) -> GuestChannel:
-        """The sandbox's open channel, reconnecting once if it broke but QEMU lives."""
+        """The sandbox's open channel, reconnecting once if it broke but QEMU lives.
+
+        A PAUSED sandbox is resumed first (under its lock), transparently.
+        """
         sandbox = self._get(sandbox_id)
+        if sandbox.record.state == SandboxState.PAUSED:
+            async with sandbox.lock:
+                sandbox = self._get(sandbox_id)
+                if sandbox.record.state == SandboxState.PAUSED:
+                    log.info("sandbox %s: resuming it for a guest operation", sandbox_id)
+                    await self._switch_locked(sandbox, SandboxState.RUNNING)
         if sandbox.record.state != SandboxState.RUNNING:
             raise Unavailable(
                 f"sandbox is {sandbox.record.state.value}: {sandbox.record.error or ''}".strip(),
@@ -323,7 +373,7 @@ class Node:
         )
         return LiveSandbox(record=record, config=config, lock=lock)
 
-    def _validate(self, spec: SandboxSpec) -> _Template:
+    def _validate(self, spec: SandboxSpec) -> Template:
         _check_id(spec.sandbox_id)
         for name, (low, high) in _LIMITS.items():
             value = getattr(spec, name)
@@ -407,39 +457,32 @@ class Node:
         cmdline = template.image.kernel_cmdline if template else ""
         sandbox = self._live(record, cmdline, self._lock(sid))
         pid = record.vmm_pid
-        if pid is None or record.state not in (SandboxState.CREATING, SandboxState.RUNNING):
+        if pid is None or record.state not in _ADOPTABLE:
             say(f"sandbox {sid}: {record.state.value} without a VM; cleaning up")
             await self._destroy(sandbox)
             return
         try:
             sandbox.vm = await QemuVM.adopt(sandbox.config, pid)
-            await sandbox.connect(hello_timeout_s=self.config.boot_timeout_s)
+            state = await self._adopted_state(sandbox)
         except (NodeError, OSError) as exc:
             say(f"sandbox {sid}: cannot re-adopt ({exc}); cleaning up")
             await self._destroy(sandbox)
             return
         self._sandboxes[sid] = sandbox
-        self._store.save(sandbox.mark(SandboxState.RUNNING))
+        self._store.save(sandbox.mark(state))
         sandbox.watch(self._on_vm_exit, self.config.console_max_bytes)
-        say(f"sandbox {sid}: re-adopted qemu pid {pid}")
+        say(f"sandbox {sid}: re-adopted qemu pid {pid} ({state.value})")
 
+    async def _adopted_state(self, sandbox: LiveSandbox) -> SandboxState:
+        """PAUSED or RUNNING as QEMU itself says, whatever the record says.
 
-async def _prepare_template(
-    pool: BtrfsPool, config: NodeConfig, say: Callable[[str], None]
-) -> _Template:
-    try:
-        image = await asyncio.to_thread(
-            build_template, "base", cache_dir=config.image_cache_dir, progress=say
-        )
-    except NodeError:
-        raise
-    except Exception as exc:
-        raise Unavailable(f"building the base image failed: {exc}") from exc
-    volume = await pool.import_template(
-        "base", image.digest, kernel=image.kernel, initrd=image.initrd, rootfs=image.rootfs
-    )
-    size = volume.rootfs.stat().st_size
-    return _Template(image=image, volume=volume, min_disk_mib=-(-size // (1 << 20)))
+        The node may have died between QMP ``stop``/``cont`` and persisting the state.
+        A paused guest cannot answer HELLO: its channel opens on the resume.
+        """
+        if await sandbox.vm_is_paused():
+            return SandboxState.PAUSED
+        await sandbox.connect(hello_timeout_s=self.config.boot_timeout_s)
+        return SandboxState.RUNNING
 
 
 def _check_id(sandbox_id: str) -> None:
@@ -447,19 +490,3 @@ def _check_id(sandbox_id: str) -> None:
         raise InvalidArgument(
             f"invalid sandbox id {sandbox_id!r}: want [A-Za-z0-9_.-], at most 63", sandbox_id=None
         )
-
-
-def _with_console(exc: BaseException, sandbox_id: str, tail: str) -> BaseException:
-    """The error to raise for a failed boot: a node error carrying the console tail.
-
-    Cancellation and node errors that are not about the VM (bad arguments) pass as is.
-    """
-    if not isinstance(exc, Exception):
-        return exc
-    if isinstance(exc, NodeError):
-        if not isinstance(exc, Unavailable | Timeout):
-            return exc
-        return type(exc)(f"{exc.message}; console tail:\n{tail[-1500:]}", sandbox_id=sandbox_id)
-    return Unavailable(
-        f"{type(exc).__name__}: {exc}; console tail:\n{tail[-1500:]}", sandbox_id=sandbox_id
-    )

@@ -5,6 +5,7 @@ See docs/protocol.md for the session and stream rules; this package holds the fr
 """
 
 from ._frames import (
+    DATA_HEADER_BYTES,
     HEADER_BYTES,
     MAX_FRAME_BYTES,
     MAX_PAYLOAD_BYTES,
@@ -14,8 +15,10 @@ from ._frames import (
     FrameKind,
     ProtocolError,
     check_length,
+    encode_data_frame,
     encode_frame,
     length_prefix_bytes,
+    pack_data_header,
     parse_body,
     unpack_length,
 )
@@ -30,6 +33,7 @@ from ._messages import (
     Op,
     decode_credit,
     decode_data,
+    decode_data_view,
     decode_eof,
     decode_json,
     encode_credit,
@@ -43,6 +47,7 @@ PORT_NAME = "space.agent"
 
 __all__ = [
     "DATA_CHUNK_BYTES",
+    "DATA_HEADER_BYTES",
     "HEADER_BYTES",
     "INITIAL_WINDOW_BYTES",
     "MAX_FRAME_BYTES",
@@ -62,14 +67,17 @@ __all__ = [
     "check_length",
     "decode_credit",
     "decode_data",
+    "decode_data_view",
     "decode_eof",
     "decode_json",
     "encode_credit",
     "encode_data",
+    "encode_data_frame",
     "encode_eof",
     "encode_frame",
     "encode_json",
     "length_prefix_bytes",
+    "pack_data_header",
     "parse_body",
     "unpack_length",
 ]

@@ -19,6 +19,7 @@ import struct
 from dataclasses import dataclass
 
 __all__ = [
+    "DATA_HEADER_BYTES",
     "HEADER_BYTES",
     "MAX_FRAME_BYTES",
     "MAX_PAYLOAD_BYTES",
@@ -27,7 +28,9 @@ __all__ = [
     "FrameDecoder",
     "FrameKind",
     "ProtocolError",
+    "encode_data_frame",
     "encode_frame",
+    "pack_data_header",
 ]
 
 _LENGTH = struct.Struct(">I")
@@ -95,49 +98,110 @@ def encode_frame(kind: FrameKind, stream: int, payload: bytes = b"") -> bytes:
 class FrameDecoder:
     """Incremental decoder: feed it bytes as they arrive, get whole frames back.
 
-    It holds at most one partial frame, so its buffer never exceeds
-    ``HEADER_BYTES + MAX_PAYLOAD_BYTES`` plus the bytes of the last ``feed`` call. Any
+    It holds at most one partial frame, so its live bytes never exceed
+    ``HEADER_BYTES + MAX_PAYLOAD_BYTES`` plus the bytes of the last ``feed`` call (its
+    reused buffer at most twice that). Any
     violation raises ProtocolError and leaves the decoder unusable (``broken``).
+    ``feed`` copies what it keeps, so callers may reuse the buffer they passed.
     """
 
     def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         self._max_frame_bytes = max_frame_bytes
+        # Live bytes are buffer[start:end]. The buffer is reused, not resized per feed:
+        # freeing and re-growing it costs page faults that dominate on an emulated CPU.
         self._buffer = bytearray()
-        self._expected: int | None = None
+        self._start = 0
+        self._end = 0
         self.broken = False
 
-    def feed(self, data: bytes) -> list[Frame]:
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
         if self.broken:
             raise ProtocolError("decoder already failed")
-        self._buffer += data
+        size = len(data)
+        if self._end + size > len(self._buffer):
+            self._make_room(size)
+        self._buffer[self._end : self._end + size] = data
+        self._end += size
         frames: list[Frame] = []
         try:
-            while (frame := self._next()) is not None:
-                frames.append(frame)
+            with memoryview(self._buffer) as view:
+                self._start = self._cut(view, frames)
         except ProtocolError:
             self.broken = True
-            self._buffer.clear()
+            self._buffer = bytearray()
+            self._start = self._end = 0
             raise
+        if self._start == self._end:
+            self._start = self._end = 0
         return frames
+
+    def _make_room(self, size: int) -> None:
+        """Move the partial frame to the front, growing the buffer if that is not enough."""
+        live = self._end - self._start
+        if self._start:
+            with memoryview(self._buffer) as view:
+                view[:live] = view[self._start : self._end]
+            self._start, self._end = 0, live
+        if live + size > len(self._buffer):
+            # Room for a few feeds, so the partial frame is moved only every few feeds.
+            capacity = max(4 * (live + size), 2 * len(self._buffer))
+            self._buffer.extend(bytes(capacity - len(self._buffer)))
+
+    def _cut(self, view: memoryview, frames: list[Frame]) -> int:
+        """Append the whole frames in view[start:end] to ``frames``; return where they end."""
+        position = self._start
+        end = self._end
+        prefix = _LENGTH.size
+        while end - position >= prefix:
+            (length,) = _LENGTH.unpack_from(view, position)
+            check_length(length, self._max_frame_bytes)
+            if end - position - prefix < length:
+                break
+            body = position + prefix
+            kind_value, stream = _KIND_STREAM.unpack_from(view, body)
+            payload = bytes(view[body + _KIND_STREAM.size : body + length])
+            frames.append(Frame(_kind(kind_value), stream, payload))
+            position = body + length
+        return position
 
     @property
     def buffered_bytes(self) -> int:
-        return len(self._buffer)
+        return self._end - self._start
 
-    def _next(self) -> Frame | None:
-        if self._expected is None:
-            if len(self._buffer) < _LENGTH.size:
-                return None
-            (length,) = _LENGTH.unpack_from(self._buffer)
-            check_length(length, self._max_frame_bytes)
-            self._expected = length
-            del self._buffer[: _LENGTH.size]
-        if len(self._buffer) < self._expected:
-            return None
-        body = bytes(self._buffer[: self._expected])
-        del self._buffer[: self._expected]
-        self._expected = None
-        return parse_body(body)
+
+def _kind(value: int) -> FrameKind:
+    try:
+        return _KINDS[value]
+    except KeyError:
+        raise ProtocolError(f"unknown frame kind {value}") from None
+
+
+_KINDS = {kind.value: kind for kind in FrameKind}
+
+
+#: Bytes of a DATA frame before its data: the frame header and the channel byte.
+DATA_HEADER_BYTES = HEADER_BYTES + 1
+_DATA_HEADER = struct.Struct(">IBIB")
+
+
+def pack_data_header(buffer: bytearray, stream: int, channel: Channel, size: int) -> None:
+    """Write the header of a DATA frame carrying ``size`` bytes into ``buffer[:10]``.
+
+    For senders that read data straight into ``buffer[DATA_HEADER_BYTES:]`` (no copy).
+    Raises ProtocolError like ``encode_frame``.
+    """
+    if size + 1 > MAX_PAYLOAD_BYTES:
+        raise ProtocolError(f"data chunk of {size} bytes is too large")
+    if not 0 <= stream <= MAX_STREAM_ID:
+        raise ProtocolError(f"stream id {stream} out of range")
+    _DATA_HEADER.pack_into(buffer, 0, _KIND_STREAM.size + 1 + size, FrameKind.DATA, stream, channel)
+
+
+def encode_data_frame(stream: int, channel: Channel, chunk: bytes | memoryview) -> bytes:
+    """The wire bytes of one DATA frame (same as encode_frame of encode_data, one copy)."""
+    header = bytearray(DATA_HEADER_BYTES)
+    pack_data_header(header, stream, channel, len(chunk))
+    return b"".join((header, chunk))
 
 
 def check_length(length: int, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
@@ -151,11 +215,7 @@ def check_length(length: int, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
 def parse_body(body: bytes) -> Frame:
     """Turn the bytes after the length field into a Frame, validating the kind."""
     kind_value, stream = _KIND_STREAM.unpack_from(body)
-    try:
-        kind = FrameKind(kind_value)
-    except ValueError:
-        raise ProtocolError(f"unknown frame kind {kind_value}") from None
-    return Frame(kind, stream, body[_KIND_STREAM.size :])
+    return Frame(_kind(kind_value), stream, body[_KIND_STREAM.size :])
 
 
 def length_prefix_bytes() -> int:

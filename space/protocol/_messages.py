@@ -23,6 +23,7 @@ __all__ = [
     "Op",
     "decode_credit",
     "decode_data",
+    "decode_data_view",
     "decode_eof",
     "decode_json",
     "encode_credit",
@@ -41,8 +42,9 @@ MAX_PING_BYTES = 64
 MAX_STREAMS = 1024
 #: DATA bytes each side may send on a stream before it receives CREDIT.
 INITIAL_WINDOW_BYTES = 1024 * 1024
-#: Preferred size of one DATA chunk (one byte of the payload is the channel).
-DATA_CHUNK_BYTES = 64 * 1024
+#: Preferred size of one DATA payload (one byte of it is the channel): the largest, as
+#: every frame costs the guest a wakeup and a few syscalls.
+DATA_CHUNK_BYTES = MAX_PAYLOAD_BYTES
 
 _CREDIT = struct.Struct(">I")
 
@@ -108,6 +110,11 @@ def encode_data(channel: Channel, chunk: bytes) -> bytes:
 
 def decode_data(payload: bytes) -> tuple[Channel, bytes]:
     return _decode_channel(payload[:1]), payload[1:]
+
+
+def decode_data_view(payload: bytes) -> tuple[Channel, memoryview]:
+    """Like decode_data, without copying the data (a view into ``payload``)."""
+    return _decode_channel(payload[:1]), memoryview(payload)[1:]
 
 
 def encode_eof(channel: Channel) -> bytes:

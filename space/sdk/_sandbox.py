@@ -133,6 +133,30 @@ class AsyncSandbox:
         self._info = await _get_info(self._api, self.sandbox_id)
         return self._info
 
+    async def pause(self) -> SandboxInfo:
+        """Pause the sandbox: its vCPUs stop, its memory and processes are kept.
+
+        Idempotent (pausing a paused sandbox is fine). Any command or file call resumes
+        it transparently; so does ``resume()``. The guest's clock stands still while
+        paused. Raises Conflict (the message names the state) for a sandbox that is
+        neither running nor paused, NotFound once it is gone.
+        """
+        return await self._transition("pause")
+
+    async def resume(self) -> SandboxInfo:
+        """Resume a paused sandbox (immediate); idempotent. Raises as ``pause()``."""
+        return await self._transition("resume")
+
+    async def _transition(self, action: str) -> SandboxInfo:
+        body = await self._api.request_json(
+            "POST",
+            f"/v1/sandboxes/{self.sandbox_id}/{action}",
+            operation=f"sandbox.{action}",
+            sandbox_id=self.sandbox_id,
+        )
+        self._info = SandboxInfo.from_wire(_object(body))
+        return self._info
+
     async def kill(self) -> bool:
         """Delete the sandbox and close the connection.
 

@@ -253,6 +253,8 @@ class Sandbox(_Facade[AsyncSandbox]):
     list = staticmethod(_blocking_static(AsyncSandbox.list))
 
     get_info = _blocking(AsyncSandbox.get_info)
+    pause = _blocking(AsyncSandbox.pause)
+    resume = _blocking(AsyncSandbox.resume)
     kill = _blocking(AsyncSandbox.kill)
     close = _blocking(AsyncSandbox.close)
 

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -32,6 +32,8 @@ from space.node.interface import (
 )
 
 CHUNK = 1024 * 1024
+#: FakeNode methods that do not resume a paused sandbox (guest operations do).
+_LIFECYCLE = frozenset({"get_sandbox", "pause_sandbox", "resume_sandbox"})
 
 
 class FakeExecStream:
@@ -108,6 +110,8 @@ class FakeNode:
         box = self.boxes.get(sandbox_id)
         if box is None:
             raise NotFound(f"no sandbox {sandbox_id}", sandbox_id=sandbox_id)
+        if box.status.state == SandboxState.PAUSED and method not in _LIFECYCLE:
+            box.status = replace(box.status, state=SandboxState.RUNNING)  # as the node: resume
         return box
 
     def snapshot(self) -> object:
@@ -146,6 +150,22 @@ class FakeNode:
     async def delete_sandbox(self, sandbox_id: str) -> None:
         self.calls.append(("delete_sandbox", sandbox_id))
         self.boxes.pop(sandbox_id, None)
+
+    async def pause_sandbox(self, sandbox_id: str) -> SandboxStatus:
+        return self._transition(self._box("pause_sandbox", sandbox_id), SandboxState.PAUSED)
+
+    async def resume_sandbox(self, sandbox_id: str) -> SandboxStatus:
+        return self._transition(self._box("resume_sandbox", sandbox_id), SandboxState.RUNNING)
+
+    def _transition(self, box: _Box, state: SandboxState) -> SandboxStatus:
+        """RUNNING <-> PAUSED as the real node: idempotent, Conflict naming other states."""
+        if box.status.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
+            raise Conflict(
+                f"cannot change sandbox {box.status.sandbox_id}: it is {box.status.state.value}",
+                sandbox_id=box.status.sandbox_id,
+            )
+        box.status = replace(box.status, state=state)
+        return box.status
 
     async def get_sandbox(self, sandbox_id: str) -> SandboxStatus:
         return self._box("get_sandbox", sandbox_id).status

@@ -14,7 +14,10 @@ from click.testing import CliRunner, Result
 from space.cli import CliContext, _demo, _server, main
 from tests.unit.test_sdk_fake_api import API_KEY, FakeApi
 
-COMMANDS = ["cp", "create", "demo", "exec", "keys", "ls", "node", "rm", "serve", "template"]
+COMMANDS = [
+    "cp", "create", "demo", "exec", "keys", "ls", "node", "pause", "resume", "rm", "serve",
+    "template",
+]  # fmt: skip
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from space.protocol import (
+    DATA_HEADER_BYTES,
     MAX_FRAME_BYTES,
     MAX_JSON_BYTES,
     MAX_PAYLOAD_BYTES,
@@ -21,12 +22,15 @@ from space.protocol import (
     check_length,
     decode_credit,
     decode_data,
+    decode_data_view,
     decode_eof,
     decode_json,
     encode_credit,
     encode_data,
+    encode_data_frame,
     encode_frame,
     encode_json,
+    pack_data_header,
 )
 
 frames = st.builds(
@@ -156,3 +160,38 @@ def test_negative_data_eof_and_credit_payloads_are_validated() -> None:
     for bad in (b"", b"\0\0\0", encode_credit(0), b"\0\0\0\0\0"):
         with pytest.raises(ProtocolError):
             decode_credit(bad)
+
+
+def test_frames_survive_the_caller_reusing_its_read_buffer() -> None:
+    # The guest transport reads into one buffer and feeds views of it: the decoder must
+    # copy what it keeps, including a partial frame carried over between feeds.
+    sent = [Frame(FrameKind.DATA, n, bytes([n]) * (1000 + 37 * n)) for n in range(1, 60)]
+    wire = b"".join(encode_frame(f.kind, f.stream, f.payload) for f in sent)
+    decoder = FrameDecoder()
+    shared = bytearray(4096)
+    got: list[Frame] = []
+    for start in range(0, len(wire), 4096):
+        piece = wire[start : start + 4096]
+        shared[: len(piece)] = piece
+        got += decoder.feed(memoryview(shared)[: len(piece)])
+        shared[:] = bytes(len(shared))  # the next read overwrites the buffer
+    assert got == sent
+    assert decoder.buffered_bytes == 0
+
+
+def test_data_frames_built_in_place_match_encode_frame() -> None:
+    chunk = bytes(range(256)) * 4
+    expected = encode_frame(FrameKind.DATA, 9, encode_data(Channel.ERROR, chunk))
+    assert encode_data_frame(9, Channel.ERROR, memoryview(chunk)) == expected
+    frame = bytearray(DATA_HEADER_BYTES) + chunk
+    pack_data_header(frame, 9, Channel.ERROR, len(chunk))
+    assert bytes(frame) == expected
+    channel, view = decode_data_view(expected[4 + 5 :])
+    assert channel is Channel.ERROR and bytes(view) == chunk
+
+
+def test_negative_an_in_place_data_frame_larger_than_the_maximum_is_refused() -> None:
+    with pytest.raises(ProtocolError):
+        pack_data_header(bytearray(DATA_HEADER_BYTES), 1, Channel.OUTPUT, MAX_PAYLOAD_BYTES)
+    with pytest.raises(ProtocolError):
+        encode_data_frame(2**32, Channel.OUTPUT, b"x")

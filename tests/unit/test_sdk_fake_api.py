@@ -21,6 +21,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from space.sdk import AsyncSandbox, Sandbox, SandboxInfo
+from space.sdk.errors import Conflict, NotFound
+
 API_KEY = "sk-test-key"
 
 #: One scripted event: ("stdout" | "stderr", bytes), or ("exit", exit_code, signal,
@@ -60,6 +63,8 @@ class FakeApi:
             Route(base, self._list, methods=["GET"]),
             Route(base + "/{sid}", self._get, methods=["GET"]),
             Route(base + "/{sid}", self._delete, methods=["DELETE"]),
+            Route(base + "/{sid}/pause", self._pause, methods=["POST"]),
+            Route(base + "/{sid}/resume", self._resume, methods=["POST"]),
             Route(base + "/{sid}/exec", self._exec, methods=["POST"]),
             Route(base + "/{sid}/processes", self._processes, methods=["GET"]),
             Route(base + "/{sid}/processes/{pid}/stream", self._stream, methods=["GET"]),
@@ -134,11 +139,31 @@ class FakeApi:
             return _missing()
         return Response(status_code=204)
 
+    async def _pause(self, request: Request) -> Response:
+        return self._transition(request, "pause", "paused")
+
+    async def _resume(self, request: Request) -> Response:
+        return self._transition(request, "resume", "running")
+
+    def _transition(self, request: Request, action: str, state: str) -> Response:
+        """running <-> paused, idempotent; any other state is 409 naming it."""
+        sandbox = self._sandbox(request)
+        if sandbox is None:
+            return _missing()
+        if sandbox.get("state") not in ("running", "paused"):
+            message = f"cannot {action} sandbox {sandbox['id']}: it is {sandbox.get('state')}"
+            return _error(409, "conflict", message, {"state": sandbox.get("state")})
+        sandbox["state"] = state
+        return JSONResponse(sandbox)
+
     # commands
 
     async def _exec(self, request: Request) -> Response:
-        if self._sandbox(request) is None:
+        sandbox = self._sandbox(request)
+        if sandbox is None:
             return _missing()
+        if sandbox.get("state") == "paused":
+            sandbox["state"] = "running"  # guest operations resume a paused sandbox
         body = await request.json()
         self.exec_bodies.append(body)
         key = body["cmd"] if "cmd" in body else " ".join(body["argv"])
@@ -238,8 +263,9 @@ class FakeApi:
         return JSONResponse(_stat(body["dst"], len(data)))
 
 
-def _error(status: int, code: str, message: str) -> Response:
-    return JSONResponse({"error": {"code": code, "message": message, "details": {}}}, status)
+def _error(status: int, code: str, message: str, details: dict[str, Any] | None = None) -> Response:
+    body = {"error": {"code": code, "message": message, "details": details or {}}}
+    return JSONResponse(body, status)
 
 
 def _missing() -> Response:
@@ -331,3 +357,102 @@ async def test_fake_api_exec_streams_start_output_exit_as_ndjson(fake: FakeApi) 
     assert answer.headers["content-type"] == "application/x-ndjson"
     assert [e["type"] for e in events] == ["start", "stdout", "exit"]
     assert base64.b64decode(events[1]["data"]) == b"hi\n"
+
+
+async def test_fake_api_pause_and_resume_answer_the_sandbox_in_its_new_state(
+    fake: FakeApi,
+) -> None:
+    async with await _client(fake) as client:
+        sid = (await client.post("/v1/sandboxes", json={})).json()["id"]
+        paused = await client.post(f"/v1/sandboxes/{sid}/pause")
+        again = await client.post(f"/v1/sandboxes/{sid}/pause")
+        resumed = await client.post(f"/v1/sandboxes/{sid}/resume")
+    assert (paused.status_code, paused.json()["state"]) == (200, "paused")
+    assert (again.status_code, again.json()["state"]) == (200, "paused")
+    assert (resumed.status_code, resumed.json()["state"]) == (200, "running")
+
+
+async def test_negative_fake_api_pause_of_a_sandbox_in_error_is_409_naming_the_state(
+    fake: FakeApi,
+) -> None:
+    fake.sandboxes["s1"] = {"id": "s1", "state": "error"}
+    async with await _client(fake) as client:
+        answer = await client.post("/v1/sandboxes/s1/pause")
+    assert answer.status_code == 409
+    assert answer.json()["error"]["details"] == {"state": "error"}
+    assert fake.sandboxes["s1"]["state"] == "error"
+
+
+# The SDK's pause and resume against the fake.
+
+
+async def _sdk_sandbox(fake: FakeApi) -> AsyncSandbox:
+    return await AsyncSandbox.create(
+        api_url="http://space", api_key=API_KEY, _transport=fake.transport()
+    )
+
+
+async def test_sdk_pause_and_resume_post_to_the_documented_paths_and_report_the_state(
+    fake: FakeApi,
+) -> None:
+    sandbox = await _sdk_sandbox(fake)
+    sid = sandbox.sandbox_id
+
+    paused = await sandbox.pause()
+    listed = {info.sandbox_id: info.state for info in await _list(fake)}
+    resumed = await sandbox.resume()
+    await sandbox.close()
+
+    assert paused.state == "paused" and listed == {sid: "paused"}
+    assert resumed.state == "running" and fake.sandboxes[sid]["state"] == "running"
+    posts = [path for method, path, _ in fake.requests if method == "POST"]
+    assert posts[-2:] == [f"/v1/sandboxes/{sid}/pause", f"/v1/sandboxes/{sid}/resume"]
+
+
+async def test_sdk_command_on_a_paused_sandbox_runs_and_leaves_it_running(fake: FakeApi) -> None:
+    fake.scripts["echo hi"] = [("stdout", b"hi\n"), ("exit", 0, None, False)]
+    sandbox = await _sdk_sandbox(fake)
+    await sandbox.pause()
+
+    result = await sandbox.commands.run("echo hi")
+
+    assert result.stdout == "hi\n"
+    assert (await sandbox.get_info()).state == "running"
+    await sandbox.close()
+
+
+async def test_negative_sdk_pause_of_a_sandbox_in_error_raises_conflict_naming_it(
+    fake: FakeApi,
+) -> None:
+    sandbox = await _sdk_sandbox(fake)
+    fake.sandboxes[sandbox.sandbox_id]["state"] = "error"
+    with pytest.raises(Conflict, match="it is error"):
+        await sandbox.pause()
+    with pytest.raises(Conflict, match="it is error"):
+        await sandbox.resume()
+    await sandbox.close()
+    assert fake.sandboxes[sandbox.sandbox_id]["state"] == "error"
+
+
+async def test_negative_sdk_pause_of_a_deleted_sandbox_raises_not_found(fake: FakeApi) -> None:
+    sandbox = await _sdk_sandbox(fake)
+    del fake.sandboxes[sandbox.sandbox_id]
+    with pytest.raises(NotFound):
+        await sandbox.pause()
+    await sandbox.close()
+
+
+def test_sync_sandbox_pause_and_resume_wrap_the_async_core(fake: FakeApi) -> None:
+    sandbox = Sandbox.create(api_url="http://space", api_key=API_KEY, _transport=fake.transport())
+    try:
+        assert sandbox.pause().state == "paused"
+        assert sandbox.get_info().state == "paused"
+        assert sandbox.resume().state == "running"
+    finally:
+        sandbox.close()
+
+
+async def _list(fake: FakeApi) -> list[SandboxInfo]:
+    return await AsyncSandbox.list(
+        api_url="http://space", api_key=API_KEY, _transport=fake.transport()
+    )

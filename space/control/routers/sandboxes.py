@@ -1,11 +1,11 @@
-"""``/v1/sandboxes``: create, list, get, delete."""
+"""``/v1/sandboxes``: create, list, get, delete, pause, resume."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Response
 
 from space.control import lifecycle
-from space.control.deps import Context, Tenant
+from space.control.deps import Context, Sandbox, Tenant
 from space.control.errors import ApiError
 from space.control.schemas import SandboxCreate, SandboxOut
 from space.control.store import repo
@@ -46,3 +46,15 @@ async def delete_sandbox(sandbox_id: str, tenant: Tenant, ctx: Context) -> Respo
         raise ApiError("not_found", f"no sandbox {sandbox_id!r}", sandbox_id=sandbox_id)
     await lifecycle.delete_sandbox(ctx, record)
     return Response(status_code=204)
+
+
+@router.post("/{sandbox_id}/pause")
+async def pause_sandbox(sandbox: Sandbox, ctx: Context) -> SandboxOut:
+    """Stop the sandbox's vCPUs, keeping its memory; idempotent (409 unless running or paused)."""
+    return SandboxOut.of(await lifecycle.pause_sandbox(ctx, sandbox))
+
+
+@router.post("/{sandbox_id}/resume")
+async def resume_sandbox(sandbox: Sandbox, ctx: Context) -> SandboxOut:
+    """Restart a paused sandbox; idempotent (409 unless running or paused)."""
+    return SandboxOut.of(await lifecycle.resume_sandbox(ctx, sandbox))

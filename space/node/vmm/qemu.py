@@ -188,14 +188,33 @@ class QemuVM:
         """QEMU's run state (``running``, ``paused``, ...); Unavailable without QMP."""
         if self._qmp is None:
             raise Unavailable("no QMP connection", sandbox_id=self.sandbox_id)
+        reply = await self._execute("query-status")
+        return str(reply["status"]) if isinstance(reply, dict) else "unknown"
+
+    async def pause(self) -> None:
+        """Stop the vCPUs (QMP ``stop``); memory and devices stay. Idempotent.
+
+        Returns once QEMU confirmed. Raises Unavailable if QMP fails (reconnected once
+        if it was lost) or QEMU has exited.
+        """
+        await self._execute("stop", reconnect=True)
+
+    async def resume(self) -> None:
+        """Restart the vCPUs (QMP ``cont``); idempotent. Raises as ``pause``."""
+        await self._execute("cont", reconnect=True)
+
+    async def _execute(self, command: str, *, reconnect: bool = False) -> object:
+        if not self.alive:
+            raise Unavailable(f"qemu pid {self.pid} has exited", sandbox_id=self.sandbox_id)
+        if self._qmp is None and reconnect:
+            await self.connect_qmp()
+        if self._qmp is None:
+            raise Unavailable("no QMP connection", sandbox_id=self.sandbox_id)
         try:
             async with asyncio.timeout(_QMP_TIMEOUT_S):
-                reply = await self._qmp.execute("query-status")
+                return await self._qmp.execute(command)
         except Exception as exc:
-            raise Unavailable(
-                f"QMP query-status failed: {exc}", sandbox_id=self.sandbox_id
-            ) from exc
-        return str(reply["status"]) if isinstance(reply, dict) else "unknown"
+            raise Unavailable(f"QMP {command} failed: {exc}", sandbox_id=self.sandbox_id) from exc
 
     async def stop(self, *, grace_s: float = 3.0) -> None:
         """QMP quit, then SIGTERM, then SIGKILL, each with a deadline; idempotent."""
