@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from space.node.errors import NodeError
+from space.node.wire import STATUS_BY_CODE
 
 __all__ = [
     "STATUS_BY_CODE",
@@ -29,18 +30,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: The one code → HTTP status table of the REST API (docs/api.md, "Errors").
-STATUS_BY_CODE: dict[str, int] = {
-    "unauthenticated": 401,
-    "permission_denied": 403,
-    "not_found": 404,
-    "conflict": 409,
-    "invalid_argument": 422,
-    "resource_exhausted": 429,
-    "internal": 500,
-    "unavailable": 503,
-    "timeout": 504,
-}
 
 # Framework-raised HTTP errors (unknown route, wrong method) keep their status; their
 # code is the table's inverse, or the nearest client/server code.

@@ -31,6 +31,7 @@ from space.node.interface import NodeService, SandboxSpec
 from space.node.wire import (
     FILE_STAT_HEADER,
     NDJSON,
+    STATUS_BY_CODE,
     decode,
     decode_exec_request,
     encode,
@@ -44,19 +45,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 PREFIX = "/node/v1"
-
-#: Node error code → HTTP status of the node API (the same codes as the REST API).
-STATUS_BY_CODE: dict[str, int] = {
-    "unauthenticated": 401,
-    "permission_denied": 403,
-    "not_found": 404,
-    "conflict": 409,
-    "invalid_argument": 422,
-    "resource_exhausted": 429,
-    "internal": 500,
-    "unavailable": 503,
-    "timeout": 504,
-}
 
 
 # -- errors and auth -----------------------------------------------------------------

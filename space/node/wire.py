@@ -21,6 +21,7 @@ from space.node.interface import ExecEvent, ExecOutput, ExecRequest, ExecStream
 __all__ = [
     "FILE_STAT_HEADER",
     "NDJSON",
+    "STATUS_BY_CODE",
     "decode",
     "decode_exec_request",
     "encode",
@@ -36,6 +37,20 @@ T = TypeVar("T")
 
 NDJSON = "application/x-ndjson"
 FILE_STAT_HEADER = "X-Space-File-Stat"
+
+#: The one error code → HTTP status table, shared by the REST API (docs/api.md,
+#: "Errors") and the node API, which answer with the same codes.
+STATUS_BY_CODE: dict[str, int] = {
+    "unauthenticated": 401,
+    "permission_denied": 403,
+    "not_found": 404,
+    "conflict": 409,
+    "invalid_argument": 422,
+    "resource_exhausted": 429,
+    "internal": 500,
+    "unavailable": 503,
+    "timeout": 504,
+}
 
 
 _ADAPTERS: dict[object, TypeAdapter[Any]] = {}

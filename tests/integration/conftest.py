@@ -23,20 +23,9 @@ import pytest
 from space.node.config import NodeConfig
 from space.node.service import Node
 
+from .platform import qemu_pids
+
 T = TypeVar("T")
-
-
-def qemu_pids_of(data_dir: Path) -> list[int]:
-    """QEMU processes whose command line mentions ``data_dir``."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            cmdline = (entry / "cmdline").read_bytes()
-            if b"qemu-system" in cmdline and str(data_dir).encode() in cmdline:
-                pids.append(int(entry.name))
-    return pids
 
 
 def loops_of(image: Path) -> list[str]:
@@ -51,8 +40,8 @@ def loops_of(image: Path) -> list[str]:
 
 def release_data_dir(data_dir: Path) -> list[str]:
     """Kill, unmount and detach whatever is left of a node's data dir; say what was."""
-    left = [f"qemu pid {pid}" for pid in qemu_pids_of(data_dir)]
-    for pid in qemu_pids_of(data_dir):
+    left = [f"qemu pid {pid}" for pid in qemu_pids(data_dir)]
+    for pid in qemu_pids(data_dir):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     pool = data_dir / "pool"

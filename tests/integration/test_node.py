@@ -17,7 +17,8 @@ from space.node.errors import Conflict, InvalidArgument, NotFound, Unavailable
 from space.node.interface import ExecExited, ExecOutput, ExecRequest, SandboxSpec, SandboxState
 from space.node.service import Node
 
-from .conftest import NodeHarness, qemu_pids_of
+from .conftest import NodeHarness
+from .platform import qemu_pids
 
 pytestmark = pytest.mark.vm
 
@@ -91,7 +92,7 @@ def test_create_exec_and_delete_leaves_nothing_behind(
     node.run(node.node.delete_sandbox(spec.sandbox_id))
     node.run(node.node.delete_sandbox(spec.sandbox_id))  # idempotent
     assert _leftovers(node, spec.sandbox_id, status.vmm_pid) == []
-    assert qemu_pids_of(node.config.data_dir) == []
+    assert qemu_pids(node.config.data_dir) == []
     with pytest.raises(NotFound):
         node.run(node.node.get_sandbox(spec.sandbox_id))
 

@@ -20,7 +20,8 @@ from space.node.errors import Conflict, NotFound
 from space.node.interface import ExecExited, ExecOutput, ExecRequest, SandboxSpec, SandboxState
 from space.node.service import Node
 
-from .conftest import NodeHarness, qemu_pids_of
+from .conftest import NodeHarness
+from .platform import qemu_pids
 
 pytestmark = pytest.mark.vm
 
@@ -149,7 +150,7 @@ def test_exec_on_a_paused_sandbox_resumes_it_and_delete_of_a_paused_one_leaves_n
     node.run(node.node.pause_sandbox(sid))
     node.run(node.node.delete_sandbox(sid))
     assert _leftovers(node, sid, pid) == []
-    assert qemu_pids_of(node.config.data_dir) == []
+    assert qemu_pids(node.config.data_dir) == []
     with pytest.raises(NotFound):
         node.run(node.node.pause_sandbox(sid))
 
