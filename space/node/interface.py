@@ -27,6 +27,7 @@ __all__ = [
     "SandboxSpec",
     "SandboxState",
     "SandboxStatus",
+    "SnapshotInfo",
 ]
 
 
@@ -35,6 +36,9 @@ class SandboxState(enum.StrEnum):
     RUNNING = "running"
     #: vCPUs stopped, memory kept; resumed by ``resume_sandbox`` or any guest operation.
     PAUSED = "paused"
+    #: Memory and device state saved in the sandbox's own volume, no VMM, no RAM held;
+    #: resumed by ``resume_sandbox`` or any guest operation, processes carrying on.
+    HIBERNATED = "hibernated"
     STOPPED = "stopped"
     ERROR = "error"
     DELETED = "deleted"
@@ -49,6 +53,10 @@ class SandboxSpec:
     disk_mib: int = 2048
     #: Environment every exec in this sandbox starts with (request env overrides it).
     env: dict[str, str] = field(default_factory=dict)
+    #: Start from this snapshot (its disk and memory, processes running) instead of
+    #: booting the template. template, cpus, memory_mib and disk_mib must equal the
+    #: snapshot's (``SnapshotInfo``); the new sandbox gets a fresh identity.
+    from_snapshot: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +71,31 @@ class SandboxStatus:
     #: Process id of the VMM on the node, while it runs.
     vmm_pid: int | None = None
     error: str | None = None
+    #: The snapshot this sandbox last came from or took (its parent in the snapshot tree).
+    head_snapshot: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotInfo:
+    """A read-only, restorable copy of a sandbox's disk and memory, taken while paused.
+
+    Listed only once every part of it is durably written. ``parent_id`` is the snapshot
+    the sandbox had last come from or taken when this one was taken: the snapshot tree.
+    """
+
+    snapshot_id: str
+    #: The sandbox it was taken of (which may since have been deleted).
+    sandbox_id: str
+    parent_id: str | None
+    created_at: float
+    template: str
+    cpus: int
+    memory_mib: int
+    disk_mib: int
+    #: Bytes of saved memory: device state plus the guest RAM pages written to disk.
+    memory_bytes: int
+    #: Disk bytes only this snapshot holds (freed by deleting it); None if not measured.
+    exclusive_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,10 +188,23 @@ class NodeService(Protocol):
     """Operations on one node. Every method raises space.node.errors.NodeError leaves.
 
     create and delete are idempotent per sandbox id; create returns once the guest
-    daemon answered its hello (state RUNNING). pause and resume are idempotent too
-    (pausing a PAUSED sandbox returns its status) and raise Conflict, naming the state,
-    for a sandbox that is neither RUNNING nor PAUSED. Every guest operation (exec,
-    attach, processes, files) on a PAUSED sandbox resumes it first.
+    daemon answered its hello (state RUNNING). pause, hibernate and resume are
+    idempotent too (pausing a PAUSED sandbox returns its status; resume accepts PAUSED
+    and HIBERNATED) and raise Conflict, naming the state, where the state does not
+    allow them. Every guest operation (exec, attach, processes, files) on a PAUSED or
+    HIBERNATED sandbox resumes it first.
+
+    snapshot_sandbox is idempotent per snapshot id and accepts RUNNING, PAUSED and
+    HIBERNATED sandboxes (each keeps its state). restore_sandbox rolls a sandbox back
+    in place (disk, memory, processes) and leaves it RUNNING. fork_sandbox makes one new
+    RUNNING sandbox per child id from a live (or paused, or hibernated) sandbox, which
+    keeps its state after a brief pause. Every restore and fork gives the guest a fresh
+    identity: hostname, machine-id, reseeded RNG, new session, clock set to the host's.
+    A sandbox may be restored to, or created from, any snapshot on the node whose
+    template, cpus, memory_mib and disk_mib equal its own (InvalidArgument otherwise);
+    the control plane restricts that to the tenant's own snapshots. get_snapshot and
+    list_snapshots measure ``exclusive_bytes``; delete_snapshot is idempotent (children
+    in the tree are re-parented to its parent). Unknown ids raise NotFound.
     """
 
     async def info(self) -> NodeInfo: ...
@@ -170,6 +216,20 @@ class NodeService(Protocol):
     async def pause_sandbox(self, sandbox_id: str) -> SandboxStatus: ...
 
     async def resume_sandbox(self, sandbox_id: str) -> SandboxStatus: ...
+
+    async def hibernate_sandbox(self, sandbox_id: str) -> SandboxStatus: ...
+
+    async def snapshot_sandbox(self, sandbox_id: str, snapshot_id: str) -> SnapshotInfo: ...
+
+    async def list_snapshots(self) -> list[SnapshotInfo]: ...
+
+    async def get_snapshot(self, snapshot_id: str) -> SnapshotInfo: ...
+
+    async def delete_snapshot(self, snapshot_id: str) -> None: ...
+
+    async def restore_sandbox(self, sandbox_id: str, snapshot_id: str) -> SandboxStatus: ...
+
+    async def fork_sandbox(self, sandbox_id: str, child_ids: list[str]) -> list[SandboxStatus]: ...
 
     async def get_sandbox(self, sandbox_id: str) -> SandboxStatus: ...
 
