@@ -10,11 +10,12 @@ from __future__ import annotations
 from typing import Literal, cast
 
 from space.node.interface import ExecExited, FileStat, ProcessInfo
-from space.protocol import ProtocolError
+from space.protocol import IDENTITY_FIELDS, ProtocolError
 
 __all__ = [
     "MAX_TEXT_CHARS",
     "expect_event",
+    "parse_applied",
     "parse_error",
     "parse_exited",
     "parse_process",
@@ -156,3 +157,19 @@ def parse_process(entry: dict[str, object]) -> ProcessInfo:
         signal=require_int(entry, "signal", optional=True),
         started_at=require_number(entry, "started_at"),
     )
+
+
+def parse_applied(message: dict[str, object], requested: list[str]) -> list[str]:
+    """The ``applied`` list of a system.identity RESULT: exactly the ``requested`` names.
+
+    ``ok: true`` means everything was applied, so a list that misses a requested name,
+    adds another, repeats one or holds anything but known names is a violation.
+    """
+    applied = message.get("applied")
+    if not isinstance(applied, list) or len(applied) > len(IDENTITY_FIELDS):
+        raise _fail("applied", f"a list of at most {len(IDENTITY_FIELDS)} names")
+    if not all(isinstance(name, str) and name in IDENTITY_FIELDS for name in applied):
+        raise _fail("applied", f"a list of names out of {IDENTITY_FIELDS}")
+    if len(set(applied)) != len(applied) or set(applied) != set(requested):
+        raise _fail("applied", f"the requested names {requested}, each once")
+    return [str(name) for name in applied]

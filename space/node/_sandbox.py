@@ -11,17 +11,20 @@ import contextlib
 import logging
 import re
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TypeVar
 
 from space.node.channel import GuestChannel
 from space.node.errors import Conflict, NodeError, Timeout, Unavailable
 from space.node.interface import SandboxState
-from space.node.state import SandboxRecord
+from space.node.state import Pending, SandboxRecord
 from space.node.vmm.accel import Accelerator
 from space.node.vmm.qemu import QemuVM, VmConfig, console_tail, trim_console
 
 __all__ = [
+    "MEMORY_FILE",
+    "STATE_FILE",
     "LiveSandbox",
     "hostname_for",
     "kill_strays",
@@ -33,7 +36,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 _CONSOLE_CHECK_S = 5.0
+#: QEMU run states in which the vCPUs are stopped but ``cont`` runs them again.
+_STOPPED_STATES = frozenset({"paused", "postmigrate", "prelaunch", "finish-migrate"})
 _CONSOLE_TAIL_BYTES = 2048
 
 
@@ -43,12 +50,19 @@ def hostname_for(sandbox_id: str) -> str:
     return name or "sandbox"
 
 
+#: Files in a sandbox volume next to kernel, initrd and rootfs.img: the guest RAM, and
+#: the saved device state (present while hibernated, and in snapshots).
+MEMORY_FILE = "memory.ram"
+STATE_FILE = "vmstate"
+
+
 def vm_config_for(
     record: SandboxRecord, *, volume: Path, base_cmdline: str, accel: Accelerator, console_log: Path
 ) -> VmConfig:
-    """The VM of a sandbox: kernel, initrd and rootfs all come from its own volume."""
+    """The VM of a sandbox: kernel, initrd, rootfs and RAM all live in its own volume."""
     spec = record.spec
     return VmConfig(
+        memory_file=volume / MEMORY_FILE,
         sandbox_id=spec.sandbox_id,
         run_dir=Path(record.run_dir),
         kernel=volume / "kernel",
@@ -76,6 +90,34 @@ class LiveSandbox:
     @property
     def sandbox_id(self) -> str:
         return self.record.sandbox_id
+
+    @property
+    def volume(self) -> Path:
+        return self.config.rootfs.parent
+
+    @property
+    def state_file(self) -> Path:
+        return self.volume / STATE_FILE
+
+    @property
+    def vm_alive(self) -> bool:
+        return self.vm is not None and self.vm.alive
+
+    async def launch(self, *, qemu_binary: str, incoming: bool = False) -> QemuVM:
+        """Start this sandbox's QEMU (``incoming``: paused, waiting for a saved state)."""
+        config = replace(self.config, incoming=incoming)
+        self.vm = await QemuVM.launch(config, qemu_binary=qemu_binary)
+        return self.vm
+
+    async def save_state(self) -> int:
+        """Pause the VM and save its device state into the volume; returns its size.
+
+        The guest RAM is in the volume already (a file mapping): with the state it makes
+        the volume a complete memory image. The VM stays paused.
+        """
+        vm = self._running_vm()
+        await vm.pause()
+        return await vm.save_state(self.state_file)
 
     def console_tail(self) -> str:
         return console_tail(self.config.console_log, _CONSOLE_TAIL_BYTES)
@@ -109,7 +151,7 @@ class LiveSandbox:
         Without a working QMP connection the persisted record is believed instead.
         """
         try:
-            return await self._running_vm().query_status() == "paused"
+            return await self._running_vm().query_status() in _STOPPED_STATES
         except Unavailable:
             return self.record.state == SandboxState.PAUSED
 
@@ -160,9 +202,13 @@ class LiveSandbox:
             with contextlib.suppress(NodeError, OSError):
                 await channel.close()
 
-    def mark(self, state: SandboxState, *, error: str | None = None) -> SandboxRecord:
+    def mark(
+        self, state: SandboxState, *, error: str | None = None, pending: Pending | None = None
+    ) -> SandboxRecord:
+        """Set the record's state (and the VM's pid, if it runs); returns the record."""
         pid = self.vm.pid if self.vm is not None and self.vm.alive else None
-        self.record = self.record.with_state(state, vmm_pid=pid, error=error)
+        record = self.record.with_state(state, vmm_pid=pid, error=error)
+        self.record = replace(record, pending=pending)
         return self.record
 
 
@@ -209,15 +255,15 @@ def _vm_config_stub(run_root: Path, sandbox_id: str) -> VmConfig:
     )
 
 
-async def settled(transition: Awaitable[None]) -> None:
+async def settled(transition: Awaitable[T]) -> T:
     """Run ``transition`` to its end even if the caller is cancelled meanwhile.
 
-    A pause or resume is one QMP command and one state write, bounded by the QMP
-    timeout; abandoning it half-way would leave the record and the VM disagreeing.
+    Every lifecycle transition records its steps; abandoning one half-way would leave
+    the record and the VM disagreeing until the next node start.
     """
     task = asyncio.ensure_future(transition)
     try:
-        await asyncio.shield(task)
+        return await asyncio.shield(task)
     except asyncio.CancelledError:
         with contextlib.suppress(Exception):  # the cancellation is what the caller gets
             await task

@@ -45,6 +45,7 @@ from space.protocol import (
     PROTOCOL_VERSION,
     Frame,
     FrameKind,
+    Identity,
     ProtocolError,
     decode_json,
     encode_frame,
@@ -289,6 +290,38 @@ class GuestChannel(ChannelCore):
 
     async def system_info(self) -> dict[str, object]:
         return await self._request({"op": "system.info"}, _system_info)
+
+    async def set_identity(
+        self,
+        *,
+        hostname: str | None = None,
+        machine_id: str | None = None,
+        entropy: bytes | None = None,
+        time_ns: int | None = None,
+    ) -> list[str]:
+        """Give the guest a new identity: wall clock, RNG entropy, hostname, machine-id.
+
+        Meant for right after the HELLO of a restored, forked or resumed VM, before any
+        user request. ``time_ns`` is the wall clock in ns since the epoch (the guest's
+        ends up behind it by the channel's latency); ``entropy`` is 32 to 512 bytes from
+        a CSPRNG; see space.protocol.Identity for the other limits. The guest applies
+        the clock first and stops at the first failure (what came before stays applied).
+
+        Returns the names applied, in the guest's order (all of those given). Raises
+        InvalidArgument for no or malformed arguments (nothing is sent), the guest's
+        error (e.g. PermissionDenied), Timeout, Unavailable. Idempotent: sending the
+        same values again changes nothing more (entropy is mixed in once more).
+        """
+        try:
+            identity = Identity(
+                hostname=hostname, machine_id=machine_id, entropy=entropy, time_ns=time_ns
+            )
+        except ProtocolError as exc:
+            raise InvalidArgument(str(exc), sandbox_id=self._sandbox_id) from None
+        requested = identity.fields()
+        return await self._request(
+            identity.to_request(), lambda message: parse.parse_applied(message, requested)
+        )
 
     async def ping(self, timeout_s: float = 5.0) -> float:
         """Round trip to spaced in seconds; raises Timeout or Unavailable."""

@@ -4,7 +4,9 @@
 ``RemoteNode`` is its client, so a control plane on another host holds that node like a
 local one. Bodies are JSON (dataclasses of space.node.interface, bytes as base64),
 exec/attach answer NDJSON (``start`` line, then events, as docs/api.md), file contents
-travel as raw bytes (a read's FileStat in the ``X-Space-File-Stat`` header). Errors
+travel as raw bytes (a read's FileStat in the ``X-Space-File-Stat`` header). Snapshots
+live under ``/snapshots`` (node-wide: a snapshot outlives its sandbox); taking, restoring
+and forking are POSTs on the sandbox (``/snapshots``, ``/restore``, ``/fork``). Errors
 answer ``{"error": {"code", "message", "details"}}`` with the status of ``STATUS_BY_CODE``.
 Every request needs ``Authorization: Bearer <node token>``.
 
@@ -33,7 +35,9 @@ from space.node.wire import (
     NDJSON,
     STATUS_BY_CODE,
     decode,
+    decode_child_ids,
     decode_exec_request,
+    decode_snapshot_id,
     encode,
     ndjson_lines,
 )
@@ -134,6 +138,46 @@ async def _pause(node: Node, sandbox_id: str) -> Any:
 @_router.post("/sandboxes/{sandbox_id}/resume")
 async def _resume(node: Node, sandbox_id: str) -> Any:
     return encode(await node.resume_sandbox(sandbox_id))
+
+
+@_router.post("/sandboxes/{sandbox_id}/hibernate")
+async def _hibernate(node: Node, sandbox_id: str) -> Any:
+    return encode(await node.hibernate_sandbox(sandbox_id))
+
+
+@_router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201)
+async def _snapshot(node: Node, sandbox_id: str, request: Request) -> Any:
+    snapshot_id = decode_snapshot_id(await request.json())
+    return encode(await node.snapshot_sandbox(sandbox_id, snapshot_id))
+
+
+@_router.post("/sandboxes/{sandbox_id}/restore")
+async def _restore(node: Node, sandbox_id: str, request: Request) -> Any:
+    snapshot_id = decode_snapshot_id(await request.json())
+    return encode(await node.restore_sandbox(sandbox_id, snapshot_id))
+
+
+@_router.post("/sandboxes/{sandbox_id}/fork")
+async def _fork(node: Node, sandbox_id: str, request: Request) -> Any:
+    child_ids = decode_child_ids(await request.json())
+    children = await node.fork_sandbox(sandbox_id, child_ids)
+    return {"sandboxes": [encode(status) for status in children]}
+
+
+@_router.get("/snapshots")
+async def _list_snapshots(node: Node) -> Any:
+    return {"snapshots": [encode(info) for info in await node.list_snapshots()]}
+
+
+@_router.get("/snapshots/{snapshot_id}")
+async def _get_snapshot(node: Node, snapshot_id: str) -> Any:
+    return encode(await node.get_snapshot(snapshot_id))
+
+
+@_router.delete("/snapshots/{snapshot_id}", status_code=204)
+async def _delete_snapshot(node: Node, snapshot_id: str) -> Response:
+    await node.delete_snapshot(snapshot_id)
+    return Response(status_code=204)
 
 
 @_router.post("/sandboxes/{sandbox_id}/exec")

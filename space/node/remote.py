@@ -38,6 +38,7 @@ from space.node.interface import (
     ProcessInfo,
     SandboxSpec,
     SandboxStatus,
+    SnapshotInfo,
 )
 from space.node.wire import FILE_STAT_HEADER, decode, encode, encode_exec_request
 
@@ -86,6 +87,35 @@ def _parse(cls: type[T], data: object, sandbox_id: str | None = None) -> T:
         return decode(cls, data)
     except ValidationError as exc:
         raise Unavailable(f"malformed answer from node: {exc}", sandbox_id=sandbox_id) from exc
+
+
+def _member(body: object, name: str, sandbox_id: str | None = None) -> object:
+    """``body[name]`` of an answer that must be a JSON object holding ``name``."""
+    if not isinstance(body, dict) or name not in body:
+        raise Unavailable(f"malformed answer from node: no {name!r}", sandbox_id=sandbox_id)
+    return body[name]
+
+
+def _status(body: object, sandbox_id: str) -> SandboxStatus:
+    """The SandboxStatus of ``sandbox_id`` in ``body`` (another sandbox's is malformed)."""
+    status = _parse(SandboxStatus, body, sandbox_id)
+    if status.sandbox_id != sandbox_id:
+        raise Unavailable(
+            f"node answered for sandbox {status.sandbox_id!r}, not {sandbox_id!r}",
+            sandbox_id=sandbox_id,
+        )
+    return status
+
+
+def _snapshot(body: object, snapshot_id: str, sandbox_id: str | None = None) -> SnapshotInfo:
+    """The SnapshotInfo of ``snapshot_id`` in ``body`` (another snapshot's is malformed)."""
+    info = _parse(SnapshotInfo, body, sandbox_id)
+    if info.snapshot_id != snapshot_id:
+        raise Unavailable(
+            f"node answered for snapshot {info.snapshot_id!r}, not {snapshot_id!r}",
+            sandbox_id=sandbox_id,
+        )
+    return info
 
 
 async def _lines(response: httpx.Response, sandbox_id: str) -> AsyncIterator[bytes]:
@@ -176,8 +206,12 @@ class RemoteNode(NodeService):
     """A node agent at ``base_url`` (e.g. ``http://10.0.0.2:7071``), authenticated by token.
 
     ``timeout_s`` bounds ordinary calls; ``create_timeout_s`` sandbox creation (a cold
-    boot under TCG takes seconds). Streams (exec, attach, file transfers) have no read
-    deadline: a process may stay silent for hours; their callers hold the deadline.
+    boot under TCG takes seconds); ``lifecycle_timeout_s`` resume, hibernate, snapshot,
+    restore and fork, which save or load guest memory (seconds each under TCG). Streams
+    (exec, attach, file transfers) have no read deadline: a process may stay silent for
+    hours; their callers hold the deadline. A timeout raises Timeout but does not cancel
+    the operation on the node, which may still complete: read the state back (or retry
+    what is idempotent: create per sandbox id, snapshot per snapshot id).
     ``transport`` is for tests (httpx.ASGITransport over create_node_app).
     """
 
@@ -188,10 +222,12 @@ class RemoteNode(NodeService):
         *,
         timeout_s: float = 30.0,
         create_timeout_s: float = 600.0,
+        lifecycle_timeout_s: float = 120.0,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self._create_timeout = httpx.Timeout(create_timeout_s, connect=10.0)
+        self._lifecycle_timeout = httpx.Timeout(lifecycle_timeout_s, connect=10.0)
         self._stream_timeout = httpx.Timeout(None, connect=10.0, write=60.0, pool=10.0)
         self._client = httpx.AsyncClient(
             base_url=self.base_url + PREFIX,
@@ -252,22 +288,81 @@ class RemoteNode(NodeService):
         body = await self._json(
             "POST", "/sandboxes", sid, json=encode(spec), timeout=self._create_timeout
         )
-        return _parse(SandboxStatus, body, sid)
+        return _status(body, sid)
 
     async def delete_sandbox(self, sandbox_id: str) -> None:
         await self._json("DELETE", f"/sandboxes/{sandbox_id}", sandbox_id)
 
     async def pause_sandbox(self, sandbox_id: str) -> SandboxStatus:
         body = await self._json("POST", f"/sandboxes/{sandbox_id}/pause", sandbox_id)
-        return _parse(SandboxStatus, body, sandbox_id)
+        return _status(body, sandbox_id)
 
     async def resume_sandbox(self, sandbox_id: str) -> SandboxStatus:
-        body = await self._json("POST", f"/sandboxes/{sandbox_id}/resume", sandbox_id)
-        return _parse(SandboxStatus, body, sandbox_id)
+        """Resumes a PAUSED or HIBERNATED sandbox; loading saved memory takes seconds."""
+        url = f"/sandboxes/{sandbox_id}/resume"
+        body = await self._json("POST", url, sandbox_id, timeout=self._lifecycle_timeout)
+        return _status(body, sandbox_id)
+
+    async def hibernate_sandbox(self, sandbox_id: str) -> SandboxStatus:
+        url = f"/sandboxes/{sandbox_id}/hibernate"
+        body = await self._json("POST", url, sandbox_id, timeout=self._lifecycle_timeout)
+        return _status(body, sandbox_id)
+
+    async def snapshot_sandbox(self, sandbox_id: str, snapshot_id: str) -> SnapshotInfo:
+        body = await self._json(
+            "POST",
+            f"/sandboxes/{sandbox_id}/snapshots",
+            sandbox_id,
+            json={"snapshot_id": snapshot_id},
+            timeout=self._lifecycle_timeout,
+        )
+        info = _snapshot(body, snapshot_id, sandbox_id)
+        if info.sandbox_id != sandbox_id:
+            raise Unavailable(
+                f"node took snapshot {snapshot_id} of {info.sandbox_id!r}", sandbox_id=sandbox_id
+            )
+        return info
+
+    async def list_snapshots(self) -> list[SnapshotInfo]:
+        body = await self._json("GET", "/snapshots")
+        return _parse(list[SnapshotInfo], _member(body, "snapshots"))
+
+    async def get_snapshot(self, snapshot_id: str) -> SnapshotInfo:
+        return _snapshot(await self._json("GET", f"/snapshots/{snapshot_id}"), snapshot_id)
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        await self._json("DELETE", f"/snapshots/{snapshot_id}")
+
+    async def restore_sandbox(self, sandbox_id: str, snapshot_id: str) -> SandboxStatus:
+        body = await self._json(
+            "POST",
+            f"/sandboxes/{sandbox_id}/restore",
+            sandbox_id,
+            json={"snapshot_id": snapshot_id},
+            timeout=self._lifecycle_timeout,
+        )
+        return _status(body, sandbox_id)
+
+    async def fork_sandbox(self, sandbox_id: str, child_ids: list[str]) -> list[SandboxStatus]:
+        """One status per child, in ``child_ids`` order (any other answer is Unavailable)."""
+        body = await self._json(
+            "POST",
+            f"/sandboxes/{sandbox_id}/fork",
+            sandbox_id,
+            json={"child_ids": child_ids},
+            timeout=self._lifecycle_timeout,
+        )
+        children = _parse(list[SandboxStatus], _member(body, "sandboxes", sandbox_id), sandbox_id)
+        if [child.sandbox_id for child in children] != child_ids:
+            raise Unavailable(
+                f"node forked {[c.sandbox_id for c in children]}, not {child_ids}",
+                sandbox_id=sandbox_id,
+            )
+        return children
 
     async def get_sandbox(self, sandbox_id: str) -> SandboxStatus:
         body = await self._json("GET", f"/sandboxes/{sandbox_id}", sandbox_id)
-        return _parse(SandboxStatus, body, sandbox_id)
+        return _status(body, sandbox_id)
 
     async def list_sandboxes(self) -> list[SandboxStatus]:
         return _parse(list[SandboxStatus], await self._json("GET", "/sandboxes"))

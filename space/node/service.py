@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import shutil
 import time
 import weakref
@@ -22,15 +21,11 @@ from collections.abc import AsyncIterable, Callable
 from dataclasses import replace
 from pathlib import Path
 
-from space.node._sandbox import (
-    LiveSandbox,
-    kill_strays,
-    not_allowed,
-    settled,
-    vm_config_for,
-    with_console,
-)
+from space.node._lifecycle import Lifecycle
+from space.node._recovery import Registry, recover
+from space.node._sandbox import LiveSandbox, not_allowed, settled, vm_config_for, with_console
 from space.node._template import Template, prepare_template
+from space.node._validation import MAX_FORK_CHILDREN, check_compatible, check_id, check_spec
 from space.node.channel import GuestChannel
 from space.node.config import NodeConfig, resolve_node_id
 from space.node.errors import (
@@ -51,20 +46,18 @@ from space.node.interface import (
     SandboxSpec,
     SandboxState,
     SandboxStatus,
+    SnapshotInfo,
 )
-from space.node.state import SandboxRecord, StateStore
+from space.node.state import SandboxRecord, SnapshotStore, StateStore
 from space.node.storage.btrfs import BtrfsPool
 from space.node.vmm.accel import Accelerator, detect_accelerator
-from space.node.vmm.qemu import QemuVM
 
 __all__ = ["Node"]
 
 log = logging.getLogger(__name__)
 
-#: Persisted states whose VM a restarted node takes over (others are cleaned up).
-_ADOPTABLE = (SandboxState.CREATING, SandboxState.RUNNING, SandboxState.PAUSED)
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-_LIMITS = {"cpus": (1, 8), "memory_mib": (128, 16384), "disk_mib": (1, 65536)}
+#: States from which a sandbox's memory can be saved (hibernate, snapshot, fork).
+_SAVEABLE = (SandboxState.RUNNING, SandboxState.PAUSED, SandboxState.HIBERNATED)
 
 
 class Node:
@@ -90,6 +83,8 @@ class Node:
         # Per-id locks that outlive a sandbox only while someone waits on them.
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._snapshots = SnapshotStore(config.data_dir / "snapshots")
+        self._life = Lifecycle(config, pool, self._store, self._snapshots, self._on_vm_exit)
 
     # startup and shutdown
 
@@ -121,7 +116,7 @@ class Node:
             node = cls(
                 config, node_id=node_id, pool=pool, templates={"base": template}, accel=accel
             )
-            await node._readopt(say)
+            await recover(node._registry(), say)
         except BaseException:
             with contextlib.suppress(NodeError):
                 await pool.close(unmount=pool.fresh_mount)
@@ -142,9 +137,11 @@ class Node:
         await self.pool.close(unmount=unmount_pool)
 
     async def shutdown(self, *, unmount_pool: bool = False) -> None:
-        """Delete every sandbox, then ``close``. For tests and demos."""
+        """Delete every sandbox and snapshot, then ``close``. For tests and demos."""
         for sandbox_id in list(self._sandboxes):
             await self.delete_sandbox(sandbox_id)
+        for snapshot in self._snapshots.load_all()[0]:
+            await self.delete_snapshot(snapshot.snapshot_id)
         await self.close(unmount_pool=unmount_pool)
 
     async def info(self) -> NodeInfo:
@@ -166,7 +163,8 @@ class Node:
         the message carries the console tail). On failure or cancellation nothing of the
         sandbox remains.
         """
-        template = self._validate(spec)
+        template = check_spec(spec, self._templates)
+        snapshot = self._compatible_snapshot(spec) if spec.from_snapshot else None
         lock = self._lock(spec.sandbox_id)
         async with lock:
             existing = self._sandboxes.get(spec.sandbox_id)
@@ -176,12 +174,7 @@ class Node:
                         "a sandbox with this id and another spec exists", sandbox_id=spec.sandbox_id
                     )
                 return existing.record.status()
-            if len(self._sandboxes) >= self.config.max_sandboxes:
-                raise ResourceExhausted(
-                    f"node has {len(self._sandboxes)} sandboxes, the limit is "
-                    f"{self.config.max_sandboxes}",
-                    sandbox_id=spec.sandbox_id,
-                )
+            self._check_capacity(1, spec.sandbox_id)
             record = SandboxRecord(
                 spec=spec,
                 state=SandboxState.CREATING,
@@ -189,10 +182,13 @@ class Node:
                 template_digest=template.image.digest,
                 run_dir=str(self._run_root / spec.sandbox_id),
             )
-            sandbox = self._live(record, template.image.kernel_cmdline, lock)
+            sandbox = self._live(record, lock)
             self._sandboxes[spec.sandbox_id] = sandbox
             try:
-                await self._boot(sandbox, template)
+                if snapshot is not None:
+                    await self._life.create_from_snapshot(sandbox, snapshot)
+                else:
+                    await self._boot(sandbox, template)
             except BaseException as exc:
                 tail = sandbox.console_tail()
                 await asyncio.shield(self._destroy(sandbox))
@@ -208,7 +204,7 @@ class Node:
         await self.pool.create_sandbox_volume(
             spec.sandbox_id, template.volume, disk_mib=spec.disk_mib
         )
-        sandbox.vm = await QemuVM.launch(sandbox.config, qemu_binary=self.config.qemu_binary)
+        await sandbox.launch(qemu_binary=self.config.qemu_binary)
         self._store.save(sandbox.mark(SandboxState.CREATING))  # now with the pid
         await sandbox.connect(hello_timeout_s=self.config.boot_timeout_s)
         self._store.save(sandbox.mark(SandboxState.RUNNING))
@@ -216,7 +212,7 @@ class Node:
 
     async def delete_sandbox(self, sandbox_id: str) -> None:
         """Stop the VM and remove volume, sockets and state; idempotent (unknown ids too)."""
-        _check_id(sandbox_id)
+        check_id(sandbox_id)
         async with self._lock(sandbox_id):
             sandbox = self._sandboxes.get(sandbox_id)
             if sandbox is None:
@@ -236,34 +232,205 @@ class Node:
         return await self._switch(sandbox_id, SandboxState.PAUSED)
 
     async def resume_sandbox(self, sandbox_id: str) -> SandboxStatus:
-        """Restart a PAUSED sandbox's vCPUs; returns its status (RUNNING).
+        """Run a PAUSED or HIBERNATED sandbox again; returns its status (RUNNING).
 
-        Idempotent, persisted and raising as ``pause_sandbox``. The guest's clock stood
-        still while paused: it runs behind by the paused time until the guest syncs it.
+        Idempotent, persisted and raising as ``pause_sandbox``. The guest's clock is set
+        to the host's (it stood still meanwhile). Waking a hibernated sandbox loads its
+        saved memory into a new VM; if that fails before the guest ran, it stays
+        HIBERNATED.
         """
         return await self._switch(sandbox_id, SandboxState.RUNNING)
 
+    async def hibernate_sandbox(self, sandbox_id: str) -> SandboxStatus:
+        """Save a RUNNING or PAUSED sandbox's memory into its volume and stop its VM.
+
+        Idempotent (a HIBERNATED sandbox's status comes back). HIBERNATED is persisted
+        once memory and device state are durable, before QEMU exits. Raises NotFound,
+        Conflict naming the state, Unavailable/Timeout (the sandbox then returns to
+        its prior state). A cancellation lets the transition finish.
+        """
+        return await self._switch(sandbox_id, SandboxState.HIBERNATED)
+
     async def _switch(self, sandbox_id: str, target: SandboxState) -> SandboxStatus:
-        _check_id(sandbox_id)
+        check_id(sandbox_id)
         async with self._lock(sandbox_id):
             sandbox = self._get(sandbox_id)
             await self._switch_locked(sandbox, target)
             return sandbox.record.status()
 
     async def _switch_locked(self, sandbox: LiveSandbox, target: SandboxState) -> None:
-        """RUNNING <-> PAUSED, persisted once QEMU confirmed; the caller holds the lock."""
+        """Move between RUNNING, PAUSED and HIBERNATED; the caller holds the lock.
+
+        Each step is persisted once done; a cancellation lets it finish.
+        """
         state = sandbox.record.state
         if state == target:
             return
-        if state not in (SandboxState.RUNNING, SandboxState.PAUSED):
-            raise not_allowed("pause" if target == SandboxState.PAUSED else "resume", sandbox)
-        action = sandbox.pause if target == SandboxState.PAUSED else sandbox.resume
+        if state not in _SAVEABLE or (state, target) == (
+            SandboxState.HIBERNATED,
+            SandboxState.PAUSED,
+        ):
+            raise not_allowed(_VERBS[target], sandbox)
+        await settled(self._transition(sandbox, state, target))
 
-        async def switch() -> None:
-            await action()
+    async def _transition(
+        self, sandbox: LiveSandbox, state: SandboxState, target: SandboxState
+    ) -> None:
+        if target == SandboxState.HIBERNATED:
+            await self._life.hibernate(sandbox)
+        elif state == SandboxState.HIBERNATED:
+            await self._life.wake(sandbox)
+        elif target == SandboxState.PAUSED:
+            await sandbox.pause()
             self._store.save(sandbox.mark(target))
+        else:
+            await sandbox.resume()
+            self._store.save(sandbox.mark(target))
+            await self._life.sync_clock(sandbox)
 
-        await settled(switch())
+    # snapshots, restore, fork
+
+    async def snapshot_sandbox(self, sandbox_id: str, snapshot_id: str) -> SnapshotInfo:
+        """Take a read-only snapshot of a sandbox's disk and memory; returns it.
+
+        The sandbox (RUNNING, PAUSED or HIBERNATED) keeps its state after a pause of
+        one state save and one subvolume snapshot. Idempotent per ``snapshot_id`` (the
+        same sandbox gets the published snapshot back; another sandbox, Conflict).
+        Raises NotFound, Conflict naming the state, Unavailable/Timeout. Nothing of a
+        failed or cancelled snapshot is ever listed.
+        """
+        check_id(snapshot_id, "snapshot id")
+        async with self._lock(sandbox_id):
+            sandbox = self._get(sandbox_id)
+            existing = self._find_snapshot(snapshot_id)
+            if existing is not None:
+                if existing.sandbox_id != sandbox_id:
+                    raise Conflict(
+                        f"snapshot {snapshot_id} is of another sandbox", sandbox_id=sandbox_id
+                    )
+                return existing
+            if sandbox.record.state not in _SAVEABLE:
+                raise not_allowed("snapshot", sandbox)
+            return await settled(self._life.snapshot(sandbox, snapshot_id))
+
+    async def list_snapshots(self) -> list[SnapshotInfo]:
+        """Every published snapshot, oldest first, with ``exclusive_bytes`` measured."""
+        infos = sorted(self._snapshots.load_all()[0], key=lambda i: i.created_at)
+        return list(await asyncio.gather(*(self._measured(i) for i in infos)))
+
+    async def get_snapshot(self, snapshot_id: str) -> SnapshotInfo:
+        check_id(snapshot_id, "snapshot id")
+        return await self._measured(self._snapshot(snapshot_id))
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Unpublish, then delete a snapshot; idempotent. Its children in the tree and
+        sandboxes whose head it was get its parent instead."""
+        check_id(snapshot_id, "snapshot id")
+        async with self._lock(f"snapshot/{snapshot_id}"):
+            info = self._find_snapshot(snapshot_id)
+            if info is not None:
+                for child in self._snapshots.load_all()[0]:
+                    if child.parent_id == snapshot_id:
+                        self._snapshots.save(replace(child, parent_id=info.parent_id))
+                for sandbox in self._sandboxes.values():
+                    if sandbox.record.head_snapshot == snapshot_id:
+                        sandbox.record = replace(sandbox.record, head_snapshot=info.parent_id)
+                        self._store.save(sandbox.record)
+                self._snapshots.remove(snapshot_id)
+            await self.pool.delete_snapshot(snapshot_id)
+
+    async def restore_sandbox(self, sandbox_id: str, snapshot_id: str) -> SandboxStatus:
+        """Roll a sandbox back to a snapshot: disk, memory and processes; RUNNING after.
+
+        Allowed unless the sandbox is CREATING. The guest gets a fresh identity. Raises
+        NotFound (sandbox, snapshot), InvalidArgument (resources differ), Conflict,
+        Unavailable/Timeout (the sandbox is then ERROR: restore again or delete it).
+        """
+        check_id(snapshot_id, "snapshot id")
+        async with self._lock(sandbox_id), self._lock(f"snapshot/{snapshot_id}"):
+            sandbox = self._get(sandbox_id)
+            snapshot = self._snapshot(snapshot_id)
+            check_compatible(sandbox.record.spec, snapshot)
+            if sandbox.record.state == SandboxState.CREATING:
+                raise not_allowed("restore", sandbox)
+            await settled(self._life.restore(sandbox, snapshot))
+            return sandbox.record.status()
+
+    async def fork_sandbox(self, sandbox_id: str, child_ids: list[str]) -> list[SandboxStatus]:
+        """New RUNNING sandboxes, one per id, each a copy of the sandbox as it is now.
+
+        The parent (RUNNING, PAUSED or HIBERNATED) keeps its state. All or nothing: if
+        a child fails, every child is removed and the error raised. Raises
+        InvalidArgument (ids), Conflict (an id exists, or the parent's state),
+        ResourceExhausted (max_sandboxes), Unavailable/Timeout.
+        """
+        ids = [check_id(child) for child in child_ids]
+        if not 1 <= len(ids) <= MAX_FORK_CHILDREN or len(set(ids)) != len(ids):
+            raise InvalidArgument(
+                f"want 1..{MAX_FORK_CHILDREN} distinct child ids", sandbox_id=sandbox_id
+            )
+        async with self._lock(sandbox_id):
+            parent = self._get(sandbox_id)
+            if parent.record.state not in _SAVEABLE:
+                raise not_allowed("fork", parent)
+            taken = [c for c in ids if c in self._sandboxes or c == sandbox_id]
+            if taken:
+                raise Conflict(f"sandbox {taken[0]} exists", sandbox_id=sandbox_id)
+            self._check_capacity(len(ids), sandbox_id)
+            children = [self._child(parent, child) for child in ids]
+            try:
+                await settled(self._life.fork(parent, children))
+            except BaseException:
+                for child in children:
+                    await asyncio.shield(self._destroy(child))
+                raise
+            return [child.record.status() for child in children]
+
+    def _check_capacity(self, more: int, sandbox_id: str) -> None:
+        if len(self._sandboxes) + more > self.config.max_sandboxes:
+            raise ResourceExhausted(
+                f"node has {len(self._sandboxes)} sandboxes, {more} more would pass the "
+                f"limit of {self.config.max_sandboxes}",
+                sandbox_id=sandbox_id,
+            )
+
+    def _child(self, parent: LiveSandbox, child_id: str) -> LiveSandbox:
+        record = replace(
+            parent.record,
+            spec=replace(parent.record.spec, sandbox_id=child_id, from_snapshot=None),
+            state=SandboxState.CREATING,
+            created_at=time.time(),
+            run_dir=str(self._run_root / child_id),
+            vmm_pid=None,
+            error=None,
+            pending=None,
+        )
+        child = self._live(record)
+        self._sandboxes[child_id] = child
+        return child
+
+    def _find_snapshot(self, snapshot_id: str) -> SnapshotInfo | None:
+        path = self._snapshots.path(snapshot_id)
+        if not path.exists():
+            return None
+        return next(
+            (i for i in self._snapshots.load_all()[0] if i.snapshot_id == snapshot_id), None
+        )
+
+    def _snapshot(self, snapshot_id: str) -> SnapshotInfo:
+        info = self._find_snapshot(snapshot_id)
+        if info is None:
+            raise NotFound(f"no snapshot {snapshot_id!r} on this node")
+        return info
+
+    def _compatible_snapshot(self, spec: SandboxSpec) -> SnapshotInfo:
+        snapshot = self._snapshot(check_id(spec.from_snapshot, "snapshot id"))
+        check_compatible(spec, snapshot)
+        return snapshot
+
+    async def _measured(self, info: SnapshotInfo) -> SnapshotInfo:
+        path = self.pool.snapshot_path(info.snapshot_id)
+        return replace(info, exclusive_bytes=await self.pool.exclusive_bytes(path))
 
     async def get_sandbox(self, sandbox_id: str) -> SandboxStatus:
         return self._get(sandbox_id).record.status()
@@ -339,13 +506,14 @@ class Node:
     async def _channel(self, sandbox_id: str) -> GuestChannel:
         """The sandbox's open channel, reconnecting once if it broke but QEMU lives.
 
-        A PAUSED sandbox is resumed first (under its lock), transparently.
+        A PAUSED or HIBERNATED sandbox is resumed first (under its lock), transparently.
         """
         sandbox = self._get(sandbox_id)
-        if sandbox.record.state == SandboxState.PAUSED:
+        asleep = (SandboxState.PAUSED, SandboxState.HIBERNATED)
+        if sandbox.record.state in asleep:
             async with sandbox.lock:
                 sandbox = self._get(sandbox_id)
-                if sandbox.record.state == SandboxState.PAUSED:
+                if sandbox.record.state in asleep:
                     log.info("sandbox %s: resuming it for a guest operation", sandbox_id)
                     await self._switch_locked(sandbox, SandboxState.RUNNING)
         if sandbox.record.state != SandboxState.RUNNING:
@@ -360,42 +528,21 @@ class Node:
             if sandbox.channel is not None and not sandbox.channel.closed:
                 return sandbox.channel
             log.info("sandbox %s: guest channel closed, reconnecting", sandbox_id)
-            return await sandbox.connect(hello_timeout_s=self.config.boot_timeout_s)
+            channel = await sandbox.connect(hello_timeout_s=self.config.boot_timeout_s)
+            await self._life.settle_identity(sandbox)
+            return channel
 
-    def _live(self, record: SandboxRecord, base_cmdline: str, lock: asyncio.Lock) -> LiveSandbox:
+    def _live(self, record: SandboxRecord, lock: asyncio.Lock | None = None) -> LiveSandbox:
         sid = record.sandbox_id
+        template = self._templates.get(record.spec.template)
         config = vm_config_for(
             record,
             volume=self.pool.sandbox_path(sid),
-            base_cmdline=base_cmdline,
+            base_cmdline=template.image.kernel_cmdline if template else "",
             accel=self.accelerator,
             console_log=self._console_log(sid),
         )
-        return LiveSandbox(record=record, config=config, lock=lock)
-
-    def _validate(self, spec: SandboxSpec) -> Template:
-        _check_id(spec.sandbox_id)
-        for name, (low, high) in _LIMITS.items():
-            value = getattr(spec, name)
-            if not isinstance(value, int) or not low <= value <= high:
-                raise InvalidArgument(
-                    f"{name} must be within {low}..{high}, got {value!r}",
-                    sandbox_id=spec.sandbox_id,
-                )
-        template = self._templates.get(spec.template)
-        if template is None:
-            raise NotFound(
-                f"no template {spec.template!r} on this node", sandbox_id=spec.sandbox_id
-            )
-        if spec.disk_mib < template.min_disk_mib:
-            raise InvalidArgument(
-                f"disk_mib must be at least the template's {template.min_disk_mib}, "
-                f"got {spec.disk_mib}",
-                sandbox_id=spec.sandbox_id,
-            )
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in spec.env.items()):
-            raise InvalidArgument("env must map strings to strings", sandbox_id=spec.sandbox_id)
-        return template
+        return LiveSandbox(record=record, config=config, lock=lock or self._lock(sid))
 
     async def _destroy(self, sandbox: LiveSandbox) -> None:
         """Take a sandbox apart completely; logs (never raises) what it cannot remove."""
@@ -434,59 +581,18 @@ class Node:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _readopt(self, say: Callable[[str], None]) -> None:
-        """Re-adopt every persisted sandbox whose QEMU still runs; clean up the rest."""
-        records, bad = self._store.load_all()
-        expected = {r.sandbox_id: r.vmm_pid for r in records}
-        await kill_strays(self._run_root, expected, say)
-        for path in bad:
-            say(f"removing unreadable state file {path.name}")
-            await self._remove_leftovers(path.stem)
-        for record in records:
-            await self._readopt_one(record, say)
-        known = set(self._sandboxes)
-        orphans = set(self.pool.sandbox_ids())
-        orphans |= {p.name.split(".console.")[0] for p in self._store.directory.glob("*.console.*")}
-        for sid in sorted(orphans - known):
-            say(f"removing leftovers of sandbox {sid}")
-            await self._remove_leftovers(sid)
-
-    async def _readopt_one(self, record: SandboxRecord, say: Callable[[str], None]) -> None:
-        sid = record.sandbox_id
-        template = self._templates.get(record.spec.template)
-        cmdline = template.image.kernel_cmdline if template else ""
-        sandbox = self._live(record, cmdline, self._lock(sid))
-        pid = record.vmm_pid
-        if pid is None or record.state not in _ADOPTABLE:
-            say(f"sandbox {sid}: {record.state.value} without a VM; cleaning up")
-            await self._destroy(sandbox)
-            return
-        try:
-            sandbox.vm = await QemuVM.adopt(sandbox.config, pid)
-            state = await self._adopted_state(sandbox)
-        except (NodeError, OSError) as exc:
-            say(f"sandbox {sid}: cannot re-adopt ({exc}); cleaning up")
-            await self._destroy(sandbox)
-            return
-        self._sandboxes[sid] = sandbox
-        self._store.save(sandbox.mark(state))
-        sandbox.watch(self._on_vm_exit, self.config.console_max_bytes)
-        say(f"sandbox {sid}: re-adopted qemu pid {pid} ({state.value})")
-
-    async def _adopted_state(self, sandbox: LiveSandbox) -> SandboxState:
-        """PAUSED or RUNNING as QEMU itself says, whatever the record says.
-
-        The node may have died between QMP ``stop``/``cont`` and persisting the state.
-        A paused guest cannot answer HELLO: its channel opens on the resume.
-        """
-        if await sandbox.vm_is_paused():
-            return SandboxState.PAUSED
-        await sandbox.connect(hello_timeout_s=self.config.boot_timeout_s)
-        return SandboxState.RUNNING
-
-
-def _check_id(sandbox_id: str) -> None:
-    if not isinstance(sandbox_id, str) or not _ID_RE.match(sandbox_id):
-        raise InvalidArgument(
-            f"invalid sandbox id {sandbox_id!r}: want [A-Za-z0-9_.-], at most 63", sandbox_id=None
+    def _registry(self) -> Registry:
+        return Registry(
+            life=self._life,
+            sandboxes=self._sandboxes,
+            live=self._live,
+            destroy=self._destroy,
+            remove_leftovers=self._remove_leftovers,
         )
+
+
+_VERBS = {
+    SandboxState.PAUSED: "pause",
+    SandboxState.RUNNING: "resume",
+    SandboxState.HIBERNATED: "hibernate",
+}

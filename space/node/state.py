@@ -1,8 +1,13 @@
-"""Persisted per-sandbox state: one JSON file per sandbox, written atomically.
+"""Persisted node state: one JSON file per sandbox and per snapshot, written atomically.
 
 ``data_dir/sandboxes/<id>.json`` is rewritten (temp file, fsync, rename, fsync of the
 directory) before a transition is acknowledged, so a node that crashes at any point
-finds on restart either the old or the new record, never a torn one.
+finds on restart either the old or the new record, never a torn one. A multi-step
+operation (hibernate, snapshot, restore, fork) first records itself as the sandbox's
+``pending`` operation, so a restarted node knows what to finish or undo.
+
+``data_dir/snapshots/<id>.json`` is written only once the snapshot's subvolume is
+durable: that write publishes the snapshot.
 """
 
 from __future__ import annotations
@@ -10,13 +15,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
-from space.node.interface import SandboxSpec, SandboxState, SandboxStatus
+from space.node.interface import SandboxSpec, SandboxState, SandboxStatus, SnapshotInfo
 
-__all__ = ["SandboxRecord", "StateStore"]
+__all__ = ["Pending", "SandboxRecord", "SnapshotStore", "StateStore"]
+
+R = TypeVar("R")
 
 _FORMAT_VERSION = 1
 
@@ -32,6 +40,8 @@ class SandboxRecord:
     run_dir: str
     vmm_pid: int | None = None
     error: str | None = None
+    head_snapshot: str | None = None
+    pending: Pending | None = None
 
     @property
     def sandbox_id(self) -> str:
@@ -54,12 +64,15 @@ class SandboxRecord:
             created_at=self.created_at,
             vmm_pid=self.vmm_pid,
             error=self.error,
+            head_snapshot=self.head_snapshot,
         )
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["state"] = self.state.value
         data["version"] = _FORMAT_VERSION
+        if self.pending is not None:
+            data["pending"]["prior"] = self.pending.prior.value
         return data
 
     @classmethod
@@ -68,6 +81,7 @@ class SandboxRecord:
         if data.get("version") != _FORMAT_VERSION:
             raise ValueError(f"unknown state format version {data.get('version')!r}")
         spec = SandboxSpec(**data["spec"])
+        pending = data.get("pending")
         return cls(
             spec=spec,
             state=SandboxState(data["state"]),
@@ -76,24 +90,59 @@ class SandboxRecord:
             run_dir=str(data["run_dir"]),
             vmm_pid=data.get("vmm_pid"),
             error=data.get("error"),
+            head_snapshot=data.get("head_snapshot"),
+            pending=None if pending is None else Pending.from_json(pending),
         )
 
 
-class StateStore:
-    """The directory of sandbox records. Not safe for concurrent writers of one id."""
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """A multi-step operation under way on a sandbox, recorded before its first step.
 
-    def __init__(self, directory: Path) -> None:
+    ``op`` is one of: ``hibernate``, ``snapshot`` (``snapshot_id``), ``restore``
+    (``snapshot_id``), ``capture`` (a fork reading this sandbox), ``fork`` (this sandbox
+    is a child being made), ``identity`` (the VM runs from restored memory and still
+    needs its fresh identity; ``fresh`` False means only the clock). ``prior`` is the
+    state the sandbox had before.
+    """
+
+    op: str
+    prior: SandboxState
+    snapshot_id: str | None = None
+    fresh: bool = True
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Pending:
+        return cls(
+            op=str(data["op"]),
+            prior=SandboxState(data["prior"]),
+            snapshot_id=data.get("snapshot_id"),
+            fresh=bool(data.get("fresh", True)),
+        )
+
+
+class _JsonDir(Generic[R]):
+    """A directory of one JSON record per id. Not safe for concurrent writers of one id."""
+
+    def __init__(
+        self,
+        directory: Path,
+        parse: Callable[[dict[str, Any]], R],
+        dump: Callable[[R], dict[str, Any]],
+        key: Callable[[R], str],
+    ) -> None:
         self.directory = directory
+        self._parse, self._dump, self._key = parse, dump, key
         directory.mkdir(parents=True, exist_ok=True)
 
-    def path(self, sandbox_id: str) -> Path:
-        return self.directory / f"{sandbox_id}.json"
+    def path(self, record_id: str) -> Path:
+        return self.directory / f"{record_id}.json"
 
-    def save(self, record: SandboxRecord) -> None:
-        """Durably replace the record of ``record.sandbox_id``."""
-        path = self.path(record.sandbox_id)
+    def save(self, record: R) -> None:
+        """Durably replace the record of its id."""
+        path = self.path(self._key(record))
         tmp = path.with_name(f".{path.name}.tmp")
-        payload = json.dumps(record.to_json(), indent=1, sort_keys=True).encode()
+        payload = json.dumps(self._dump(record), indent=1, sort_keys=True).encode()
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.write(fd, payload)
@@ -103,18 +152,18 @@ class StateStore:
         os.replace(tmp, path)
         self._fsync_dir()
 
-    def remove(self, sandbox_id: str) -> None:
+    def remove(self, record_id: str) -> None:
         """Delete the record; idempotent."""
         with contextlib.suppress(FileNotFoundError):
-            self.path(sandbox_id).unlink()
+            self.path(record_id).unlink()
             self._fsync_dir()
 
-    def load_all(self) -> tuple[list[SandboxRecord], list[Path]]:
+    def load_all(self) -> tuple[list[R], list[Path]]:
         """Every readable record, and the paths of files that could not be parsed."""
         records, bad = [], []
         for path in sorted(self.directory.glob("*.json")):
             try:
-                records.append(SandboxRecord.from_json(json.loads(path.read_text())))
+                records.append(self._parse(json.loads(path.read_text())))
             except (OSError, ValueError, KeyError, TypeError):
                 bad.append(path)
         return records, bad
@@ -125,3 +174,32 @@ class StateStore:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+class StateStore(_JsonDir[SandboxRecord]):
+    """The sandbox records of a node."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(
+            directory, SandboxRecord.from_json, SandboxRecord.to_json, lambda r: r.sandbox_id
+        )
+
+
+def _snapshot_json(info: SnapshotInfo) -> dict[str, Any]:
+    data = asdict(info)
+    data.pop("exclusive_bytes")  # measured when asked, never stored
+    data["version"] = _FORMAT_VERSION
+    return data
+
+
+def _snapshot_from_json(data: dict[str, Any]) -> SnapshotInfo:
+    if data.pop("version", None) != _FORMAT_VERSION:
+        raise ValueError("unknown snapshot format version")
+    return SnapshotInfo(**data)
+
+
+class SnapshotStore(_JsonDir[SnapshotInfo]):
+    """The published snapshots of a node (see the module docstring)."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory, _snapshot_from_json, _snapshot_json, lambda s: s.snapshot_id)

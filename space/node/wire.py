@@ -20,10 +20,13 @@ from space.node.interface import ExecEvent, ExecOutput, ExecRequest, ExecStream
 
 __all__ = [
     "FILE_STAT_HEADER",
+    "MAX_FORK_CHILDREN",
     "NDJSON",
     "STATUS_BY_CODE",
     "decode",
+    "decode_child_ids",
     "decode_exec_request",
+    "decode_snapshot_id",
     "encode",
     "encode_exec_request",
     "error_line",
@@ -37,6 +40,8 @@ T = TypeVar("T")
 
 NDJSON = "application/x-ndjson"
 FILE_STAT_HEADER = "X-Space-File-Stat"
+#: Most children one fork request may make: each is a whole VM on a node of a few cores.
+MAX_FORK_CHILDREN = 16
 
 #: The one error code → HTTP status table, shared by the REST API (docs/api.md,
 #: "Errors") and the node API, which answer with the same codes.
@@ -100,6 +105,37 @@ def decode_exec_request(body: object) -> ExecRequest:
         background=request.background,
         stdin=raw,
     )
+
+
+def decode_snapshot_id(body: object) -> str:
+    """The ``snapshot_id`` of a ``{"snapshot_id": str}`` body.
+
+    Raises InvalidArgument unless ``body`` is an object whose ``snapshot_id`` is a
+    non-empty string (whether such a snapshot exists is the node's to say).
+    """
+    value = body.get("snapshot_id") if isinstance(body, dict) else None
+    if not isinstance(value, str) or not value:
+        raise InvalidArgument("snapshot_id must be a non-empty string")
+    return value
+
+
+def decode_child_ids(body: object) -> list[str]:
+    """The ``child_ids`` of a fork body ``{"child_ids": [str, ...]}``.
+
+    Raises InvalidArgument unless ``child_ids`` is a list of 1 to MAX_FORK_CHILDREN
+    distinct non-empty strings.
+    """
+    ids = body.get("child_ids") if isinstance(body, dict) else None
+    if not isinstance(ids, list) or not 1 <= len(ids) <= MAX_FORK_CHILDREN:
+        raise InvalidArgument(
+            f"child_ids must be a list of 1 to {MAX_FORK_CHILDREN} sandbox ids,"
+            f" got {len(ids) if isinstance(ids, list) else type(ids).__name__}"
+        )
+    if not all(isinstance(child, str) and child for child in ids):
+        raise InvalidArgument("every child id must be a non-empty string")
+    if len(set(ids)) != len(ids):
+        raise InvalidArgument("child_ids must be distinct")
+    return list(ids)
 
 
 def _line(obj: dict[str, Any]) -> bytes:

@@ -3,7 +3,9 @@
 Layout::
 
     <pool>/templates/<name>/<digest>/   read-only subvolume: kernel, initrd, rootfs.img
-    <pool>/sandboxes/<id>/              writable snapshot of a template subvolume
+    <pool>/sandboxes/<id>/              writable snapshot of a template subvolume (or of a
+                                        sandbox snapshot); also holds the guest RAM file
+    <pool>/snapshots/<id>/              read-only snapshot of a sandbox volume
 
 A sandbox volume is a subvolume snapshot, O(1) whatever the image size; its rootfs
 image is grown (truncate + resize2fs) right after the snapshot and before any boot, and
@@ -94,7 +96,7 @@ class BtrfsPool:
             pool = cls(pool_path, image=None, mounted_here=False)
         else:
             pool = await cls._open_loop(data_dir, size_gib)
-        for sub in ("templates", "sandboxes"):
+        for sub in ("templates", "sandboxes", "snapshots"):
             (pool.root / sub).mkdir(exist_ok=True)
         return pool
 
@@ -193,6 +195,55 @@ class BtrfsPool:
             await self._delete_subvolume(path)
             raise
         return path
+
+    async def clone_volume(self, source: Path, sandbox_id: str) -> Path:
+        """Make ``sandbox_id``'s volume a writable snapshot of ``source`` (a sandbox
+        volume or a snapshot), replacing any volume of that id; O(1), copy-on-write."""
+        path = self.sandbox_path(sandbox_id)
+        if path.exists():
+            await self._delete_subvolume(path)
+        await run("btrfs", "subvolume", "snapshot", str(source), str(path))
+        return path
+
+    # snapshots
+
+    def snapshot_path(self, snapshot_id: str) -> Path:
+        return self.root / "snapshots" / _check_name("snapshot id", snapshot_id)
+
+    def snapshot_ids(self) -> list[str]:
+        return sorted(p.name for p in (self.root / "snapshots").iterdir())
+
+    async def snapshot_volume(self, sandbox_id: str, snapshot_id: str) -> Path:
+        """A read-only snapshot of the sandbox's volume, durable once this returns.
+
+        btrfs writes out the source's dirty data (RAM file pages too) and commits the
+        snapshot in its own transaction. Replaces a leftover of the same id.
+        """
+        path = self.snapshot_path(snapshot_id)
+        if path.exists():
+            await self._delete_subvolume(path)
+        await run(
+            "btrfs", "subvolume", "snapshot", "-r", str(self.sandbox_path(sandbox_id)), str(path)
+        )
+        return path
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Delete a snapshot's subvolume; idempotent."""
+        path = self.snapshot_path(snapshot_id)
+        if path.exists():
+            await self._delete_subvolume(path)
+
+    async def exclusive_bytes(self, path: Path) -> int:
+        """Bytes of data only ``path`` (a subvolume) refers to, by extent sharing.
+
+        Measured with ``btrfs filesystem du`` (needs no quotas); Unavailable if it fails.
+        """
+        out = await run("btrfs", "filesystem", "du", "-s", "--raw", str(path), timeout_s=120.0)
+        lines = out.strip().splitlines()
+        try:
+            return int(lines[-1].split()[1])
+        except (IndexError, ValueError) as exc:
+            raise Unavailable(f"cannot parse btrfs filesystem du output: {out[-200:]!r}") from exc
 
     async def delete_sandbox_volume(self, sandbox_id: str) -> None:
         """Delete the sandbox's subvolume; idempotent."""

@@ -1,0 +1,61 @@
+"""Checks of what a node is asked to do, before anything is done.
+
+Private to space.node.service. Every function raises space.node.errors.InvalidArgument
+(or NotFound for a missing template or snapshot) and changes nothing.
+"""
+
+from __future__ import annotations
+
+import re
+
+from space.node._template import Template
+from space.node.errors import InvalidArgument, NotFound
+from space.node.interface import SandboxSpec, SnapshotInfo
+
+__all__ = ["MAX_FORK_CHILDREN", "check_compatible", "check_id", "check_spec"]
+
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_LIMITS = {"cpus": (1, 8), "memory_mib": (128, 16384), "disk_mib": (1, 65536)}
+#: Most children one fork makes (each is a VM: the node's capacity bounds it too).
+MAX_FORK_CHILDREN = 16
+
+
+def check_id(value: object, kind: str = "sandbox id") -> str:
+    """``value`` if it is a valid sandbox or snapshot id ([A-Za-z0-9_.-], at most 63)."""
+    if not isinstance(value, str) or not _ID_RE.match(value):
+        raise InvalidArgument(f"invalid {kind} {value!r}: want [A-Za-z0-9_.-], at most 63")
+    return value
+
+
+def check_spec(spec: SandboxSpec, templates: dict[str, Template]) -> Template:
+    """The template of a valid ``spec``; resources within limits, env of strings."""
+    check_id(spec.sandbox_id)
+    for name, (low, high) in _LIMITS.items():
+        value = getattr(spec, name)
+        if not isinstance(value, int) or not low <= value <= high:
+            raise InvalidArgument(
+                f"{name} must be within {low}..{high}, got {value!r}", sandbox_id=spec.sandbox_id
+            )
+    template = templates.get(spec.template)
+    if template is None:
+        raise NotFound(f"no template {spec.template!r} on this node", sandbox_id=spec.sandbox_id)
+    if spec.disk_mib < template.min_disk_mib:
+        raise InvalidArgument(
+            f"disk_mib must be at least the template's {template.min_disk_mib}, "
+            f"got {spec.disk_mib}",
+            sandbox_id=spec.sandbox_id,
+        )
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in spec.env.items()):
+        raise InvalidArgument("env must map strings to strings", sandbox_id=spec.sandbox_id)
+    return template
+
+
+def check_compatible(spec: SandboxSpec, snapshot: SnapshotInfo) -> None:
+    """A sandbox of ``spec`` can run ``snapshot``'s memory: same template and resources."""
+    for name in ("template", "cpus", "memory_mib", "disk_mib"):
+        ours, theirs = getattr(spec, name), getattr(snapshot, name)
+        if ours != theirs:
+            raise InvalidArgument(
+                f"snapshot {snapshot.snapshot_id} has {name}={theirs!r}, the sandbox {ours!r}",
+                sandbox_id=spec.sandbox_id,
+            )
