@@ -1,13 +1,19 @@
-"""Benchmark of pause and resume on the node (lifecycle issue, first step).
+"""Benchmark of the sandbox lifecycle on the node (issue 3).
 
 Starts a Node directly (as tests/integration does) on a fresh data directory with a
-loop-file btrfs pool, boots one 256 MiB sandbox and prints median and p90 of:
-- pause (QMP ``stop`` + state persisted), with a background process running,
-- resume (QMP ``cont`` + state persisted),
-- exec of ``true`` on a paused sandbox (auto-resume included) next to one on a running
-  sandbox.
-Everything (VM, pool mount, loop device) is removed at the end, also on failure.
-Usage: `.venv/bin/python bench/bench_lifecycle.py [--runs 20]` as root.
+loop-file btrfs pool, boots one 256 MiB sandbox with a background process running and
+prints median and p90 of:
+- pause and resume (QMP ``stop``/``cont`` + state persisted, clock synced on resume),
+- exec of ``true`` on a running and on a paused sandbox (auto-resume included),
+- hibernate, and resume from hibernate (until the guest answered and has its clock),
+- snapshot (pause, device state, btrfs snapshot, publish, resume) and the disk part
+  alone (a read-only btrfs snapshot of the sandbox volume),
+- restore in place, and fork of the live sandbox into one child (until it answers),
+- the baseline beside them: a cold create (boot) of the same sandbox, and each memory
+  path's ratio to it;
+and the sizes: saved memory of a snapshot, and the disk an untouched snapshot holds
+exclusively. Everything (VMs, pool mount, loop device) is removed at the end, also on
+failure. Usage: `.venv/bin/python bench/bench_lifecycle.py [--runs 20]` as root.
 """
 
 from __future__ import annotations
@@ -29,7 +35,23 @@ from space.node.service import Node
 from tests.integration.conftest import release_data_dir
 
 _SANDBOX = "bench-lifecycle"
-_BUSY = "while true; do echo x > /tmp/busy; sleep 0.1; done"
+# A process that lives across every operation without keeping the vCPU busy: under
+# TCG here each `sleep` spawned costs ~100 ms of guest CPU.
+_BUSY = "while true; do echo x > /tmp/busy; sleep 1; done"
+_COLD_BOOTS = 3
+_TIMED = (
+    "cold create (baseline)",
+    "pause",
+    "resume",
+    "exec true (running)",
+    "exec true (paused, auto-resume)",
+    "hibernate",
+    "resume from hibernate",
+    "snapshot (disk + memory)",
+    "disk snapshot (btrfs only)",
+    "restore",
+    "fork of a live sandbox (1 child)",
+)
 
 
 def summary(name: str, values: list[float], unit: str) -> str:
@@ -55,29 +77,59 @@ async def _timed_ms(operation: Awaitable[object]) -> float:
 
 
 async def bench(node: Node, runs: int) -> dict[str, list[float]]:
-    await node.create_sandbox(SandboxSpec(_SANDBOX, memory_mib=256))
+    results: dict[str, list[float]] = {name: [] for name in _TIMED}
+    for _ in range(_COLD_BOOTS):
+        results["cold create (baseline)"].append(await _timed_ms(_create(node)))
+        await node.delete_sandbox(_SANDBOX)
+    await _create(node)
     busy = await node.exec(_SANDBOX, ExecRequest(cmd=_BUSY, background=True))
     await busy.aclose()
     await _exec_true(node)
-    results: dict[str, list[float]] = {
-        "pause": [],
-        "resume": [],
-        "exec true (running)": [],
-        "exec true (paused, auto-resume)": [],
-    }
-    for _ in range(runs):
-        results["pause"].append(await _timed_ms(node.pause_sandbox(_SANDBOX)))
-        results["resume"].append(await _timed_ms(node.resume_sandbox(_SANDBOX)))
-        results["exec true (running)"].append(await _timed_ms(_exec_true(node)))
-        await node.pause_sandbox(_SANDBOX)
-        results["exec true (paused, auto-resume)"].append(await _timed_ms(_exec_true(node)))
+    for i in range(runs):
+        await _round(node, i, results)
     return results
 
 
-async def run(data_dir: Path, runs: int) -> dict[str, list[float]]:
+async def _create(node: Node) -> None:
+    await node.create_sandbox(SandboxSpec(_SANDBOX, memory_mib=256))
+
+
+async def _round(node: Node, i: int, results: dict[str, list[float]]) -> None:
+    async def timed(name: str, operation: Awaitable[object]) -> None:
+        results[name].append(await _timed_ms(operation))
+
+    await timed("pause", node.pause_sandbox(_SANDBOX))
+    await timed("resume", node.resume_sandbox(_SANDBOX))
+    await timed("exec true (running)", _exec_true(node))
+    await node.pause_sandbox(_SANDBOX)
+    await timed("exec true (paused, auto-resume)", _exec_true(node))
+    await timed("hibernate", node.hibernate_sandbox(_SANDBOX))
+    await timed("resume from hibernate", node.resume_sandbox(_SANDBOX))
+    await timed("snapshot (disk + memory)", node.snapshot_sandbox(_SANDBOX, f"s{i}"))
+    await timed("disk snapshot (btrfs only)", node.pool.snapshot_volume(_SANDBOX, f"d{i}"))
+    await node.pool.delete_snapshot(f"d{i}")
+    await timed("restore", node.restore_sandbox(_SANDBOX, f"s{i}"))
+    await timed("fork of a live sandbox (1 child)", node.fork_sandbox(_SANDBOX, [f"c{i}"]))
+    await node.delete_sandbox(f"c{i}")
+    await node.delete_snapshot(f"s{i}")
+
+
+async def sizes(node: Node) -> dict[str, float]:
+    """Saved memory of a snapshot, and what an untouched one holds exclusively (MiB)."""
+    await node.hibernate_sandbox(_SANDBOX)  # untouched from here on
+    info = await node.snapshot_sandbox(_SANDBOX, "untouched")
+    measured = await node.get_snapshot("untouched")
+    await node.delete_snapshot("untouched")
+    return {
+        "snapshot saved memory": info.memory_bytes / 2**20,
+        "untouched snapshot, exclusive disk": (measured.exclusive_bytes or 0) / 2**20,
+    }
+
+
+async def run(data_dir: Path, runs: int) -> tuple[dict[str, list[float]], dict[str, float]]:
     node = await Node.start(NodeConfig(data_dir=data_dir, pool_size_gib=4, boot_timeout_s=90.0))
     try:
-        return await bench(node, runs)
+        return await bench(node, runs), await sizes(node)
     finally:
         await node.shutdown(unmount_pool=True)
 
@@ -89,13 +141,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="space-bench-lifecycle-") as tmp:
         data_dir = Path(tmp) / "data"
         try:
-            results = asyncio.run(run(data_dir, max(args.runs, 20)))
+            results, sized = asyncio.run(run(data_dir, max(args.runs, 20)))
         finally:
             leaked = release_data_dir(data_dir)
             if leaked:
                 print(f"cleaned up leftovers: {leaked}", file=sys.stderr)
+    baseline = statistics.median(results["cold create (baseline)"])
     for name, values in results.items():
-        print(summary(name, values, "ms"))
+        ratio = baseline / statistics.median(values)
+        print(f"{summary(name, values, 'ms')}  {ratio:8.1f}x faster than a cold create")
+    for name, mib in sized.items():
+        print(f"{name:<34} {mib:9.2f} MiB")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The ``space`` command line.
 
-Client commands (create, ls, rm, pause, resume, exec, cp, demo) go through the SDK; server commands
+Client commands (create, ls, rm, pause, hibernate, resume, snapshot, restore, fork,
+timeouts, exec, cp, demo) go through the SDK; server commands
 (serve, node, keys, template) import the node and control plane only when they run.
 Every failure is one ``error: ...`` line on stderr and a non-zero exit status.
 """
@@ -11,6 +12,7 @@ import click
 
 from space.cli._common import CliContext
 from space.cli._demo import demo
+from space.cli._lifecycle import fork, hibernate, restore, snapshot, timeouts
 from space.cli._sandboxes import cp, create, exec_, ls, pause, resume, rm
 from space.cli._server import keys, node, serve, template
 
@@ -25,5 +27,8 @@ def main(ctx: click.Context) -> None:
     ctx.ensure_object(CliContext)
 
 
-for _command in (serve, node, keys, template, create, ls, rm, pause, resume, exec_, cp, demo):
+for _command in (
+    *(serve, node, keys, template, create, ls, rm, pause, hibernate, resume),
+    *(snapshot, restore, fork, timeouts, exec_, cp, demo),
+):
     main.add_command(_command)

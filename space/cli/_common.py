@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn, ParamSpec, TypeVar
 
 import click
 import httpx
 
+from space.sdk import Sandbox
 from space.sdk.errors import SpaceError
 
 __all__ = [
     "CliContext",
     "ProgressPrinter",
     "api_options",
+    "connected",
     "connection",
     "fail",
     "reports_errors",
@@ -72,6 +75,16 @@ def connection(api_url: str | None, api_key: str | None) -> dict[str, Any]:
     """Keyword arguments that point an SDK entry point at the chosen API."""
     ctx = click.get_current_context().find_object(CliContext) or CliContext()
     return {"api_url": api_url, "api_key": api_key, "_transport": ctx.transport}
+
+
+@contextlib.contextmanager
+def connected(sandbox_id: str, api_url: str | None, api_key: str | None) -> Iterator[Sandbox]:
+    """A connection to a sandbox for one block; closed (the sandbox kept) afterwards."""
+    sandbox = Sandbox.connect(sandbox_id, **connection(api_url, api_key))
+    try:
+        yield sandbox
+    finally:
+        sandbox.close()
 
 
 class ProgressPrinter:

@@ -1,17 +1,25 @@
-"""Client commands: create, ls, rm, pause, resume, exec, cp (all through the SDK)."""
+"""Client commands: create, ls, rm, pause, resume, exec, cp (all through the SDK).
+
+The snapshot, hibernate, restore, fork and timeouts commands are in _lifecycle.py.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import re
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 
 import click
 
-from space.cli._common import ProgressPrinter, api_options, connection, fail, reports_errors
+from space.cli._common import (
+    ProgressPrinter,
+    api_options,
+    connected,
+    connection,
+    fail,
+    reports_errors,
+)
 from space.sdk import CommandResult, Sandbox, SandboxInfo
 
 __all__ = ["cp", "create", "exec_", "ls", "pause", "resume", "rm"]
@@ -25,36 +33,65 @@ _REMOTE = re.compile(r"^(?P<id>[A-Za-z0-9][A-Za-z0-9_-]*):(?P<path>.+)$")
 
 
 @click.command()
-@click.option("--template", default="base", show_default=True)
-@click.option("--cpus", default=1, show_default=True, type=int)
-@click.option("--memory-mib", default=256, show_default=True, type=int)
-@click.option("--disk-mib", default=2048, show_default=True, type=int)
+@click.option("--template", default=None, help="[default: base]")
+@click.option("--cpus", default=None, type=int, help="[default: 1]")
+@click.option("--memory-mib", default=None, type=int, help="[default: 256]")
+@click.option("--disk-mib", default=None, type=int, help="[default: 2048]")
 @click.option("--timeout-s", default=300, show_default=True, type=int, help="Lifetime; 0: none.")
+@click.option(
+    "--idle-timeout",
+    "idle_timeout_s",
+    default=None,
+    type=click.IntRange(min=1),
+    metavar="S",
+    help="Hibernate after S seconds without activity [default: never].",
+)
+@click.option(
+    "--from-snapshot",
+    default=None,
+    metavar="SNAP_ID",
+    help="Start from a snapshot (its template and sizes, memory and processes).",
+)
 @api_options
 @reports_errors
 def create(
-    template: str,
-    cpus: int,
-    memory_mib: int,
-    disk_mib: int,
+    template: str | None,
+    cpus: int | None,
+    memory_mib: int | None,
+    disk_mib: int | None,
     timeout_s: int,
+    idle_timeout_s: int | None,
+    from_snapshot: str | None,
     api_url: str | None,
     api_key: str | None,
 ) -> None:
     """Create a sandbox and print its id."""
+    if from_snapshot is not None:
+        sizes = {"--template": template, "--cpus": cpus, "--memory-mib": memory_mib}
+        _refuse_sizes({**sizes, "--disk-mib": disk_mib})
     progress = ProgressPrinter()
-    progress(f"creating a sandbox from template {template!r}")
+    source = f"snapshot {from_snapshot!r}" if from_snapshot else f"template {template or 'base'!r}"
+    progress(f"creating a sandbox from {source}")
     sandbox = Sandbox.create(
         template,
         cpus=cpus,
         memory_mib=memory_mib,
         disk_mib=disk_mib,
         timeout_s=timeout_s or None,
+        idle_timeout_s=idle_timeout_s,
+        from_snapshot=from_snapshot,
         **connection(api_url, api_key),
     )
     progress(f"sandbox {sandbox.sandbox_id} is running")
     sandbox.close()
     click.echo(sandbox.sandbox_id)
+
+
+def _refuse_sizes(sizes: dict[str, object]) -> None:
+    """Exit 2 if any of ``sizes`` was given: a snapshot fixes them."""
+    given = [flag for flag, value in sizes.items() if value is not None]
+    if given:
+        fail(f"--from-snapshot takes the template and sizes from the snapshot: drop {given[0]}", 2)
 
 
 @click.command()
@@ -102,7 +139,7 @@ def rm(sandbox_ids: tuple[str, ...], api_url: str | None, api_key: str | None) -
 def pause(sandbox_ids: tuple[str, ...], api_url: str | None, api_key: str | None) -> None:
     """Pause sandboxes (vCPUs stopped, memory kept; exec or cp resumes them)."""
     for sandbox_id in sandbox_ids:
-        with _connected(sandbox_id, api_url, api_key) as sandbox:
+        with connected(sandbox_id, api_url, api_key) as sandbox:
             click.echo(f"{sandbox_id}  {sandbox.pause().state}")
 
 
@@ -111,9 +148,9 @@ def pause(sandbox_ids: tuple[str, ...], api_url: str | None, api_key: str | None
 @api_options
 @reports_errors
 def resume(sandbox_ids: tuple[str, ...], api_url: str | None, api_key: str | None) -> None:
-    """Resume paused sandboxes."""
+    """Resume paused sandboxes, or wake hibernated ones."""
     for sandbox_id in sandbox_ids:
-        with _connected(sandbox_id, api_url, api_key) as sandbox:
+        with connected(sandbox_id, api_url, api_key) as sandbox:
             click.echo(f"{sandbox_id}  {sandbox.resume().state}")
 
 
@@ -144,7 +181,7 @@ def exec_(
     an argv, without a shell. Output streams live; the exit status is the command's
     (128+N for signal N, 124 when it timed out).
     """
-    with _connected(sandbox_id, api_url, api_key) as sandbox:
+    with connected(sandbox_id, api_url, api_key) as sandbox:
         result = sandbox.commands.run(
             command[0] if len(command) == 1 else list(command),
             env=_parse_env(env),
@@ -200,22 +237,12 @@ def cp(src: str, dst: str, api_url: str | None, api_key: str | None) -> None:
         remote = target["path"]
         if remote.endswith("/"):
             remote += local.name
-        with _connected(target["id"], api_url, api_key) as sandbox:
+        with connected(target["id"], api_url, api_key) as sandbox:
             size = sandbox.files.upload_from(local, remote).size
     elif source is not None:
         local = Path(dst)
         if local.is_dir():
             local /= PurePosixPath(source["path"]).name
-        with _connected(source["id"], api_url, api_key) as sandbox:
+        with connected(source["id"], api_url, api_key) as sandbox:
             size = sandbox.files.download_to(source["path"], local)
     click.echo(f"copied {size} bytes in {time.monotonic() - started:.2f} s", err=True)
-
-
-@contextlib.contextmanager
-def _connected(sandbox_id: str, api_url: str | None, api_key: str | None) -> Iterator[Sandbox]:
-    """A connection to a sandbox for one block; closed (the sandbox kept) afterwards."""
-    sandbox = Sandbox.connect(sandbox_id, **connection(api_url, api_key))
-    try:
-        yield sandbox
-    finally:
-        sandbox.close()

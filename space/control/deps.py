@@ -6,12 +6,13 @@ import hmac
 import os
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends, Request
 
+from space.control.activity import Activity
 from space.control.errors import ApiError
 from space.control.keys import tenant_for_key
 from space.control.nodes import NodeRegistry
@@ -40,6 +41,10 @@ class ControlContext:
     nodes: NodeRegistry
     clock: Callable[[], float]
     node_token: str
+    activity: Activity = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.activity = Activity(self.db, self.clock)
 
 
 def load_or_create_node_token(path: Path) -> str:
@@ -99,10 +104,14 @@ async def _sandbox(sandbox_id: str, tenant: Tenant, ctx: Context) -> SandboxReco
 Sandbox = Annotated[SandboxRecord, Depends(_sandbox)]
 
 
+#: States a guest operation resumes from.
+_RESUMABLE = frozenset({SandboxState.PAUSED.value, SandboxState.HIBERNATED.value})
+
+
 async def _live_sandbox(record: Sandbox, ctx: Context) -> SandboxRecord:
-    if record.state == SandboxState.PAUSED.value:
-        # Guest operations resume a paused sandbox transparently (the node would too);
-        # resuming here first keeps the row's state true.
+    if record.state in _RESUMABLE:
+        # Guest operations resume a paused or hibernated sandbox transparently (the node
+        # would too); resuming here first keeps the row's state true.
         status = await ctx.nodes.get(record.node_id).resume_sandbox(record.id)
         state = status.state.value
         await ctx.db.run(lambda s: repo.set_state(s, record.id, state, error=status.error))
@@ -114,11 +123,12 @@ async def _live_sandbox(record: Sandbox, ctx: Context) -> SandboxRecord:
             sandbox_id=record.id,
             state=record.state,
         )
-    return record
+    marked = await ctx.activity.mark(record.id, record.last_active_at)
+    return record if marked is None else replace(record, last_active_at=marked)
 
 
-#: A sandbox of the caller's tenant that is running, resumed first if it was paused
-#: (409 in any other state).
+#: A sandbox of the caller's tenant that is running, resumed first if it was paused or
+#: hibernated (409 in any other state), and marked active.
 LiveSandbox = Annotated[SandboxRecord, Depends(_live_sandbox)]
 
 

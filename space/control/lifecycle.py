@@ -13,25 +13,38 @@ import logging
 import secrets
 from dataclasses import replace
 
+from sqlalchemy.orm import Session
+
 from space.control.deps import ControlContext
 from space.control.errors import ApiError
 from space.control.scheduler import pick_node
 from space.control.schemas import SandboxCreate
 from space.control.store import repo
+from space.control.store import snapshots as snaps
 from space.control.store.repo import SandboxRecord
+from space.control.store.snapshots import SnapshotRecord
 from space.node.errors import NodeError, NotFound
 from space.node.interface import SandboxSpec, SandboxState, SandboxStatus
 
 __all__ = [
+    "LIVE",
+    "check_state",
     "create_sandbox",
     "delete_sandbox",
+    "hibernate_sandbox",
     "new_sandbox_id",
     "pause_sandbox",
+    "record_status",
     "resume_sandbox",
+    "set_timeouts",
 ]
 
-#: The states pause and resume accept (either is a no-op on the state it leads to).
+#: The states pause accepts (pausing a paused sandbox is a no-op).
 _PAUSABLE = frozenset({SandboxState.RUNNING.value, SandboxState.PAUSED.value})
+#: States with a VM whose guest state exists: hibernate, resume, snapshot, fork and
+#: restore accept them.
+LIVE = frozenset({*_PAUSABLE, SandboxState.HIBERNATED.value})
+_SUSPENDABLE = LIVE
 
 log = logging.getLogger(__name__)
 
@@ -49,51 +62,81 @@ async def _place(ctx: ControlContext) -> str:
     return node_id
 
 
-async def create_sandbox(
-    ctx: ControlContext, tenant: str, body: SandboxCreate, *, timeout_given: bool
-) -> SandboxRecord:
-    """Record, place and start a sandbox; returns it running.
+async def _source(
+    ctx: ControlContext, tenant: str, snapshot_id: str | None
+) -> SnapshotRecord | None:
+    if snapshot_id is None:
+        return None
+    found = await ctx.db.run(lambda s: snaps.find_snapshot(s, tenant, snapshot_id))
+    if found is None:
+        raise ApiError("not_found", f"no snapshot {snapshot_id!r}", snapshot_id=snapshot_id)
+    return found
 
-    Raises ApiError(unavailable) with no node, or the node's NodeError (with the new
-    sandbox's id in its details, the row then in state ``error``). Cancelled mid-way,
-    the row stays ``creating`` until reconciliation.
-    """
-    node_id = await _place(ctx)
+
+def _new_record(
+    ctx: ControlContext,
+    tenant: str,
+    node_id: str,
+    body: SandboxCreate,
+    source: SnapshotRecord | None,
+    timeout_s: int | None,
+) -> SandboxRecord:
     now = ctx.clock()
-    timeout_s = body.timeout_s if timeout_given else ctx.settings.default_timeout_s
-    record = SandboxRecord(
+    shape = source or body  # template and resources
+    return SandboxRecord(
         id=new_sandbox_id(),
         tenant_id=tenant,
         node_id=node_id,
-        template=body.template,
-        cpus=body.cpus,
-        memory_mib=body.memory_mib,
-        disk_mib=body.disk_mib,
+        template=shape.template,
+        cpus=shape.cpus,
+        memory_mib=shape.memory_mib,
+        disk_mib=shape.disk_mib,
         env=dict(body.env),
         metadata=dict(body.metadata),
         state=SandboxState.CREATING.value,
         desired_state=repo.RUNNING,
         created_at=now,
         expires_at=None if timeout_s is None else now + timeout_s,
+        idle_timeout_s=body.idle_timeout_s,
+        head_snapshot=None if source is None else source.id,
     )
-    await ctx.db.run(lambda s: repo.insert_sandbox(s, record))
-    spec = SandboxSpec(
+
+
+def _spec(record: SandboxRecord, from_snapshot: str | None = None) -> SandboxSpec:
+    return SandboxSpec(
         sandbox_id=record.id,
         template=record.template,
         cpus=record.cpus,
         memory_mib=record.memory_mib,
         disk_mib=record.disk_mib,
         env=record.env,
+        from_snapshot=from_snapshot,
     )
+
+
+async def create_sandbox(
+    ctx: ControlContext, tenant: str, body: SandboxCreate, *, timeout_given: bool
+) -> SandboxRecord:
+    """Record, place and start a sandbox (from a snapshot if asked); returns it running.
+
+    A sandbox made from a snapshot goes to the snapshot's node and takes its template
+    and resources. Raises ApiError(not_found) for a snapshot that is not the tenant's,
+    ApiError(unavailable) with no node, or the node's NodeError (with the new sandbox's
+    id in its details, the row then in state ``error``). Cancelled mid-way, the row
+    stays ``creating`` until reconciliation.
+    """
+    source = await _source(ctx, tenant, body.from_snapshot)
+    node_id = source.node_id if source is not None else await _place(ctx)
+    timeout_s = body.timeout_s if timeout_given else ctx.settings.default_timeout_s
+    record = _new_record(ctx, tenant, node_id, body, source, timeout_s)
+    await ctx.db.run(lambda s: repo.insert_sandbox(s, record))
     node = ctx.nodes.get(node_id)
     try:
-        status = await node.create_sandbox(spec)
+        status = await node.create_sandbox(_spec(record, body.from_snapshot))
     except NodeError as exc:
         await _creation_failed(ctx, record, exc)
         raise
-    state = status.state.value
-    await ctx.db.run(lambda s: repo.set_state(s, record.id, state, error=status.error))
-    return replace(record, state=state, error=status.error)
+    return await record_status(ctx, record, status)
 
 
 async def _creation_failed(ctx: ControlContext, record: SandboxRecord, exc: NodeError) -> None:
@@ -128,23 +171,50 @@ async def pause_sandbox(ctx: ControlContext, record: SandboxRecord) -> SandboxRe
     Raises ApiError(conflict) naming the state for a sandbox neither running nor paused
     (nothing is asked of the node then), or the node's NodeError (the row unchanged).
     """
-    _check_pausable("pause", record)
+    check_state("pause", record, _PAUSABLE)
     status = await ctx.nodes.get(record.node_id).pause_sandbox(record.id)
-    return await _record_status(ctx, record, status)
+    return await record_status(ctx, record, status)
+
+
+async def hibernate_sandbox(ctx: ControlContext, record: SandboxRecord) -> SandboxRecord:
+    """Save a running or paused sandbox's memory to disk, freeing its RAM; idempotent.
+
+    Raises as ``pause_sandbox`` (409 unless running, paused or hibernated).
+    """
+    check_state("hibernate", record, _SUSPENDABLE)
+    status = await ctx.nodes.get(record.node_id).hibernate_sandbox(record.id)
+    return await record_status(ctx, record, status)
 
 
 async def resume_sandbox(ctx: ControlContext, record: SandboxRecord) -> SandboxRecord:
-    """Resume a paused sandbox on its node and record ``running``; idempotent.
+    """Resume a paused or hibernated sandbox, record ``running`` and mark it active.
 
-    Raises as ``pause_sandbox``.
+    Idempotent. Raises as ``pause_sandbox`` (409 unless running, paused or hibernated).
+    Marking it active keeps the reaper from hibernating it again at once.
     """
-    _check_pausable("resume", record)
+    check_state("resume", record, _SUSPENDABLE)
     status = await ctx.nodes.get(record.node_id).resume_sandbox(record.id)
-    return await _record_status(ctx, record, status)
+    return await record_status(ctx, record, status, active=True)
 
 
-def _check_pausable(operation: str, record: SandboxRecord) -> None:
-    if record.state not in _PAUSABLE:
+async def set_timeouts(
+    ctx: ControlContext, record: SandboxRecord, changes: dict[str, int | None]
+) -> SandboxRecord:
+    """Change ``idle_timeout_s`` and/or ``max_lifetime_s`` (keys absent: unchanged).
+
+    ``max_lifetime_s`` counts from creation, so one shorter than the sandbox's age makes
+    the reaper delete it at its next round. Takes effect at the reaper's next round.
+    """
+    idle = changes.get("idle_timeout_s", record.idle_timeout_s)
+    lifetime = changes.get("max_lifetime_s", record.max_lifetime_s)
+    expires_at = None if lifetime is None else record.created_at + lifetime
+    await ctx.db.run(lambda s: repo.set_timeouts(s, record.id, idle, expires_at))
+    return replace(record, idle_timeout_s=idle, expires_at=expires_at)
+
+
+def check_state(operation: str, record: SandboxRecord, allowed: frozenset[str]) -> None:
+    """Raise ApiError(conflict) naming the state unless ``record`` is in ``allowed``."""
+    if record.state not in allowed:
         raise ApiError(
             "conflict",
             f"cannot {operation} sandbox {record.id}: it is {record.state}",
@@ -153,10 +223,25 @@ def _check_pausable(operation: str, record: SandboxRecord) -> None:
         )
 
 
-async def _record_status(
-    ctx: ControlContext, record: SandboxRecord, status: SandboxStatus
+async def record_status(
+    ctx: ControlContext, record: SandboxRecord, status: SandboxStatus, *, active: bool = False
 ) -> SandboxRecord:
-    state = status.state.value
-    if state != record.state or status.error != record.error:
-        await ctx.db.run(lambda s: repo.set_state(s, record.id, state, error=status.error))
-    return replace(record, state=state, error=status.error)
+    """Store what the node reported (state, error, head snapshot); with ``active``, mark
+    the sandbox active now too. Returns the updated record."""
+    now = ctx.clock()
+    new = replace(
+        record,
+        state=status.state.value,
+        error=status.error,
+        head_snapshot=status.head_snapshot,
+        last_active_at=now if active else record.last_active_at,
+    )
+
+    def store(session: Session) -> None:
+        repo.set_status(session, new.id, new.state, new.error, new.head_snapshot)
+        if active:
+            repo.touch(session, new.id, now)
+
+    if new != record:
+        await ctx.db.run(store)
+    return new

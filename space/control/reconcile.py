@@ -1,25 +1,38 @@
 """Driving observed state towards desired state: the reaper and startup reconciliation.
 
-The reaper deletes sandboxes whose lifetime ended, by the app's injected clock.
-Reconciliation compares every registered node's sandboxes with the database: rows the
-node no longer knows become ``error`` (or ``deleted`` if deletion was wanted), and
-sandboxes no row claims are deleted on the node, so nothing leaks across restarts.
+The reaper deletes sandboxes whose lifetime ended and hibernates those idle for their
+``idle_timeout_s``, by the app's injected clock. Reconciliation compares every
+registered node's sandboxes and snapshots with the database: rows the node no longer
+knows become ``error`` (or ``deleted`` if deletion was wanted), pending snapshot rows
+are published if the node finished them and dropped if not, and sandboxes or
+snapshots no row claims are deleted on the node, so nothing leaks across restarts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from dataclasses import replace
 
 from space.control.deps import ControlContext
 from space.control.errors import ApiError
-from space.control.lifecycle import delete_sandbox
+from space.control.lifecycle import delete_sandbox, hibernate_sandbox
+from space.control.snapshots import delete_snapshot
 from space.control.store import repo
+from space.control.store import snapshots as snaps
 from space.control.store.repo import SandboxRecord
-from space.node.errors import NodeError
-from space.node.interface import SandboxState, SandboxStatus
+from space.node.errors import NodeError, NotFound
+from space.node.interface import SandboxState, SandboxStatus, SnapshotInfo
 
-__all__ = ["reap_expired", "reaper_loop", "reconcile", "reconcile_node"]
+__all__ = [
+    "hibernate_idle",
+    "reap",
+    "reap_expired",
+    "reaper_loop",
+    "reconcile",
+    "reconcile_node",
+]
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +54,40 @@ async def reap_expired(ctx: ControlContext) -> list[str]:
     return deleted
 
 
+async def hibernate_idle(ctx: ControlContext) -> list[str]:
+    """Hibernate every running or paused sandbox idle for its ``idle_timeout_s``.
+
+    Idle means no guest activity (or, if none, creation) for at least that long; a
+    sandbox with an exec or process stream open in this replica is busy, not idle.
+    Returns the ids hibernated; a sandbox whose node fails is logged and retried next
+    round.
+    """
+    now = ctx.clock()
+    busy = ctx.activity.streaming()
+    hibernated = []
+    for record in await ctx.db.run(lambda s: repo.idle(s, now)):
+        if record.id in busy:
+            continue
+        try:
+            await hibernate_sandbox(ctx, record)
+        except (NodeError, ApiError) as exc:
+            log.warning("reaper could not hibernate %s: %s", record.id, exc)
+            continue
+        hibernated.append(record.id)
+    return hibernated
+
+
+async def reap(ctx: ControlContext) -> None:
+    """One reaper round: delete expired sandboxes, then hibernate idle ones."""
+    await reap_expired(ctx)
+    await hibernate_idle(ctx)
+
+
 async def reaper_loop(ctx: ControlContext, interval_s: float) -> None:
     """Reap every ``interval_s`` seconds until cancelled; a failing round is logged."""
     while True:
         try:
-            await reap_expired(ctx)
+            await reap(ctx)
         except Exception:
             log.exception("reaper round failed")
         await asyncio.sleep(interval_s)
@@ -61,15 +103,16 @@ async def _settle_row(
         await ctx.db.run(
             lambda s: repo.set_state(s, record.id, SandboxState.ERROR.value, error=message)
         )
-    elif status.state.value != record.state:
-        state = status.state.value
-        await ctx.db.run(lambda s: repo.set_state(s, record.id, state, error=status.error))
+    elif (status.state.value, status.head_snapshot) != (record.state, record.head_snapshot):
+        state, head = status.state.value, status.head_snapshot
+        await ctx.db.run(lambda s: repo.set_status(s, record.id, state, status.error, head))
 
 
 async def reconcile_node(ctx: ControlContext, node_id: str) -> None:
     """Settle the database's rows for ``node_id`` against what the node runs.
 
-    Raises the node's NodeError if it cannot be listed (nothing is changed then).
+    Sandboxes first, then snapshots. Raises the node's NodeError if it cannot be
+    listed (nothing is changed then).
     """
     node = ctx.nodes.get(node_id)
     on_node = {
@@ -83,6 +126,36 @@ async def reconcile_node(ctx: ControlContext, node_id: str) -> None:
     for sandbox_id in on_node.keys() - {record.id for record in rows}:
         log.info("deleting sandbox %s on node %s: no record claims it", sandbox_id, node_id)
         await node.delete_sandbox(sandbox_id)
+    await _reconcile_snapshots(ctx, node_id)
+
+
+async def _settle_snapshot(
+    ctx: ControlContext, record: snaps.SnapshotRecord, info: SnapshotInfo | None
+) -> None:
+    if record.state == snaps.DELETING:
+        await delete_snapshot(ctx, record)
+    elif record.state == snaps.PENDING and info is None:
+        await ctx.db.run(lambda s: snaps.drop_pending(s, record.id))
+    elif record.state == snaps.PENDING and info is not None:
+        # The node finished it after the control plane stopped waiting: publish it.
+        ready = replace(
+            record, state=snaps.READY, parent_id=info.parent_id, memory_bytes=info.memory_bytes
+        )
+        await ctx.db.run(lambda s: snaps.mark_ready(s, ready))
+    elif info is None:
+        log.warning("snapshot %s is listed but its node %s lost it", record.id, record.node_id)
+
+
+async def _reconcile_snapshots(ctx: ControlContext, node_id: str) -> None:
+    node = ctx.nodes.get(node_id)
+    on_node = {info.snapshot_id: info for info in await node.list_snapshots()}
+    rows = await ctx.db.run(lambda s: snaps.on_node(s, node_id))
+    for record in rows:
+        await _settle_snapshot(ctx, record, on_node.get(record.id))
+    for snapshot_id in on_node.keys() - {record.id for record in rows}:
+        log.info("deleting snapshot %s on node %s: no record claims it", snapshot_id, node_id)
+        with contextlib.suppress(NotFound):
+            await node.delete_snapshot(snapshot_id)
 
 
 async def reconcile(ctx: ControlContext) -> None:

@@ -13,19 +13,25 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from space.control.store.repo import SandboxRecord
+from space.control.store.snapshots import SnapshotRecord
 from space.node.interface import FileStat, ProcessInfo
 
 __all__ = [
     "ExecBody",
     "FileStatOut",
+    "ForkBody",
     "GuestPath",
     "KillBody",
     "MkdirBody",
     "NodeRegistration",
     "ProcessOut",
     "RenameBody",
+    "RestoreBody",
     "SandboxCreate",
     "SandboxOut",
+    "SnapshotCreate",
+    "SnapshotOut",
+    "TimeoutsBody",
     "UserName",
     "parse_mode",
 ]
@@ -33,6 +39,12 @@ __all__ = [
 MAX_PATH_BYTES = 4096
 _USER_PATTERN = r"^[a-z_][a-z0-9_-]{0,31}$"
 _MAX_TEXT = 64 * 1024
+#: Upper bounds of the idle timeout (a week) and of the lifetime set later (30 days).
+MAX_IDLE_TIMEOUT_S = 7 * 24 * 3600
+MAX_LIFETIME_S = 30 * 24 * 3600
+_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+#: Fields a sandbox made from a snapshot takes from the snapshot.
+_FROM_SNAPSHOT = ("template", "cpus", "memory_mib", "disk_mib")
 
 
 def _check_path(path: str) -> str:
@@ -70,8 +82,39 @@ class SandboxCreate(_Body):
     disk_mib: int = Field(2048, ge=1024, le=65536)
     #: Lifetime in seconds; null: none; omitted: the control plane's default.
     timeout_s: int | None = Field(None, ge=1, le=86400)
+    #: Seconds without guest activity before the sandbox is hibernated; null: never.
+    idle_timeout_s: int | None = Field(None, ge=1, le=MAX_IDLE_TIMEOUT_S)
     env: _Env = Field(default_factory=dict)
     metadata: _Env = Field(default_factory=dict)
+    #: A snapshot of the tenant's to start from (its node, template and resources).
+    from_snapshot: str | None = Field(None, pattern=_ID_PATTERN)
+
+    @model_validator(mode="after")
+    def _resources_come_from_the_snapshot(self) -> SandboxCreate:
+        given = sorted(self.model_fields_set.intersection(_FROM_SNAPSHOT))
+        if self.from_snapshot is not None and given:
+            raise ValueError(f"{', '.join(given)} cannot be given with from_snapshot")
+        return self
+
+
+class TimeoutsBody(_Body):
+    """Each field optional: omitted leaves it unchanged, null removes it."""
+
+    idle_timeout_s: int | None = Field(None, ge=1, le=MAX_IDLE_TIMEOUT_S)
+    #: Counted from the sandbox's creation.
+    max_lifetime_s: int | None = Field(None, ge=1, le=MAX_LIFETIME_S)
+
+
+class SnapshotCreate(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+class RestoreBody(_Body):
+    snapshot_id: str = Field(pattern=_ID_PATTERN)
+
+
+class ForkBody(_Body):
+    count: int = Field(1, ge=1, le=16)
 
 
 def _iso(ts: float | None) -> str | None:
@@ -91,6 +134,10 @@ class SandboxOut(BaseModel):
     expires_at: str | None
     node_id: str
     error: str | None
+    idle_timeout_s: int | None
+    max_lifetime_s: int | None
+    last_active_at: str | None
+    head_snapshot: str | None
 
     @classmethod
     def of(cls, record: SandboxRecord) -> SandboxOut:
@@ -107,6 +154,43 @@ class SandboxOut(BaseModel):
             expires_at=_iso(record.expires_at),
             node_id=record.node_id,
             error=record.error,
+            idle_timeout_s=record.idle_timeout_s,
+            max_lifetime_s=record.max_lifetime_s,
+            last_active_at=_iso(record.last_active_at),
+            head_snapshot=record.head_snapshot,
+        )
+
+
+class SnapshotOut(BaseModel):
+    id: str
+    name: str
+    sandbox_id: str
+    parent_id: str | None
+    node_id: str
+    created_at: str
+    template: str
+    cpus: int
+    memory_mib: int
+    disk_mib: int
+    memory_bytes: int
+    #: Disk bytes only this snapshot holds; measured by the node on a single GET only.
+    exclusive_bytes: int | None
+
+    @classmethod
+    def of(cls, record: SnapshotRecord, exclusive_bytes: int | None = None) -> SnapshotOut:
+        return cls(
+            id=record.id,
+            name=record.name,
+            sandbox_id=record.sandbox_id,
+            parent_id=record.parent_id,
+            node_id=record.node_id,
+            created_at=_iso(record.created_at) or "",
+            template=record.template,
+            cpus=record.cpus,
+            memory_mib=record.memory_mib,
+            disk_mib=record.disk_mib,
+            memory_bytes=record.memory_bytes,
+            exclusive_bytes=exclusive_bytes,
         )
 
 

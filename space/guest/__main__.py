@@ -1,8 +1,11 @@
-"""Run spaced: ``python3 -m space.guest [--stdio] [--user-default NAME] [--home-default PATH]``.
+"""Run spaced: ``python3 -m space.guest [--stdio [--identity-record PATH]] [--user-default
+NAME] [--home-default PATH]``.
 
 Without ``--stdio`` it serves the virtio-serial port named ``space.agent`` (waiting for
 the device to appear) and never exits on its own; with ``--stdio`` it speaks on
-stdin/stdout and exits at EOF, killing the background processes it started.
+stdin/stdout and exits at EOF, killing the background processes it started. In
+``--stdio`` mode system.identity changes nothing: it only records the changes (as JSON
+lines appended to ``--identity-record``, if given), since that mode runs on a host.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 from space.protocol import PORT_NAME
 
 from ._daemon import Daemon
+from ._identity import system_for
 from ._request import Accounts
 from ._transport import Transport, find_port
 
@@ -32,8 +36,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--port-name", default=PORT_NAME, help="virtio-serial port name")
     parser.add_argument("--user-default", help='account that stands in for "user"')
     parser.add_argument("--home-default", help='home directory of "user"')
+    parser.add_argument(
+        "--identity-record",
+        metavar="PATH",
+        help="--stdio only: append the identity changes to PATH instead of making them",
+    )
     parser.add_argument("--log-level", default="INFO")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.identity_record is not None and not args.stdio:
+        parser.error("--identity-record needs --stdio")
+    return args
 
 
 def _open_port(name: str) -> int:
@@ -76,7 +88,8 @@ async def _serve(args: argparse.Namespace) -> None:
         fd = _open_port(args.port_name)
         transport = Transport(fd, fd, reconnecting=True)
     _use_pidfd_child_watcher()
-    daemon = Daemon(transport, Accounts(args.user_default, args.home_default))
+    identity = system_for(args.stdio, args.identity_record)
+    daemon = Daemon(transport, Accounts(args.user_default, args.home_default), identity=identity)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, daemon.stopped.set)

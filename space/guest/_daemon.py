@@ -32,8 +32,9 @@ from space.protocol import (
     encode_json,
 )
 
-from . import AGENT, _exec, _files
+from . import AGENT, _exec, _files, _identity
 from ._errors import OpError, SessionLost, from_oserror
+from ._identity import IdentitySystem
 from ._processes import ProcessTable
 from ._request import Accounts, Fields
 from ._session import Session, Stream
@@ -57,16 +58,24 @@ _HANDLERS: dict[str, Handler] = {
     Op.FILE_REMOVE: lambda d, s, f: _files.op_remove(f, d.accounts),
     Op.FILE_RENAME: lambda d, s, f: _files.op_rename(f, d.accounts),
     Op.SYSTEM_INFO: lambda d, s, f: _system_info(),
+    Op.SYSTEM_IDENTITY: lambda d, s, f: _identity.op_identity(f, d.identity),
 }
 
 
 class Daemon:
+    """spaced's state. ``identity`` is where system.identity's changes go: required, so
+    whoever builds a Daemon decides between the real system and a recording one."""
+
     accounts: Accounts
     processes: ProcessTable
+    identity: IdentitySystem
 
-    def __init__(self, transport: Transport, accounts: Accounts) -> None:
+    def __init__(
+        self, transport: Transport, accounts: Accounts, *, identity: IdentitySystem
+    ) -> None:
         self.transport = transport
         self.accounts = accounts
+        self.identity = identity
         self.processes = ProcessTable()
         self.session: Session | None = None
         self.stopped = asyncio.Event()

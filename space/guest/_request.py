@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pwd
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from space.protocol import ErrorCode
@@ -30,6 +31,10 @@ class Fields:
 
     def __init__(self, request: dict[str, object]) -> None:
         self._request = request
+
+    def mapping(self) -> Mapping[str, object]:
+        """The whole request, read-only, for operations that decode it as one message."""
+        return self._request
 
     def string(
         self, key: str, default: str | None = None, *, max_chars: int = MAX_STR_CHARS

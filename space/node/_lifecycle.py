@@ -211,10 +211,7 @@ class Lifecycle:
         try:
             yield
         finally:
-            if live:
-                await asyncio.shield(self.thaw(sandbox, prior))
-            else:
-                self.save(sandbox, prior)
+            await asyncio.shield(self._back_to(sandbox, prior))
 
     async def thaw(self, sandbox: LiveSandbox, prior: SandboxState) -> None:
         """Bring a VM paused for a state save back to ``prior``; drop the state file.
@@ -267,21 +264,38 @@ class Lifecycle:
     async def fork(self, parent: LiveSandbox, children: list[LiveSandbox]) -> None:
         """Start each child from a copy of the parent's disk and memory, taken now.
 
-        The parent keeps its state after a pause of one state save and N subvolume
-        snapshots. Raises the first child's failure; the caller removes the children.
+        The parent is paused for one state save and N subvolume snapshots, then runs
+        on while the children start. Raises the first failure; the caller removes the
+        children.
         """
         creating = Pending("fork", SandboxState.CREATING)
         for child in children:
             self.save(child, SandboxState.CREATING, pending=creating)
         prior = parent.record.state
         self.save(parent, prior, pending=Pending("capture", prior))
-        async with self.frozen(parent, prior):
+        thawed = False
+        try:
+            if prior != SandboxState.HIBERNATED:
+                await parent.save_state()
             for child in children:
                 await self.pool.clone_volume(parent.volume, child.sandbox_id)
-        results = await asyncio.gather(
-            *(self.start_from_memory(child, fresh=True) for child in children),
-            return_exceptions=True,
-        )
+            thawed = True
+            results = await asyncio.gather(
+                self._back_to(parent, prior),
+                *(self.start_from_memory(child, fresh=True) for child in children),
+                return_exceptions=True,
+            )
+        finally:
+            if not thawed:
+                await asyncio.shield(self._back_to(parent, prior))
         for result in results:
             if isinstance(result, BaseException):
                 raise result
+
+    async def _back_to(self, sandbox: LiveSandbox, prior: SandboxState) -> None:
+        """End a state save: a live VM returns to ``prior``, a hibernated one's record
+        loses its pending operation."""
+        if prior == SandboxState.HIBERNATED:
+            self.save(sandbox, prior)
+        else:
+            await self.thaw(sandbox, prior)

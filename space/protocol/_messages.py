@@ -6,20 +6,33 @@ so callers never index into unchecked guest input.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import enum
 import json
+import re
 import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TypeVar
 
 from ._frames import MAX_PAYLOAD_BYTES, Channel, ProtocolError
 
 __all__ = [
     "DATA_CHUNK_BYTES",
+    "IDENTITY_FIELDS",
     "INITIAL_WINDOW_BYTES",
+    "MAX_ENTROPY_BYTES",
+    "MAX_HOSTNAME_CHARS",
     "MAX_JSON_BYTES",
     "MAX_PING_BYTES",
     "MAX_STREAMS",
+    "MAX_TIME_NS",
+    "MIN_ENTROPY_BYTES",
+    "MIN_TIME_NS",
     "PROTOCOL_VERSION",
     "ErrorCode",
+    "Identity",
     "Op",
     "decode_credit",
     "decode_data",
@@ -47,6 +60,7 @@ INITIAL_WINDOW_BYTES = 1024 * 1024
 DATA_CHUNK_BYTES = MAX_PAYLOAD_BYTES
 
 _CREDIT = struct.Struct(">I")
+_T = TypeVar("_T")
 
 
 class Op(enum.StrEnum):
@@ -64,6 +78,7 @@ class Op(enum.StrEnum):
     FILE_REMOVE = "file.remove"
     FILE_RENAME = "file.rename"
     SYSTEM_INFO = "system.info"
+    SYSTEM_IDENTITY = "system.identity"
 
 
 class ErrorCode(enum.StrEnum):
@@ -147,3 +162,137 @@ def _decode_channel(raw: bytes) -> Channel:
         return Channel(raw[0])
     except ValueError:
         raise ProtocolError(f"unknown channel {raw[0]}") from None
+
+
+# -- system.identity --
+
+#: Fields of a system.identity request, in the order spaced applies them: the clock
+#: first, so that everything after it (file mtimes, log lines) carries the right time.
+IDENTITY_FIELDS = ("time_ns", "entropy", "hostname", "machine_id")
+#: Longest hostname: the kernel's limit (HOST_NAME_MAX, 64; sethostname fails beyond
+#: it) is tighter than DNS's 253 characters.
+MAX_HOSTNAME_CHARS = 64
+#: Random bytes per request: at least 256 bits, enough to seed the kernel's CRNG.
+MIN_ENTROPY_BYTES = 32
+MAX_ENTROPY_BYTES = 512
+#: Accepted wall clock, in ns since the epoch: 2000-01-01T00:00:00Z (inclusive) to
+#: 2201-01-01T00:00:00Z (exclusive), i.e. the years 2000 to 2200.
+MIN_TIME_NS = 946_684_800 * 10**9
+MAX_TIME_NS = 7_289_654_400 * 10**9 - 1
+
+# RFC 1123 labels, lowercase only: no leading or trailing hyphen.
+_LABEL = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
+_MACHINE_ID = re.compile(r"[0-9a-f]{32}")
+_MAX_ENTROPY_BASE64_CHARS = 4 * -(-MAX_ENTROPY_BYTES // 3)
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """The fields of a system.identity request; construction validates every one.
+
+    Raises ProtocolError for a malformed field or when no field is given. Both ends
+    use it: the host before sending, spaced on what it received (where the error
+    becomes ``invalid_argument``).
+    """
+
+    hostname: str | None = None
+    machine_id: str | None = None
+    entropy: bytes | None = None
+    time_ns: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.fields():
+            raise ProtocolError(f"system.identity needs at least one of {IDENTITY_FIELDS}")
+        if self.hostname is not None:
+            _check_hostname(self.hostname)
+        if self.machine_id is not None:
+            _check_machine_id(self.machine_id)
+        if self.entropy is not None:
+            _check_entropy(self.entropy)
+        if self.time_ns is not None:
+            _check_time_ns(self.time_ns)
+
+    def fields(self) -> list[str]:
+        """Names of the fields given, in IDENTITY_FIELDS (application) order."""
+        return [name for name in IDENTITY_FIELDS if getattr(self, name) is not None]
+
+    def to_request(self) -> dict[str, object]:
+        """The OPEN payload: ``{"op": "system.identity", ...}`` without absent fields."""
+        request: dict[str, object] = {"op": str(Op.SYSTEM_IDENTITY)}
+        for name in self.fields():
+            value = getattr(self, name)
+            request[name] = base64.b64encode(value).decode() if name == "entropy" else value
+        return request
+
+    @classmethod
+    def from_request(cls, request: Mapping[str, object]) -> Identity:
+        """Decode a request strictly: unknown fields, wrong types and non-canonical
+        base64 raise ProtocolError; a null field counts as absent."""
+        unknown = sorted(set(request) - {"op", *IDENTITY_FIELDS})
+        if unknown:
+            raise ProtocolError(f"system.identity does not know the fields {unknown[:4]}")
+        hostname = _optional(request, "hostname", str, "a string")
+        machine_id = _optional(request, "machine_id", str, "a string")
+        entropy = _optional(request, "entropy", str, "a base64 string")
+        time_ns = _optional(request, "time_ns", int, "an integer")
+        return cls(
+            hostname=hostname,
+            machine_id=machine_id,
+            entropy=None if entropy is None else _decode_base64(entropy),
+            time_ns=time_ns,
+        )
+
+
+def _optional(request: Mapping[str, object], key: str, kind: type[_T], what: str) -> _T | None:
+    value = request.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise ProtocolError(f"{key} must be {what}")
+    return value
+
+
+def _check_hostname(hostname: object) -> None:
+    if not isinstance(hostname, str) or not 1 <= len(hostname) <= MAX_HOSTNAME_CHARS:
+        raise ProtocolError(f"hostname must be a string of 1 to {MAX_HOSTNAME_CHARS} characters")
+    for label in hostname.split("."):
+        if not _LABEL.fullmatch(label):
+            raise ProtocolError(
+                f"hostname label {label[:64]!r} must be 1 to 63 of [a-z0-9-], "
+                "starting and ending with a letter or digit"
+            )
+
+
+def _check_machine_id(machine_id: object) -> None:
+    if not isinstance(machine_id, str) or not _MACHINE_ID.fullmatch(machine_id):
+        raise ProtocolError("machine_id must be 32 lowercase hex characters")
+    if machine_id == "0" * 32:
+        raise ProtocolError("machine_id must not be all zeros")
+
+
+def _check_entropy(entropy: object) -> None:
+    if not isinstance(entropy, bytes):
+        raise ProtocolError("entropy must be bytes")
+    if not MIN_ENTROPY_BYTES <= len(entropy) <= MAX_ENTROPY_BYTES:
+        raise ProtocolError(
+            f"entropy must be {MIN_ENTROPY_BYTES} to {MAX_ENTROPY_BYTES} bytes, got {len(entropy)}"
+        )
+
+
+def _check_time_ns(time_ns: object) -> None:
+    if isinstance(time_ns, bool) or not isinstance(time_ns, int):
+        raise ProtocolError("time_ns must be an integer")
+    if not MIN_TIME_NS <= time_ns <= MAX_TIME_NS:
+        raise ProtocolError(f"time_ns {time_ns} is outside the years 2000 to 2200")
+
+
+def _decode_base64(text: str) -> bytes:
+    if len(text) > _MAX_ENTROPY_BASE64_CHARS:
+        raise ProtocolError(f"entropy is longer than {_MAX_ENTROPY_BASE64_CHARS} base64 characters")
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ProtocolError("entropy is not valid base64") from None
+    if base64.b64encode(raw).decode() != text:  # one spelling per value: no padding tricks
+        raise ProtocolError("entropy is not canonical base64")
+    return raw

@@ -1,4 +1,4 @@
-"""The SPACE Python SDK: sandboxes (sync and async), their commands and files.
+"""The SPACE Python SDK: sandboxes (sync and async), their commands, files and snapshots.
 
     from space import Sandbox
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from space.sdk._commands import AsyncCommandHandle, AsyncCommands
 from space.sdk._files import AsyncFiles, ByteStream
 from space.sdk._http import ConnectionConfig
-from space.sdk._models import CommandResult, FileInfo, ProcessInfo, SandboxInfo
+from space.sdk._models import CommandResult, FileInfo, ProcessInfo, SandboxInfo, SnapshotInfo
 from space.sdk._sandbox import AsyncSandbox
 from space.sdk._sync import CommandHandle, Commands, Files, Sandbox
 from space.sdk.errors import (
@@ -54,6 +54,7 @@ __all__ = [
     "ResourceExhausted",
     "Sandbox",
     "SandboxInfo",
+    "SnapshotInfo",
     "SpaceError",
     "Timeout",
     "Unavailable",

@@ -9,12 +9,20 @@ from typing import Any
 
 from space.sdk.errors import InternalError
 
-__all__ = ["CommandResult", "FileInfo", "ProcessInfo", "SandboxInfo"]
+__all__ = ["CommandResult", "FileInfo", "ProcessInfo", "SandboxInfo", "SnapshotInfo"]
 
 
 @dataclass(frozen=True, slots=True)
 class SandboxInfo:
-    """One sandbox as the API reports it (``GET /v1/sandboxes/{id}``)."""
+    """One sandbox as the API reports it (``GET /v1/sandboxes/{id}``).
+
+    ``state`` is ``creating``, ``running``, ``paused``, ``hibernated`` or ``error``.
+    ``idle_timeout_s`` hibernates it after that many seconds without activity (commands,
+    file calls; the last at ``last_active_at``); ``max_lifetime_s`` deletes it that long
+    after ``created_at`` (at ``expires_at``); None means no such limit.
+    ``head_snapshot`` is the snapshot it last came from or took: the parent of its next
+    snapshot.
+    """
 
     sandbox_id: str
     template: str
@@ -27,6 +35,10 @@ class SandboxInfo:
     created_at: datetime | None = None
     expires_at: datetime | None = None
     node_id: str | None = None
+    idle_timeout_s: int | None = None
+    max_lifetime_s: int | None = None
+    last_active_at: datetime | None = None
+    head_snapshot: str | None = None
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> SandboxInfo:
@@ -44,9 +56,60 @@ class SandboxInfo:
                 created_at=_parse_time(body.get("created_at")),
                 expires_at=_parse_time(body.get("expires_at")),
                 node_id=body.get("node_id"),
+                idle_timeout_s=_optional_int(body, "idle_timeout_s"),
+                max_lifetime_s=_optional_int(body, "max_lifetime_s"),
+                last_active_at=_parse_time(body.get("last_active_at")),
+                head_snapshot=_optional_str(body, "head_snapshot"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InternalError(f"malformed sandbox in answer: {exc!r}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotInfo:
+    """A snapshot: a restorable copy of a sandbox's disk and memory (``GET /v1/snapshots``).
+
+    ``parent_id`` is the snapshot the sandbox had last come from or taken when this one
+    was taken, so a tenant's snapshots form a forest. ``template``, ``cpus``,
+    ``memory_mib`` and ``disk_mib`` are those of the sandbox it was taken of (a sandbox
+    created from it gets them). ``memory_bytes`` is the saved memory;
+    ``exclusive_bytes`` the disk bytes only this snapshot holds (what deleting it
+    frees), None when the node did not measure it.
+    """
+
+    snapshot_id: str
+    name: str
+    sandbox_id: str
+    parent_id: str | None
+    node_id: str | None
+    created_at: datetime
+    template: str
+    cpus: int
+    memory_mib: int
+    disk_mib: int
+    memory_bytes: int
+    exclusive_bytes: int | None
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> SnapshotInfo:
+        """Parse a Snapshot object; raises InternalError if it is malformed."""
+        try:
+            return cls(
+                snapshot_id=_required_str(body, "id"),
+                name=_required_str(body, "name"),
+                sandbox_id=_required_str(body, "sandbox_id"),
+                parent_id=_optional_str(body, "parent_id"),
+                node_id=_optional_str(body, "node_id"),
+                created_at=_required_time(body, "created_at"),
+                template=_required_str(body, "template"),
+                cpus=_required_int(body, "cpus"),
+                memory_mib=_required_int(body, "memory_mib"),
+                disk_mib=_required_int(body, "disk_mib"),
+                memory_bytes=_required_int(body, "memory_bytes"),
+                exclusive_bytes=_optional_int(body, "exclusive_bytes"),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InternalError(f"malformed snapshot in answer: {exc!r}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,3 +204,33 @@ def _parse_time(value: object) -> datetime | None:
     if isinstance(value, int | float):
         return datetime.fromtimestamp(value, tz=UTC)
     return datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+
+
+def _required_time(body: Mapping[str, Any], key: str) -> datetime:
+    value = _parse_time(_required_str(body, key))
+    if value is None or value.tzinfo is None:
+        raise ValueError(f"{key} is not an ISO 8601 time with a zone")
+    return value
+
+
+def _required_str(body: Mapping[str, Any], key: str) -> str:
+    value = body[key]
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"{key} is not a non-empty string: {value!r}")
+    return value
+
+
+def _optional_str(body: Mapping[str, Any], key: str) -> str | None:
+    return None if body.get(key) is None else _required_str(body, key)
+
+
+def _required_int(body: Mapping[str, Any], key: str) -> int:
+    value = body[key]
+    # bool is an int subclass; true/false in a size field is as wrong as a string.
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise TypeError(f"{key} is not a non-negative integer: {value!r}")
+    return value
+
+
+def _optional_int(body: Mapping[str, Any], key: str) -> int | None:
+    return None if body.get(key) is None else _required_int(body, key)

@@ -3,22 +3,43 @@
 from __future__ import annotations
 
 import builtins
+import enum
+import re
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, Final
 
 import httpx
 
 from space.sdk._commands import AsyncCommands
 from space.sdk._files import AsyncFiles
 from space.sdk._http import ApiClient, ConnectionConfig
-from space.sdk._models import SandboxInfo
-from space.sdk.errors import InternalError, NotFound
+from space.sdk._models import SandboxInfo, SnapshotInfo
+from space.sdk.errors import InternalError, InvalidArgument, NotFound
 
-__all__ = ["AsyncSandbox"]
+__all__ = ["KEEP", "AsyncSandbox"]
 
 #: A create may boot a VM cold (seconds under TCG) or wait for a template: allow longer.
 CREATE_TIMEOUT_S = 180.0
+#: Hibernate, resume, snapshot, restore and fork save or load guest memory (seconds under
+#: TCG for a few hundred MiB): they get the create's allowance, not a plain request's.
+LIFECYCLE_TIMEOUT_S = CREATE_TIMEOUT_S
+#: What the SDK accepts as an id in a URL path: the API's ids (``sb-``/hex...) and no
+#: ``/`` or leading dot, so an id can never name another resource.
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+class _Keep(enum.Enum):
+    """The default of ``set_timeouts``' arguments: leave that timeout as it is."""
+
+    KEEP = "keep"
+
+    def __repr__(self) -> str:
+        return "KEEP"
+
+
+#: ``set_timeouts(idle_timeout_s=KEEP)``: unchanged (the default); None means no timeout.
+KEEP: Final = _Keep.KEEP
 
 
 class AsyncSandbox:
@@ -46,12 +67,14 @@ class AsyncSandbox:
     @classmethod
     async def create(
         cls,
-        template: str = "base",
+        template: str | None = None,
         *,
-        cpus: int = 1,
-        memory_mib: int = 256,
-        disk_mib: int = 2048,
+        cpus: int | None = None,
+        memory_mib: int | None = None,
+        disk_mib: int | None = None,
         timeout_s: int | None = 300,
+        idle_timeout_s: int | None = None,
+        from_snapshot: SnapshotInfo | str | None = None,
         env: Mapping[str, str] | None = None,
         metadata: Mapping[str, str] | None = None,
         api_url: str | None = None,
@@ -61,21 +84,25 @@ class AsyncSandbox:
     ) -> AsyncSandbox:
         """Create a sandbox and return once it runs.
 
-        ``timeout_s`` is its lifetime (None: no limit). Raises InvalidArgument (limits in
-        docs/api.md), NotFound (template), ResourceExhausted (quota, no capacity),
-        AuthenticationError, Unavailable, Timeout (after 180 s). A cancellation mid-way
-        may leave a sandbox behind that ``list()`` shows.
+        ``template``, ``cpus``, ``memory_mib`` and ``disk_mib`` left as None take the
+        API's defaults (``base``, 1, 256 MiB, 2048 MiB). ``from_snapshot`` starts it from
+        a snapshot instead (its disk, memory and running processes, with a fresh guest
+        identity); the four then come from the snapshot and must stay None.
+        ``timeout_s`` is its maximum lifetime from creation, ``idle_timeout_s`` how long
+        it may go without activity (commands, file calls) before it hibernates (seconds;
+        None: no limit).
+
+        Raises InvalidArgument (limits in docs/api.md, or a size given with
+        ``from_snapshot``; nothing is sent then), NotFound (template or snapshot),
+        ResourceExhausted (quota, no capacity), AuthenticationError, Unavailable,
+        Timeout (after 180 s). A cancellation mid-way may leave a sandbox behind that
+        ``list()`` shows.
         """
+        body = _create_body(template, cpus, memory_mib, disk_mib, from_snapshot)
+        body.update(timeout_s=timeout_s, env=dict(env or {}), metadata=dict(metadata or {}))
+        if idle_timeout_s is not None:
+            body["idle_timeout_s"] = idle_timeout_s
         api = ApiClient(_config(api_url, api_key, request_timeout_s, _transport))
-        body: dict[str, Any] = {
-            "template": template,
-            "cpus": cpus,
-            "memory_mib": memory_mib,
-            "disk_mib": disk_mib,
-            "timeout_s": timeout_s,
-            "env": dict(env or {}),
-            "metadata": dict(metadata or {}),
-        }
         try:
             answer = await api.request_json(
                 "POST",
@@ -123,10 +150,56 @@ class AsyncSandbox:
             body = await api.request_json("GET", "/v1/sandboxes", operation="sandbox.list")
         finally:
             await api.aclose()
-        sandboxes = body.get("sandboxes") if isinstance(body, dict) else None
-        if not isinstance(sandboxes, builtins.list):
-            raise InternalError("malformed sandbox list", operation="sandbox.list")
+        sandboxes = _listed(body, "sandboxes", operation="sandbox.list")
         return [SandboxInfo.from_wire(_object(s)) for s in sandboxes]
+
+    @classmethod
+    async def list_snapshots(
+        cls,
+        *,
+        sandbox_id: str | None = None,
+        api_url: str | None = None,
+        api_key: str | None = None,
+        request_timeout_s: float | None = None,
+        _transport: httpx.AsyncBaseTransport | None = None,
+    ) -> builtins.list[SnapshotInfo]:
+        """Every snapshot of the key's tenant, or only those taken of ``sandbox_id``.
+
+        The snapshots form a forest by ``parent_id`` (a parent may be missing from a
+        per-sandbox listing). Raises NotFound for an unknown ``sandbox_id``.
+        """
+        path = "/v1/snapshots"
+        if sandbox_id is not None:
+            path = f"/v1/sandboxes/{_segment(sandbox_id, 'sandbox id')}/snapshots"
+        api = ApiClient(_config(api_url, api_key, request_timeout_s, _transport))
+        try:
+            return await _get_snapshots(api, path, sandbox_id)
+        finally:
+            await api.aclose()
+
+    @classmethod
+    async def delete_snapshot(
+        cls,
+        snapshot: SnapshotInfo | str,
+        *,
+        api_url: str | None = None,
+        api_key: str | None = None,
+        request_timeout_s: float | None = None,
+        _transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        """Delete a snapshot; its children in the tree are re-parented to its parent.
+
+        Idempotent: deleting a snapshot that is already gone succeeds. Sandboxes made or
+        restored from it are unaffected. Raises InvalidArgument for a malformed id.
+        """
+        snapshot_id = _snapshot_id(snapshot)
+        api = ApiClient(_config(api_url, api_key, request_timeout_s, _transport))
+        try:
+            await api.request_json(
+                "DELETE", f"/v1/snapshots/{snapshot_id}", operation="snapshot.delete"
+            )
+        finally:
+            await api.aclose()
 
     async def get_info(self) -> SandboxInfo:
         """Fresh information about this sandbox (state, expiry...). NotFound once gone."""
@@ -144,8 +217,114 @@ class AsyncSandbox:
         return await self._transition("pause")
 
     async def resume(self) -> SandboxInfo:
-        """Resume a paused sandbox (immediate); idempotent. Raises as ``pause()``."""
+        """Resume a paused sandbox (immediate) or wake a hibernated one (its memory is
+        loaded back: seconds); idempotent. Raises as ``pause()``.
+        """
         return await self._transition("resume")
+
+    async def hibernate(self) -> SandboxInfo:
+        """Hibernate the sandbox: memory and device state go to its disk, the VM stops.
+
+        A hibernated sandbox holds no RAM or CPU on its node. ``resume()``, or any
+        command or file call, wakes it and its processes carry on. Idempotent. Raises
+        Conflict (the message names the state) for a state that does not allow it,
+        NotFound once the sandbox is gone. A cancellation mid-way may leave it running
+        or hibernated; call again.
+        """
+        return await self._transition("hibernate")
+
+    async def set_timeouts(
+        self,
+        *,
+        idle_timeout_s: int | _Keep | None = KEEP,
+        max_lifetime_s: int | _Keep | None = KEEP,
+    ) -> SandboxInfo:
+        """Change when the sandbox hibernates for idleness or is deleted for age.
+
+        ``idle_timeout_s``: seconds without activity (commands, file calls) before it
+        hibernates; ``max_lifetime_s``: seconds from its creation before it is deleted. None removes
+        that limit; an argument left out (``KEEP``) stays as it is. Idempotent. Raises
+        InvalidArgument (out of range), Conflict, NotFound.
+        """
+        body: dict[str, int | None] = {}
+        if idle_timeout_s is not KEEP:
+            body["idle_timeout_s"] = idle_timeout_s
+        if max_lifetime_s is not KEEP:
+            body["max_lifetime_s"] = max_lifetime_s
+        answer = await self._api.request_json(
+            "PUT",
+            f"/v1/sandboxes/{self.sandbox_id}/timeouts",
+            operation="sandbox.set_timeouts",
+            sandbox_id=self.sandbox_id,
+            json_body=body,
+        )
+        self._info = SandboxInfo.from_wire(_object(answer))
+        return self._info
+
+    async def snapshot(self, name: str) -> SnapshotInfo:
+        """Snapshot the sandbox's disk and memory as ``name``; it keeps its state.
+
+        Its parent in the snapshot tree is the sandbox's ``head_snapshot``. Not
+        idempotent: Conflict if a snapshot named ``name`` exists, with
+        ``details["snapshot_id"]`` naming it (which is also what a retry after a
+        cancellation mid-way may meet). Raises Conflict for a state that does not allow
+        it, NotFound, ResourceExhausted (quota or space).
+        """
+        answer = await self._api.request_json(
+            "POST",
+            f"/v1/sandboxes/{self.sandbox_id}/snapshots",
+            operation="sandbox.snapshot",
+            sandbox_id=self.sandbox_id,
+            json_body={"name": name},
+            timeout_s=LIFECYCLE_TIMEOUT_S,
+        )
+        return SnapshotInfo.from_wire(_object(answer))
+
+    async def snapshots(self) -> builtins.list[SnapshotInfo]:
+        """The snapshots taken of this sandbox. NotFound once it is gone."""
+        path = f"/v1/sandboxes/{self.sandbox_id}/snapshots"
+        return await _get_snapshots(self._api, path, self.sandbox_id)
+
+    async def restore(self, snapshot: SnapshotInfo | str) -> SandboxInfo:
+        """Roll the sandbox back in place to ``snapshot``: disk, memory and processes.
+
+        It is then running, with a fresh guest identity (hostname, machine-id, random
+        seed, clock); what ran since is lost and open command streams end. Repeating it
+        rolls back again. Raises NotFound (sandbox or snapshot), InvalidArgument (a
+        snapshot of another template or size), Conflict (a state that does not allow
+        it). A cancellation mid-way may leave it restored or not; call again.
+        """
+        answer = await self._api.request_json(
+            "POST",
+            f"/v1/sandboxes/{self.sandbox_id}/restore",
+            operation="sandbox.restore",
+            sandbox_id=self.sandbox_id,
+            json_body={"snapshot_id": _snapshot_id(snapshot)},
+            timeout_s=LIFECYCLE_TIMEOUT_S,
+        )
+        self._info = SandboxInfo.from_wire(_object(answer))
+        return self._info
+
+    async def fork(self, n: int = 1) -> builtins.list[AsyncSandbox]:
+        """Make ``n`` (1 to 16) running copies of this sandbox: disk, memory, processes.
+
+        Each child has a fresh guest identity and its own connection with this one's
+        configuration (close or kill each); this sandbox keeps its state after a brief
+        pause. Not idempotent. Raises InvalidArgument (``n`` out of range),
+        ResourceExhausted (quota, no capacity), Conflict, NotFound. A cancellation
+        mid-way may leave children behind that ``list()`` shows.
+        """
+        answer = await self._api.request_json(
+            "POST",
+            f"/v1/sandboxes/{self.sandbox_id}/fork",
+            operation="sandbox.fork",
+            sandbox_id=self.sandbox_id,
+            json_body={"count": n},
+            timeout_s=LIFECYCLE_TIMEOUT_S,
+        )
+        children = _listed(answer, "sandboxes", operation="sandbox.fork")
+        infos = [SandboxInfo.from_wire(_object(child)) for child in children]
+        return [AsyncSandbox(info, ApiClient(self._api.config)) for info in infos]
 
     async def _transition(self, action: str) -> SandboxInfo:
         body = await self._api.request_json(
@@ -153,6 +332,7 @@ class AsyncSandbox:
             f"/v1/sandboxes/{self.sandbox_id}/{action}",
             operation=f"sandbox.{action}",
             sandbox_id=self.sandbox_id,
+            timeout_s=LIFECYCLE_TIMEOUT_S,
         )
         self._info = SandboxInfo.from_wire(_object(body))
         return self._info
@@ -208,6 +388,54 @@ async def _get_info(api: ApiClient, sandbox_id: str) -> SandboxInfo:
         "GET", f"/v1/sandboxes/{sandbox_id}", operation="sandbox.get_info", sandbox_id=sandbox_id
     )
     return SandboxInfo.from_wire(_object(body))
+
+
+async def _get_snapshots(
+    api: ApiClient, path: str, sandbox_id: str | None
+) -> builtins.list[SnapshotInfo]:
+    operation = "snapshot.list"
+    body = await api.request_json("GET", path, operation=operation, sandbox_id=sandbox_id)
+    return [SnapshotInfo.from_wire(_object(s)) for s in _listed(body, "snapshots", operation)]
+
+
+def _create_body(
+    template: str | None,
+    cpus: int | None,
+    memory_mib: int | None,
+    disk_mib: int | None,
+    from_snapshot: SnapshotInfo | str | None,
+) -> dict[str, Any]:
+    """The sizing part of a create body: only what was given (the API defaults the rest)."""
+    given = {"template": template, "cpus": cpus, "memory_mib": memory_mib, "disk_mib": disk_mib}
+    body: dict[str, Any] = {key: value for key, value in given.items() if value is not None}
+    if from_snapshot is not None:
+        if body:
+            raise InvalidArgument(
+                f"from_snapshot sets template, cpus, memory_mib and disk_mib; got {sorted(body)}",
+                operation="sandbox.create",
+            )
+        body["from_snapshot"] = _snapshot_id(from_snapshot)
+    return body
+
+
+def _snapshot_id(snapshot: SnapshotInfo | str) -> str:
+    value = snapshot.snapshot_id if isinstance(snapshot, SnapshotInfo) else snapshot
+    return _segment(value, "snapshot id")
+
+
+def _segment(value: str, what: str) -> str:
+    """``value`` if it can stand as one URL path segment; else InvalidArgument."""
+    if not isinstance(value, str) or not _ID.match(value):
+        raise InvalidArgument(f"not a valid {what}: {value!r}")
+    return value
+
+
+def _listed(body: Any, key: str, operation: str) -> builtins.list[Any]:
+    """``body[key]`` of a ``{key: [...]}`` answer; InternalError for any other shape."""
+    items = body.get(key) if isinstance(body, dict) else None
+    if not isinstance(items, builtins.list):
+        raise InternalError(f"malformed answer: no {key} list", operation=operation)
+    return items
 
 
 def _object(body: Any) -> dict[str, Any]:

@@ -128,6 +128,20 @@ def _sandbox_factory(
     return call
 
 
+def _sandbox_list(
+    method: Callable[
+        Concatenate[AsyncSandbox, P], Coroutine[Any, Any, builtins.list[AsyncSandbox]]
+    ],
+) -> Callable[Concatenate[_Facade[AsyncSandbox], P], builtins.list[Sandbox]]:
+    """The sync twin of an AsyncSandbox method making sandboxes, returning Sandboxes."""
+
+    @functools.wraps(method)
+    def call(self: _Facade[AsyncSandbox], /, *args: P.args, **kwargs: P.kwargs) -> list[Sandbox]:
+        return [Sandbox(inner) for inner in _LOOP.run(method(self._inner, *args, **kwargs))]
+
+    return call
+
+
 class CommandHandle(_Facade[AsyncCommandHandle]):
     """A background process (sync). See AsyncCommandHandle."""
 
@@ -251,10 +265,18 @@ class Sandbox(_Facade[AsyncSandbox]):
     create = staticmethod(_sandbox_factory(AsyncSandbox.create))
     connect = staticmethod(_sandbox_factory(AsyncSandbox.connect))
     list = staticmethod(_blocking_static(AsyncSandbox.list))
+    list_snapshots = staticmethod(_blocking_static(AsyncSandbox.list_snapshots))
+    delete_snapshot = staticmethod(_blocking_static(AsyncSandbox.delete_snapshot))
 
     get_info = _blocking(AsyncSandbox.get_info)
     pause = _blocking(AsyncSandbox.pause)
     resume = _blocking(AsyncSandbox.resume)
+    hibernate = _blocking(AsyncSandbox.hibernate)
+    set_timeouts = _blocking(AsyncSandbox.set_timeouts)
+    snapshot = _blocking(AsyncSandbox.snapshot)
+    snapshots = _blocking(AsyncSandbox.snapshots)
+    restore = _blocking(AsyncSandbox.restore)
+    fork = _sandbox_list(AsyncSandbox.fork)
     kill = _blocking(AsyncSandbox.kill)
     close = _blocking(AsyncSandbox.close)
 

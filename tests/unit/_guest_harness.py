@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import getpass
+import json
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -34,9 +36,18 @@ class NonClosingWriter:
 
 
 class Guest:
-    def __init__(self, proc: asyncio.subprocess.Process, home: Path) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, home: Path, identity_record: Path) -> None:
         self.proc = proc
         self.home = home
+        #: Where --stdio spaced records the identity changes it would make.
+        self.identity_record = identity_record
+
+    def identity_changes(self) -> list[dict[str, object]]:
+        """The recorded system.identity changes, oldest first."""
+        if not self.identity_record.exists():
+            return []
+        lines = self.identity_record.read_text().splitlines()
+        return [json.loads(line) for line in lines]
 
     async def channel(self, sandbox_id: str = "sb-test") -> GuestChannel:
         assert self.proc.stdout is not None and self.proc.stdin is not None
@@ -55,12 +66,22 @@ class Guest:
 @asynccontextmanager
 async def running_guest(home: Path) -> AsyncIterator[Guest]:
     """Start spaced; on exit close its stdin and check that it (and its children) ended."""
+    with tempfile.TemporaryDirectory(prefix="spaced-identity-") as record_dir:
+        identity_record = Path(record_dir) / "identity.jsonl"
+        async with _spaced(home, identity_record) as proc:
+            yield Guest(proc, home, identity_record)
+
+
+@asynccontextmanager
+async def _spaced(home: Path, identity_record: Path) -> AsyncIterator[asyncio.subprocess.Process]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-B",
         "-m",
         "space.guest",
         "--stdio",
+        "--identity-record",
+        str(identity_record),
         "--user-default",
         getpass.getuser(),
         "--home-default",
@@ -71,7 +92,7 @@ async def running_guest(home: Path) -> AsyncIterator[Guest]:
         stdout=asyncio.subprocess.PIPE,
     )
     try:
-        yield Guest(proc, home)
+        yield proc
     finally:
         assert proc.stdin is not None
         proc.stdin.close()

@@ -17,7 +17,14 @@ import httpx
 from fastapi import FastAPI
 
 from space.control import ControlSettings, NodeRegistry, create_app, create_key
-from space.node.errors import Conflict, NodeError, NotFound, PermissionDenied, Unavailable
+from space.node.errors import (
+    Conflict,
+    InvalidArgument,
+    NodeError,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+)
 from space.node.interface import (
     ExecEvent,
     ExecExited,
@@ -29,11 +36,33 @@ from space.node.interface import (
     SandboxSpec,
     SandboxState,
     SandboxStatus,
+    SnapshotInfo,
 )
 
 CHUNK = 1024 * 1024
-#: FakeNode methods that do not resume a paused sandbox (guest operations do).
-_LIFECYCLE = frozenset({"get_sandbox", "pause_sandbox", "resume_sandbox"})
+#: FakeNode methods that do not resume a paused or hibernated sandbox (guest operations do).
+_LIFECYCLE = frozenset(
+    {
+        "get_sandbox",
+        "pause_sandbox",
+        "resume_sandbox",
+        "hibernate_sandbox",
+        "snapshot_sandbox",
+        "restore_sandbox",
+        "fork_sandbox",
+    }
+)
+_RUNNING, _PAUSED, _HIBERNATED = SandboxState.RUNNING, SandboxState.PAUSED, SandboxState.HIBERNATED
+#: The states each lifecycle method accepts, as the node's docstring says.
+_ALLOWED = {
+    "pause": {_RUNNING, _PAUSED},
+    "resume": {_RUNNING, _PAUSED, _HIBERNATED},
+    "hibernate": {_RUNNING, _PAUSED, _HIBERNATED},
+    "snapshot": {_RUNNING, _PAUSED, _HIBERNATED},
+    "restore": {_RUNNING, _PAUSED, _HIBERNATED},
+    "fork": {_RUNNING, _PAUSED, _HIBERNATED},
+}
+_SHAPE = ("template", "cpus", "memory_mib", "disk_mib")
 
 
 class FakeExecStream:
@@ -89,6 +118,17 @@ class _Box:
         default_factory=dict
     )
 
+    def copy(self, status: SandboxStatus) -> _Box:
+        """A box with ``status`` and this box's files, dirs and processes."""
+        return _Box(status, dict(self.files), set(self.dirs), dict(self.processes))
+
+
+@dataclass
+class _Snapshot:
+    info: SnapshotInfo
+    #: The sandbox's contents when taken (its status is not used).
+    contents: _Box
+
 
 class FakeNode:
     """An in-memory NodeService. ``calls`` records (method, sandbox_id) of every call."""
@@ -101,6 +141,7 @@ class FakeNode:
         self.fail_next: NodeError | None = None
         self.upload_chunk_sizes: list[int] = []
         self.streams: list[FakeExecStream] = []
+        self.snapshots: dict[str, _Snapshot] = {}
 
     def _box(self, method: str, sandbox_id: str) -> _Box:
         self.calls.append((method, sandbox_id))
@@ -110,8 +151,8 @@ class FakeNode:
         box = self.boxes.get(sandbox_id)
         if box is None:
             raise NotFound(f"no sandbox {sandbox_id}", sandbox_id=sandbox_id)
-        if box.status.state == SandboxState.PAUSED and method not in _LIFECYCLE:
-            box.status = replace(box.status, state=SandboxState.RUNNING)  # as the node: resume
+        if box.status.state in (_PAUSED, _HIBERNATED) and method not in _LIFECYCLE:
+            box.status = replace(box.status, state=_RUNNING)  # as the node: resume
         return box
 
     def snapshot(self) -> object:
@@ -124,7 +165,7 @@ class FakeNode:
                 {p: i for p, (i, _) in box.processes.items()},
             )
             for sid, box in self.boxes.items()
-        }
+        } | {sn: snap.info for sn, snap in self.snapshots.items()}
 
     async def info(self) -> NodeInfo:
         return NodeInfo(self.node_id, "tcg", ["base"], len(self.boxes))
@@ -134,17 +175,13 @@ class FakeNode:
         if self.fail_create is not None:
             raise self.fail_create
         if spec.sandbox_id not in self.boxes:
-            status = SandboxStatus(
-                spec.sandbox_id,
-                SandboxState.RUNNING,
-                spec.template,
-                spec.cpus,
-                spec.memory_mib,
-                spec.disk_mib,
-                time.time(),
-                vmm_pid=4242,
-            )
-            self.boxes[spec.sandbox_id] = _Box(status)
+            source = _Box(_status_of(spec))
+            if spec.from_snapshot is not None:
+                snap = self._snapshot(spec.from_snapshot)
+                self._check_shape(snap.info, _status_of(spec))
+                source = snap.contents
+            status = replace(_status_of(spec), head_snapshot=spec.from_snapshot)
+            self.boxes[spec.sandbox_id] = source.copy(status)
         return self.boxes[spec.sandbox_id].status
 
     async def delete_sandbox(self, sandbox_id: str) -> None:
@@ -152,20 +189,105 @@ class FakeNode:
         self.boxes.pop(sandbox_id, None)
 
     async def pause_sandbox(self, sandbox_id: str) -> SandboxStatus:
-        return self._transition(self._box("pause_sandbox", sandbox_id), SandboxState.PAUSED)
+        return self._transition("pause", sandbox_id, _PAUSED)
 
     async def resume_sandbox(self, sandbox_id: str) -> SandboxStatus:
-        return self._transition(self._box("resume_sandbox", sandbox_id), SandboxState.RUNNING)
+        return self._transition("resume", sandbox_id, _RUNNING)
 
-    def _transition(self, box: _Box, state: SandboxState) -> SandboxStatus:
-        """RUNNING <-> PAUSED as the real node: idempotent, Conflict naming other states."""
-        if box.status.state not in (SandboxState.RUNNING, SandboxState.PAUSED):
+    async def hibernate_sandbox(self, sandbox_id: str) -> SandboxStatus:
+        return self._transition("hibernate", sandbox_id, _HIBERNATED)
+
+    def _checked(self, operation: str, sandbox_id: str) -> _Box:
+        """The box, if its state allows ``operation``; Conflict naming the state otherwise."""
+        box = self._box(f"{operation}_sandbox", sandbox_id)
+        if box.status.state not in _ALLOWED[operation]:
             raise Conflict(
-                f"cannot change sandbox {box.status.sandbox_id}: it is {box.status.state.value}",
-                sandbox_id=box.status.sandbox_id,
+                f"cannot {operation} sandbox {sandbox_id}: it is {box.status.state.value}",
+                sandbox_id=sandbox_id,
             )
+        return box
+
+    def _transition(self, operation: str, sandbox_id: str, state: SandboxState) -> SandboxStatus:
+        """As the real node: idempotent, Conflict naming any state it does not accept."""
+        box = self._checked(operation, sandbox_id)
         box.status = replace(box.status, state=state)
         return box.status
+
+    def _snapshot(self, snapshot_id: str) -> _Snapshot:
+        snap = self.snapshots.get(snapshot_id)
+        if snap is None:
+            raise NotFound(f"no snapshot {snapshot_id}")
+        return snap
+
+    def _check_shape(self, info: SnapshotInfo, status: SandboxStatus) -> None:
+        if any(getattr(info, f) != getattr(status, f) for f in _SHAPE):
+            raise InvalidArgument(f"snapshot {info.snapshot_id} differs from the sandbox")
+
+    def _measured(self, snap: _Snapshot) -> SnapshotInfo:
+        size = 4096 + sum(len(data) for data in snap.contents.files.values())
+        return replace(snap.info, exclusive_bytes=size)
+
+    async def snapshot_sandbox(self, sandbox_id: str, snapshot_id: str) -> SnapshotInfo:
+        box = self._checked("snapshot", sandbox_id)
+        known = self.snapshots.get(snapshot_id)
+        if known is not None:
+            if known.info.sandbox_id != sandbox_id:
+                raise Conflict(f"snapshot {snapshot_id} is of another sandbox")
+            return known.info
+        status = box.status
+        info = SnapshotInfo(
+            snapshot_id,
+            sandbox_id,
+            status.head_snapshot,
+            time.time(),
+            status.template,
+            status.cpus,
+            status.memory_mib,
+            status.disk_mib,
+            memory_bytes=status.memory_mib * 1024 * 1024 // 4,
+        )
+        self.snapshots[snapshot_id] = _Snapshot(info, box.copy(status))
+        box.status = replace(status, head_snapshot=snapshot_id)
+        return info
+
+    async def list_snapshots(self) -> list[SnapshotInfo]:
+        return [self._measured(snap) for snap in self.snapshots.values()]
+
+    async def get_snapshot(self, snapshot_id: str) -> SnapshotInfo:
+        self.calls.append(("get_snapshot", snapshot_id))
+        return self._measured(self._snapshot(snapshot_id))
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Idempotent; children and heads are re-parented to the deleted one's parent."""
+        self.calls.append(("delete_snapshot", snapshot_id))
+        gone = self.snapshots.pop(snapshot_id, None)
+        if gone is None:
+            return
+        parent = gone.info.parent_id
+        for snap in self.snapshots.values():
+            if snap.info.parent_id == snapshot_id:
+                snap.info = replace(snap.info, parent_id=parent)
+        for box in self.boxes.values():
+            if box.status.head_snapshot == snapshot_id:
+                box.status = replace(box.status, head_snapshot=parent)
+
+    async def restore_sandbox(self, sandbox_id: str, snapshot_id: str) -> SandboxStatus:
+        box = self._checked("restore", sandbox_id)
+        snap = self._snapshot(snapshot_id)
+        self._check_shape(snap.info, box.status)
+        status = replace(box.status, state=_RUNNING, head_snapshot=snapshot_id)
+        self.boxes[sandbox_id] = snap.contents.copy(status)
+        return status
+
+    async def fork_sandbox(self, sandbox_id: str, child_ids: list[str]) -> list[SandboxStatus]:
+        box = self._checked("fork", sandbox_id)
+        taken = [child for child in child_ids if child in self.boxes]
+        if taken:
+            raise Conflict(f"sandboxes {taken} exist", sandbox_id=sandbox_id)
+        for child in child_ids:
+            status = replace(box.status, sandbox_id=child, state=_RUNNING, created_at=time.time())
+            self.boxes[child] = box.copy(status)
+        return [self.boxes[child].status for child in child_ids]
 
     async def get_sandbox(self, sandbox_id: str) -> SandboxStatus:
         return self._box("get_sandbox", sandbox_id).status
@@ -274,6 +396,19 @@ class FakeNode:
             raise NotFound(f"no file {src}", sandbox_id=sandbox_id)
         box.files[dst] = box.files.pop(src)
         return self._stat(box, dst)
+
+
+def _status_of(spec: SandboxSpec) -> SandboxStatus:
+    return SandboxStatus(
+        spec.sandbox_id,
+        _RUNNING,
+        spec.template,
+        spec.cpus,
+        spec.memory_mib,
+        spec.disk_mib,
+        time.time(),
+        vmm_pid=4242,
+    )
 
 
 class FakeClock:

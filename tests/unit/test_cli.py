@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 
-from space.cli import CliContext, _demo, _server, main
+from space.cli import CliContext, _demo, _lifecycle, _server, main
 from tests.unit.test_sdk_fake_api import API_KEY, FakeApi
 
 COMMANDS = [
-    "cp", "create", "demo", "exec", "keys", "ls", "node", "pause", "resume", "rm", "serve",
-    "template",
+    "cp", "create", "demo", "exec", "fork", "hibernate", "keys", "ls", "node", "pause",
+    "restore", "resume", "rm", "serve", "snapshot", "template", "timeouts",
 ]  # fmt: skip
 
 
@@ -187,3 +187,209 @@ def test_sigterm_stops_a_server_coroutine_after_its_finally_blocks_ran() -> None
     _server._run_until_signal(serving())
     assert cleaned == ["node closed"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+# lifecycle commands (issue 3)
+
+
+def _snapshot(
+    fake: FakeApi, snap_id: str, parent: str | None, minute: int, sandbox_id: str = "sbx1"
+) -> None:
+    fake.snapshots[snap_id] = {
+        "id": snap_id, "name": f"name-{snap_id}", "sandbox_id": sandbox_id, "parent_id": parent,
+        "node_id": "local", "created_at": f"2026-11-30T12:{minute:02d}:00+00:00",
+        "template": "base", "cpus": 1, "memory_mib": 256, "disk_mib": 2048,
+        "memory_bytes": 256 << 20, "exclusive_bytes": None if parent is None else 1536,
+    }  # fmt: skip
+
+
+def _puts_and_posts(fake: FakeApi) -> list[tuple[str, str]]:
+    return [(method, path) for method, path, _ in fake.requests if method in ("PUT", "POST")]
+
+
+def test_hibernate_then_resume_print_each_new_state(fake: FakeApi) -> None:
+    hibernated = _space(fake, "hibernate", "sbx1")
+    resumed = _space(fake, "resume", "sbx1")
+    assert (hibernated.exit_code, hibernated.stdout) == (0, "sbx1  hibernated\n")
+    assert (resumed.exit_code, resumed.stdout) == (0, "sbx1  running\n")
+    assert fake.sandboxes["sbx1"]["state"] == "running"
+
+
+def test_negative_hibernate_in_a_state_that_forbids_it_prints_the_conflict(fake: FakeApi) -> None:
+    fake.sandboxes["sbx1"]["state"] = "error"
+    result = _space(fake, "hibernate", "sbx1")
+    assert result.exit_code == 1
+    assert result.stderr == "error: conflict: cannot hibernate sandbox sbx1: it is error " \
+        "(operation=sandbox.hibernate, sandbox=sbx1, status=409)\n"  # fmt: skip
+
+
+def test_create_from_snapshot_with_idle_timeout_sends_them_and_no_sizes(fake: FakeApi) -> None:
+    _snapshot(fake, "snp1", None, 1)
+    result = _space(fake, "create", "--from-snapshot", "snp1", "--idle-timeout", "120")
+    body = fake.bodies[-1][2]
+    assert result.exit_code == 0, result.stderr
+    assert (body["from_snapshot"], body["idle_timeout_s"]) == ("snp1", 120)
+    assert not {"template", "cpus", "memory_mib", "disk_mib"} & body.keys()
+    assert "from snapshot 'snp1'" in result.stderr
+    assert fake.sandboxes[result.stdout.strip()]["head_snapshot"] == "snp1"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--from-snapshot", "snp1", "--cpus", "2"),
+        ("--from-snapshot", "snp1", "--template", "base"),
+        ("--idle-timeout", "0"),
+        ("--idle-timeout", "soon"),
+    ],
+)
+def test_negative_bad_create_lifecycle_arguments_are_usage_errors_sending_nothing(
+    fake: FakeApi, args: tuple[str, ...]
+) -> None:
+    result = _space(fake, "create", *args)
+    assert result.exit_code == 2 and fake.requests == []
+    assert list(fake.sandboxes) == ["sbx1"]
+
+
+def test_snapshot_create_prints_the_id_and_a_taken_name_fails_with_the_message(
+    fake: FakeApi,
+) -> None:
+    first = _space(fake, "snapshot", "create", "sbx1", "clean")
+    again = _space(fake, "snapshot", "create", "sbx1", "clean")
+    snap_id = first.stdout.strip()
+    assert first.exit_code == 0 and list(fake.snapshots) == [snap_id]
+    assert "snapshotting sandbox sbx1 as 'clean'" in first.stderr
+    assert again.exit_code == 1 and again.stdout == ""
+    assert again.stderr.splitlines()[-1].startswith(
+        "error: conflict: a snapshot named 'clean' exists"
+    )
+
+
+def test_snapshot_ls_prints_the_forest_as_an_indented_tree(fake: FakeApi) -> None:
+    _snapshot(fake, "snpB", None, 5)
+    _snapshot(fake, "snpA", None, 1)
+    _snapshot(fake, "snpA2", "snpA", 4)
+    _snapshot(fake, "snpA1", "snpA", 2)
+    _snapshot(fake, "snpA1x", "snpA1", 3)
+    _snapshot(fake, "snpO", "deleted-long-ago", 6)  # parent not listed: shown as a root
+    result = _space(fake, "snapshot", "ls")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "ID          NAME         CREATED              MEMORY     EXCLUSIVE",
+        "snpA        name-snpA    2026-11-30 12:01:00  256.0 MiB  -",
+        "  snpA1     name-snpA1   2026-11-30 12:02:00  256.0 MiB  1.5 KiB",
+        "    snpA1x  name-snpA1x  2026-11-30 12:03:00  256.0 MiB  1.5 KiB",
+        "  snpA2     name-snpA2   2026-11-30 12:04:00  256.0 MiB  1.5 KiB",
+        "snpB        name-snpB    2026-11-30 12:05:00  256.0 MiB  -",
+        "snpO        name-snpO    2026-11-30 12:06:00  256.0 MiB  1.5 KiB",
+    ]
+
+
+def test_snapshot_ls_with_sandbox_asks_for_that_sandbox_only(fake: FakeApi) -> None:
+    _snapshot(fake, "snpA", None, 1)
+    _snapshot(fake, "snpZ", None, 2, sandbox_id="sbx9")
+    result = _space(fake, "snapshot", "ls", "--sandbox", "sbx1")
+    assert result.exit_code == 0
+    assert [line.split()[0] for line in result.stdout.splitlines()] == ["ID", "snpA"]
+    assert fake.requests[-1][1] == "/v1/sandboxes/sbx1/snapshots"
+
+
+def test_negative_snapshot_ls_survives_a_parent_cycle_printing_each_snapshot_once(
+    fake: FakeApi,
+) -> None:
+    _snapshot(fake, "snpA", "snpB", 1)
+    _snapshot(fake, "snpB", "snpA", 2)
+    _snapshot(fake, "snpC", "snpC", 3)
+    result = _space(fake, "snapshot", "ls")
+    assert result.exit_code == 0, result.stderr
+    assert [line.split()[0] for line in result.stdout.splitlines()[1:]] == ["snpA", "snpB", "snpC"]
+    assert result.stdout.splitlines()[2].startswith("  snpB")
+
+
+def test_snapshot_ls_prints_only_the_header_when_there_are_none(fake: FakeApi) -> None:
+    result = _space(fake, "snapshot", "ls")
+    assert (result.exit_code, result.stdout.split()) == (
+        0, ["ID", "NAME", "CREATED", "MEMORY", "EXCLUSIVE"]
+    )  # fmt: skip
+
+
+def test_snapshot_rm_is_idempotent_and_reparents_the_children(fake: FakeApi) -> None:
+    _snapshot(fake, "snpA", None, 1)
+    _snapshot(fake, "snpB", "snpA", 2)
+    _snapshot(fake, "snpC", "snpB", 3)
+    removed = _space(fake, "snapshot", "rm", "snpB")
+    again = _space(fake, "snapshot", "rm", "snpB")
+    assert (removed.exit_code, removed.stdout, again.exit_code) == (0, "snpB\n", 0)
+    assert fake.snapshots["snpC"]["parent_id"] == "snpA" and "snpB" not in fake.snapshots
+
+
+def test_restore_prints_the_state_and_the_snapshot(fake: FakeApi) -> None:
+    _snapshot(fake, "snpA", None, 1)
+    result = _space(fake, "restore", "sbx1", "snpA")
+    assert (result.exit_code, result.stdout) == (0, "sbx1  running  snpA\n")
+    assert fake.bodies[-1][2] == {"snapshot_id": "snpA"}
+
+
+def test_negative_restore_to_an_unknown_snapshot_fails_with_not_found(fake: FakeApi) -> None:
+    result = _space(fake, "restore", "sbx1", "snp404")
+    assert result.exit_code == 1 and result.stderr.startswith("error: not_found: ")
+
+
+def test_fork_prints_one_child_id_per_line(fake: FakeApi) -> None:
+    result = _space(fake, "fork", "sbx1", "-n", "3")
+    children = result.stdout.split()
+    assert result.exit_code == 0, result.stderr
+    assert len(children) == 3 and set(fake.sandboxes) == {"sbx1", *children}
+    assert fake.bodies[-1][2] == {"count": 3}
+
+
+@pytest.mark.parametrize("n", ["0", "17", "two"])
+def test_negative_fork_count_out_of_range_is_a_usage_error_sending_nothing(
+    fake: FakeApi, n: str
+) -> None:
+    result = _space(fake, "fork", "sbx1", "-n", n)
+    assert result.exit_code == 2 and fake.requests == []
+
+
+def test_timeouts_sends_only_the_options_given_with_none_as_null(fake: FakeApi) -> None:
+    changed = _space(fake, "timeouts", "sbx1", "--idle", "60", "--max-lifetime", "none")
+    only_idle = _space(fake, "timeouts", "sbx1", "--idle", "None")
+    assert (changed.exit_code, changed.stdout) == (
+        0,
+        "sbx1  idle_timeout_s=60  max_lifetime_s=none\n",
+    )
+    assert only_idle.stdout == "sbx1  idle_timeout_s=none  max_lifetime_s=none\n"
+    assert [body for _, path, body in fake.bodies if path.endswith("/timeouts")] == [
+        {"idle_timeout_s": 60, "max_lifetime_s": None},
+        {"idle_timeout_s": None},
+    ]
+
+
+def test_timeouts_without_options_only_shows_them(fake: FakeApi) -> None:
+    fake.sandboxes["sbx1"].update(idle_timeout_s=300, max_lifetime_s=3600)
+    result = _space(fake, "timeouts", "sbx1")
+    assert (result.exit_code, result.stdout) == (
+        0,
+        "sbx1  idle_timeout_s=300  max_lifetime_s=3600\n",
+    )
+    assert _puts_and_posts(fake) == []
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "1.5", "soon", "²", ""])
+def test_negative_timeouts_with_a_bad_value_is_a_usage_error_sending_nothing(
+    fake: FakeApi, value: str
+) -> None:
+    result = _space(fake, "timeouts", "sbx1", "--idle", value)
+    assert result.exit_code == 2 and fake.requests == []
+    assert "whole seconds" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("n_bytes", "shown"),
+    [
+        (None, "-"), (0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (3 << 29, "1.5 GiB"),
+        (1 << 50, "1024.0 TiB"),
+    ],
+)  # fmt: skip
+def test_sizes_are_printed_in_binary_units(n_bytes: int | None, shown: str) -> None:
+    assert _lifecycle._size(n_bytes) == shown

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import stat
 from pathlib import Path
 
 import pytest
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect, select
@@ -14,8 +14,10 @@ from sqlalchemy import inspect, select
 from space.control import ControlSettings, NodeRegistry, create_key, list_keys, revoke_key
 from space.control.errors import STATUS_BY_CODE, ApiError
 from space.control.keys import KEY_PREFIX, hash_key
+from space.control.reconcile import reap_expired
 from space.control.scheduler import pick_node
 from space.control.store import Database
+from space.control.store.db import alembic_config
 from space.control.store.models import ApiKeyRow, Base
 from space.node.interface import SandboxSpec
 from tests.unit.fakes import FakeClock, FakeNode, control_app, wait_for
@@ -133,7 +135,7 @@ async def test_the_reaper_deletes_sandboxes_once_the_clock_passes_their_timeout(
     tmp_path: Path,
 ) -> None:
     clock = FakeClock()
-    async with control_app(tmp_path, clock=clock, reaper_interval_s=0.01) as h:
+    async with control_app(tmp_path, clock=clock) as h:
         headers = h.key("acme")
         short = (
             await h.client.post("/v1/sandboxes", json={"timeout_s": 60}, headers=headers)
@@ -142,13 +144,43 @@ async def test_the_reaper_deletes_sandboxes_once_the_clock_passes_their_timeout(
             await h.client.post("/v1/sandboxes", json={"timeout_s": None}, headers=headers)
         ).json()
         clock.now += 59
-        await asyncio.sleep(0.05)  # several reaper rounds
+        assert await reap_expired(h.app.state.ctx) == []
         assert short["id"] in h.node.boxes
         clock.now += 1
-        await wait_for(lambda: short["id"] not in h.node.boxes)
+        assert await reap_expired(h.app.state.ctx) == [short["id"]]
+        assert short["id"] not in h.node.boxes
         gone = await h.client.get(f"/v1/sandboxes/{short['id']}", headers=headers)
         assert gone.status_code == 404
         assert forever["id"] in h.node.boxes
+
+
+async def test_the_reaper_loop_runs_rounds_until_cancelled(tmp_path: Path) -> None:
+    clock = FakeClock()
+    async with control_app(tmp_path, clock=clock, reaper_interval_s=0.01) as h:
+        headers = h.key("acme")
+        body = {"timeout_s": 60}
+        short = (await h.client.post("/v1/sandboxes", json=body, headers=headers)).json()
+        clock.now += 60
+        await wait_for(lambda: short["id"] not in h.node.boxes)
+
+
+def test_migrations_downgrade_to_the_initial_schema_and_back(tmp_path: Path) -> None:
+    db = Database(f"sqlite:///{tmp_path / 'm.db'}")
+    try:
+        db.upgrade()
+        config = alembic_config()
+        with db.engine.begin() as connection:
+            config.attributes["connection"] = connection
+            command.downgrade(config, "0001")
+        with db.engine.connect() as connection:
+            assert "snapshots" not in inspect(connection).get_table_names()
+            columns = {c["name"] for c in inspect(connection).get_columns("sandboxes")}
+            assert "idle_timeout_s" not in columns
+        db.upgrade()
+        with db.engine.connect() as connection:
+            assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []
+    finally:
+        db.dispose()
 
 
 async def test_startup_reconciles_the_database_with_the_node(tmp_path: Path) -> None:

@@ -11,7 +11,8 @@ SDK_NAMES = {
     "AuthenticationError", "ByteStream", "CommandExitError", "CommandHandle",
     "CommandResult", "Commands", "Conflict", "ConnectionConfig", "FileInfo", "Files",
     "InternalError", "InvalidArgument", "NotFound", "PermissionDenied", "ProcessInfo",
-    "ResourceExhausted", "Sandbox", "SandboxInfo", "SpaceError", "Timeout", "Unavailable",
+    "ResourceExhausted", "Sandbox", "SandboxInfo", "SnapshotInfo", "SpaceError", "Timeout",
+    "Unavailable",
 }  # fmt: skip
 
 TOP_NAMES = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -23,8 +23,17 @@ from space.node.errors import (
     Unavailable,
 )
 from space.node.http_api import create_node_app
-from space.node.interface import ExecExited, ExecOutput, ExecRequest, SandboxSpec, SandboxState
+from space.node.interface import (
+    ExecExited,
+    ExecOutput,
+    ExecRequest,
+    SandboxSpec,
+    SandboxState,
+    SandboxStatus,
+    SnapshotInfo,
+)
 from space.node.remote import RemoteNode
+from space.node.wire import encode
 from tests.unit.fakes import FakeNode, control_app
 
 pytestmark = pytest.mark.anyio
@@ -40,6 +49,75 @@ async def remote(node: FakeNode, token: str = TOKEN) -> AsyncIterator[RemoteNode
         yield client
     finally:
         await client.aclose()
+
+
+def _status(sandbox_id: str, state: SandboxState, head: str | None = None) -> SandboxStatus:
+    # Every optional field set and a fractional time, so a dropped field shows.
+    return SandboxStatus(
+        sandbox_id, state, "base", 2, 512, 4096, 1_800_000_000.25, 4242, "note", head
+    )
+
+
+def _info(snapshot_id: str, sandbox_id: str) -> SnapshotInfo:
+    return SnapshotInfo(
+        snapshot_id, sandbox_id, "snap-0", 1_800_000_001.5, "base", 2, 512, 4096, 123_456_789, 77
+    )
+
+
+class LifecycleNode(FakeNode):
+    """FakeNode with canned lifecycle answers; ``recorded`` holds (method, args) of each.
+
+    ``fail_lifecycle`` is raised by the next lifecycle call instead of answering.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.recorded: list[tuple[str, tuple[object, ...]]] = []
+        self.fail_lifecycle: NodeError | None = None
+        self.canned_snapshots: dict[str, SnapshotInfo] = {}
+
+    def _canned_call(self, method: str, *args: object) -> None:
+        self.recorded.append((method, args))
+        if self.fail_lifecycle is not None:
+            error, self.fail_lifecycle = self.fail_lifecycle, None
+            raise error
+
+    async def create_sandbox(self, spec: SandboxSpec) -> SandboxStatus:
+        self._canned_call("create_sandbox", spec)
+        if spec.from_snapshot is not None:  # no snapshot exists here: answer as the node
+            return _status(spec.sandbox_id, SandboxState.RUNNING)
+        return await super().create_sandbox(spec)
+
+    async def hibernate_sandbox(self, sandbox_id: str) -> SandboxStatus:
+        self._canned_call("hibernate_sandbox", sandbox_id)
+        return _status(sandbox_id, SandboxState.HIBERNATED)
+
+    async def snapshot_sandbox(self, sandbox_id: str, snapshot_id: str) -> SnapshotInfo:
+        self._canned_call("snapshot_sandbox", sandbox_id, snapshot_id)
+        info = self.canned_snapshots[snapshot_id] = _info(snapshot_id, sandbox_id)
+        return info
+
+    async def list_snapshots(self) -> list[SnapshotInfo]:
+        self._canned_call("list_snapshots")
+        return list(self.canned_snapshots.values())
+
+    async def get_snapshot(self, snapshot_id: str) -> SnapshotInfo:
+        self._canned_call("get_snapshot", snapshot_id)
+        if snapshot_id not in self.canned_snapshots:
+            raise NotFound(f"no snapshot {snapshot_id}")
+        return self.canned_snapshots[snapshot_id]
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        self._canned_call("delete_snapshot", snapshot_id)
+        self.canned_snapshots.pop(snapshot_id, None)
+
+    async def restore_sandbox(self, sandbox_id: str, snapshot_id: str) -> SandboxStatus:
+        self._canned_call("restore_sandbox", sandbox_id, snapshot_id)
+        return _status(sandbox_id, SandboxState.RUNNING, snapshot_id)
+
+    async def fork_sandbox(self, sandbox_id: str, child_ids: list[str]) -> list[SandboxStatus]:
+        self._canned_call("fork_sandbox", sandbox_id, child_ids)
+        return [_status(child, SandboxState.RUNNING, "snap-0") for child in child_ids]
 
 
 async def _chunks(data: bytes, size: int) -> AsyncIterator[bytes]:
@@ -194,3 +272,182 @@ async def test_a_remote_node_registered_with_the_node_token_runs_sandboxes(
             f"/v1/sandboxes/{sid}/exec", json={"argv": ["echo", "far"]}, headers=headers
         )
         assert '"type":"exit"' in response.text
+
+
+async def test_hibernate_snapshot_restore_and_fork_round_trip_through_the_node_api() -> None:
+    node = LifecycleNode()
+    async with remote(node) as client:
+        hibernated = await client.hibernate_sandbox("sb-1")
+        taken = await client.snapshot_sandbox("sb-1", "snap-1")
+        restored = await client.restore_sandbox("sb-1", "snap-1")
+        children = await client.fork_sandbox("sb-1", ["sb-2", "sb-3"])
+    assert hibernated == _status("sb-1", SandboxState.HIBERNATED)
+    assert taken == _info("snap-1", "sb-1")
+    assert restored == _status("sb-1", SandboxState.RUNNING, "snap-1")
+    assert children == [_status(c, SandboxState.RUNNING, "snap-0") for c in ("sb-2", "sb-3")]
+    assert node.recorded == [
+        ("hibernate_sandbox", ("sb-1",)),
+        ("snapshot_sandbox", ("sb-1", "snap-1")),
+        ("restore_sandbox", ("sb-1", "snap-1")),
+        ("fork_sandbox", ("sb-1", ["sb-2", "sb-3"])),
+    ]
+
+
+async def test_snapshots_are_listed_fetched_and_deleted_through_the_node_api() -> None:
+    node = LifecycleNode()
+    async with remote(node) as client:
+        assert await client.list_snapshots() == []
+        first = await client.snapshot_sandbox("sb-1", "snap-1")
+        second = await client.snapshot_sandbox("sb-2", "snap-2")
+        assert await client.list_snapshots() == [first, second]
+        assert await client.get_snapshot("snap-2") == second
+        await client.delete_snapshot("snap-1")
+        await client.delete_snapshot("snap-1")
+        assert await client.list_snapshots() == [second]
+    assert ("delete_snapshot", ("snap-1",)) in node.recorded
+
+
+async def test_create_from_a_snapshot_carries_the_snapshot_id_to_the_node() -> None:
+    node = LifecycleNode()
+    spec = SandboxSpec("sb-9", cpus=2, memory_mib=512, disk_mib=4096, from_snapshot="snap-1")
+    async with remote(node) as client:
+        await client.create_sandbox(spec)
+    assert node.recorded == [("create_sandbox", (spec,))]
+
+
+_LIFECYCLE_CALLS: dict[str, Callable[[RemoteNode], Awaitable[object]]] = {
+    "hibernate": lambda c: c.hibernate_sandbox("sb-1"),
+    "snapshot": lambda c: c.snapshot_sandbox("sb-1", "snap-1"),
+    "list_snapshots": lambda c: c.list_snapshots(),
+    "get_snapshot": lambda c: c.get_snapshot("snap-1"),
+    "delete_snapshot": lambda c: c.delete_snapshot("snap-1"),
+    "restore": lambda c: c.restore_sandbox("sb-1", "snap-1"),
+    "fork": lambda c: c.fork_sandbox("sb-1", ["sb-2"]),
+}
+
+
+@pytest.mark.parametrize("call", sorted(_LIFECYCLE_CALLS))
+@pytest.mark.parametrize(
+    "error",
+    [
+        Conflict("cannot hibernate sandbox sb-1: it is stopped"),
+        NotFound("no snapshot snap-1"),
+        InvalidArgument("snapshot snap-1 has 4 cpus, sandbox sb-1 has 2"),
+        ResourceExhausted("disk full"),
+    ],
+    ids=lambda error: type(error).__name__,
+)
+async def test_lifecycle_errors_keep_their_class_and_message(call: str, error: NodeError) -> None:
+    node = LifecycleNode()
+    node.fail_lifecycle = error
+    async with remote(node) as client:
+        with pytest.raises(NodeError) as raised:
+            await _LIFECYCLE_CALLS[call](client)
+    assert type(raised.value) is type(error)
+    assert raised.value.message == error.message
+    assert len(node.recorded) == 1
+
+
+async def test_negative_getting_an_unknown_snapshot_is_not_found() -> None:
+    async with remote(LifecycleNode()) as client:
+        with pytest.raises(NotFound, match="no snapshot snap-x"):
+            await client.get_snapshot("snap-x")
+
+
+def _canned(status: int, body: object) -> Callable[[httpx.Request], httpx.Response]:
+    """A node that answers every request with ``status`` and ``body`` (bytes sent raw)."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if isinstance(body, bytes):
+            return httpx.Response(status, content=body)
+        return httpx.Response(status, json=body)
+
+    return answer
+
+
+@contextlib.asynccontextmanager
+async def _mocked(handler: Callable[[httpx.Request], httpx.Response]) -> AsyncIterator[RemoteNode]:
+    client = RemoteNode("http://node", TOKEN, transport=httpx.MockTransport(handler))
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+_STATUS = encode(_status("sb-1", SandboxState.RUNNING))
+_INFO = encode(_info("snap-1", "sb-1"))
+_CONFLICT = {"error": {"code": "conflict", "message": "busy", "details": {}}}
+
+
+@pytest.mark.parametrize(
+    ("call", "status", "body"),
+    [
+        ("hibernate", 200, {}),
+        ("hibernate", 200, b""),
+        ("hibernate", 200, b"not json"),
+        ("hibernate", 200, _STATUS | {"state": "exploded"}),
+        ("hibernate", 200, _STATUS | {"sandbox_id": "sb-other"}),
+        ("snapshot", 201, []),
+        ("snapshot", 201, _INFO | {"snapshot_id": "snap-other"}),
+        ("snapshot", 201, _INFO | {"sandbox_id": "sb-other"}),
+        ("snapshot", 201, _INFO | {"cpus": "many"}),
+        ("list_snapshots", 200, None),
+        ("list_snapshots", 200, [_INFO]),
+        ("list_snapshots", 200, {"snapshots": "snap-1"}),
+        ("list_snapshots", 200, {"snapshots": [{"snapshot_id": 1}]}),
+        ("get_snapshot", 200, {"snapshot_id": "snap-1"}),
+        ("get_snapshot", 200, _INFO | {"snapshot_id": "snap-2"}),
+        ("restore", 200, {"sandbox_id": "sb-1"}),
+        ("fork", 200, [_STATUS | {"sandbox_id": "sb-2"}]),
+        ("fork", 200, {"sandboxes": {}}),
+        ("fork", 200, {"sandboxes": [_STATUS]}),
+        ("fork", 200, {"sandboxes": [_STATUS | {"sandbox_id": "sb-2"}] * 2}),
+        ("fork", 200, {"sandboxes": []}),
+        ("delete_snapshot", 200, b"{"),
+        ("restore", 409, {"error": "conflict"}),
+        ("restore", 409, {"error": {"code": "conflict"}}),
+        ("fork", 500, b"<html>bad gateway</html>"),
+    ],
+)
+async def test_negative_malformed_node_answers_become_unavailable(
+    call: str, status: int, body: object
+) -> None:
+    async with _mocked(_canned(status, body)) as client:
+        with pytest.raises(Unavailable):
+            await _LIFECYCLE_CALLS[call](client)
+
+
+async def test_a_well_formed_canned_answer_parses_so_the_malformed_cases_can_fail() -> None:
+    fork_body = {"sandboxes": [_STATUS | {"sandbox_id": "sb-2"}]}
+    async with _mocked(_canned(200, fork_body)) as client:
+        assert [c.sandbox_id for c in await client.fork_sandbox("sb-1", ["sb-2"])] == ["sb-2"]
+    async with _mocked(_canned(200, {"snapshots": [_INFO]})) as client:
+        assert await client.list_snapshots() == [_info("snap-1", "sb-1")]
+
+
+@pytest.mark.parametrize(
+    ("call", "read_timeout_s"),
+    [
+        ("hibernate", 120.0),
+        ("snapshot", 120.0),
+        ("restore", 120.0),
+        ("fork", 120.0),
+        ("list_snapshots", 30.0),
+        ("get_snapshot", 30.0),
+        ("delete_snapshot", 30.0),
+    ],
+)
+async def test_memory_saving_calls_wait_long_and_quick_calls_keep_the_default(
+    call: str, read_timeout_s: float
+) -> None:
+    timeouts: list[dict[str, float | None]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        timeouts.append(request.extensions["timeout"])
+        return httpx.Response(409, json=_CONFLICT)
+
+    async with _mocked(answer) as client:
+        with pytest.raises(Conflict, match="busy"):
+            await _LIFECYCLE_CALLS[call](client)
+    assert [t["read"] for t in timeouts] == [read_timeout_s]
+    assert timeouts[0]["connect"] == 10.0

@@ -7,12 +7,13 @@ readings of the contract (the SDK's and the control plane's) agree.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from space.sdk import AsyncSandbox
-from space.sdk.errors import AuthenticationError, NotFound, Unavailable
+from space.sdk.errors import AuthenticationError, Conflict, NotFound, Unavailable
 from tests.unit.fakes import control_app
 
 pytestmark = pytest.mark.anyio
@@ -49,3 +50,36 @@ async def test_sdk_drives_the_control_plane_through_a_whole_session(tmp_path: Pa
     )  # fmt: skip
     assert handle.process_id in [p.process_id for p in processes]
     assert (written.size, text, [e.name for e in entries]) == (4, "abcd", ["a.txt"])
+
+
+async def test_sdk_drives_the_sandbox_lifecycle_through_the_control_plane(tmp_path: Path) -> None:
+    async with control_app(tmp_path) as h:
+        key = h.key("acme")["Authorization"].removeprefix("Bearer ")
+        connect: dict[str, Any] = {"api_key": key, "_transport": httpx.ASGITransport(app=h.app)}
+        sandbox = await AsyncSandbox.create(idle_timeout_s=600, **connect)
+        hibernated = await sandbox.hibernate()
+        woken = await sandbox.resume()
+        timeouts = await sandbox.set_timeouts(idle_timeout_s=None, max_lifetime_s=3600)
+        first = await sandbox.snapshot("first")
+        second = await sandbox.snapshot("second")
+        with pytest.raises(Conflict) as taken:
+            await sandbox.snapshot("first")
+        own = await sandbox.snapshots()
+        restored = await sandbox.restore(first)
+        children = await sandbox.fork(2)
+        clone = await AsyncSandbox.create(from_snapshot=second, **connect)
+        clone_info = await clone.get_info()
+        await AsyncSandbox.delete_snapshot(first, **connect)
+        await AsyncSandbox.delete_snapshot(first.snapshot_id, **connect)  # idempotent
+        left = await AsyncSandbox.list_snapshots(**connect)
+        for each in (sandbox, clone, *children):
+            assert await each.kill() is True
+    assert (hibernated.state, woken.state) == ("hibernated", "running")
+    assert (timeouts.idle_timeout_s, timeouts.max_lifetime_s) == (None, 3600)
+    assert second.parent_id == first.snapshot_id
+    assert taken.value.details.get("snapshot_id") == first.snapshot_id
+    assert {s.snapshot_id for s in own} == {first.snapshot_id, second.snapshot_id}
+    assert (restored.state, restored.head_snapshot) == ("running", first.snapshot_id)
+    assert len({c.sandbox_id for c in children} | {sandbox.sandbox_id}) == 3
+    assert (clone_info.head_snapshot, clone_info.state) == (second.snapshot_id, "running")
+    assert [(s.snapshot_id, s.parent_id) for s in left] == [(second.snapshot_id, None)]

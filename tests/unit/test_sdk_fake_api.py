@@ -1,8 +1,9 @@
 """A fake SPACE API, built only from docs/api.md, for testing the SDK and CLI without VMs.
 
 Commands do not run: a test scripts what an exec answers (``FakeApi.scripts``), keyed by
-the shell string or the argv joined with spaces. The tests at the bottom pin the fake
-itself to the contract, so the SDK tests do not test the SDK against a wrong fake.
+the shell string or the argv joined with spaces. Snapshots are records only (restore and
+fork copy the sandbox's record). tests/unit/test_sdk_fake_contract.py pins the fake itself
+to the contract, so the SDK tests do not test the SDK against a wrong fake.
 """
 
 from __future__ import annotations
@@ -12,19 +13,21 @@ import itertools
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
-import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from space.sdk import AsyncSandbox, Sandbox, SandboxInfo
-from space.sdk.errors import Conflict, NotFound
-
 API_KEY = "sk-test-key"
+#: What a snapshot fixes about a sandbox (create from_snapshot must leave them out).
+SIZES = ("template", "cpus", "memory_mib", "disk_mib")
+#: States in which hibernate, resume, snapshot, restore and fork are allowed.
+LIVE = ("running", "paused", "hibernated")
+_EPOCH = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
 #: One scripted event: ("stdout" | "stderr", bytes), or ("exit", exit_code, signal,
 #: timed_out), or ("error", code, message).
@@ -46,7 +49,10 @@ class FakeApi:
     files: dict[tuple[str, str], bytes] = field(default_factory=dict)
     scripts: dict[str, list[Event]] = field(default_factory=dict)
     processes: dict[str, FakeProcess] = field(default_factory=dict)
+    snapshots: dict[str, dict[str, Any]] = field(default_factory=dict)
     requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
+    #: (method, path, JSON body) of every create and lifecycle request, in order.
+    bodies: list[tuple[str, str, Any]] = field(default_factory=list)
     exec_bodies: list[dict[str, Any]] = field(default_factory=list)
     upload_chunks: list[int] = field(default_factory=list)
     #: (status, code, message) answered to the next request instead of the real answer.
@@ -76,6 +82,15 @@ class FakeApi:
             Route(base + "/{sid}/files/list", self._listdir, methods=["GET"]),
             Route(base + "/{sid}/files/mkdir", self._mkdir, methods=["POST"]),
             Route(base + "/{sid}/files/rename", self._rename, methods=["POST"]),
+            Route(base + "/{sid}/hibernate", self._hibernate, methods=["POST"]),
+            Route(base + "/{sid}/timeouts", self._timeouts, methods=["PUT"]),
+            Route(base + "/{sid}/snapshots", self._take_snapshot, methods=["POST"]),
+            Route(base + "/{sid}/snapshots", self._sandbox_snapshots, methods=["GET"]),
+            Route(base + "/{sid}/restore", self._restore, methods=["POST"]),
+            Route(base + "/{sid}/fork", self._fork, methods=["POST"]),
+            Route("/v1/snapshots", self._all_snapshots, methods=["GET"]),
+            Route("/v1/snapshots/{snap}", self._get_snapshot, methods=["GET"]),
+            Route("/v1/snapshots/{snap}", self._delete_snapshot, methods=["DELETE"]),
         ]
         app = Starlette(routes=routes)
 
@@ -105,12 +120,24 @@ class FakeApi:
     def _sandbox(self, request: Request) -> dict[str, Any] | None:
         return self.sandboxes.get(request.path_params["sid"])
 
+    async def _body(self, request: Request) -> Any:
+        body = await request.json()
+        self.bodies.append((request.method, request.url.path, body))
+        return body
+
     # sandboxes
 
     async def _create(self, request: Request) -> Response:
-        body = await request.json()
+        body = await self._body(request)
         if not 1 <= body.get("cpus", 1) <= 8:
             return _error(422, "invalid_argument", "cpus must be 1-8")
+        source = body.get("from_snapshot")
+        if source is not None:
+            if set(SIZES) & body.keys():
+                return _error(422, "invalid_argument", "from_snapshot fixes the sizes")
+            if source not in self.snapshots:
+                return _missing()
+            body = {**body, **{key: self.snapshots[source][key] for key in SIZES}}
         sid = f"sbx{next(self._ids):04d}"
         self.sandboxes[sid] = {
             "id": sid,
@@ -124,6 +151,10 @@ class FakeApi:
             "created_at": "2026-11-30T12:00:00Z",
             "expires_at": "2026-11-30T12:05:00Z",
             "node_id": "local",
+            "idle_timeout_s": body.get("idle_timeout_s"),
+            "max_lifetime_s": body.get("timeout_s", 300),
+            "last_active_at": "2026-11-30T12:00:00Z",
+            "head_snapshot": source,
         }
         return JSONResponse(self.sandboxes[sid], status_code=201)
 
@@ -145,15 +176,28 @@ class FakeApi:
     async def _resume(self, request: Request) -> Response:
         return self._transition(request, "resume", "running")
 
+    async def _hibernate(self, request: Request) -> Response:
+        return self._transition(request, "hibernate", "hibernated")
+
     def _transition(self, request: Request, action: str, state: str) -> Response:
-        """running <-> paused, idempotent; any other state is 409 naming it."""
+        """Between running, paused and hibernated, idempotent; any other state is 409."""
         sandbox = self._sandbox(request)
         if sandbox is None:
             return _missing()
-        if sandbox.get("state") not in ("running", "paused"):
-            message = f"cannot {action} sandbox {sandbox['id']}: it is {sandbox.get('state')}"
-            return _error(409, "conflict", message, {"state": sandbox.get("state")})
+        if (refusal := _refuse(sandbox, action)) is not None:
+            return refusal
         sandbox["state"] = state
+        return JSONResponse(sandbox)
+
+    async def _timeouts(self, request: Request) -> Response:
+        sandbox = self._sandbox(request)
+        if sandbox is None:
+            return _missing()
+        body = await self._body(request)
+        known = body.keys() <= {"idle_timeout_s", "max_lifetime_s"}
+        if not known or not all(_seconds(value) for value in body.values()):
+            return _error(422, "invalid_argument", f"bad timeouts: {body}")
+        sandbox.update(body)
         return JSONResponse(sandbox)
 
     # commands
@@ -162,8 +206,8 @@ class FakeApi:
         sandbox = self._sandbox(request)
         if sandbox is None:
             return _missing()
-        if sandbox.get("state") == "paused":
-            sandbox["state"] = "running"  # guest operations resume a paused sandbox
+        if sandbox.get("state") in ("paused", "hibernated"):
+            sandbox["state"] = "running"  # guest operations resume a sandbox first
         body = await request.json()
         self.exec_bodies.append(body)
         key = body["cmd"] if "cmd" in body else " ".join(body["argv"])
@@ -262,6 +306,95 @@ class FakeApi:
         self.files[(sid, body["dst"])] = data
         return JSONResponse(_stat(body["dst"], len(data)))
 
+    # snapshots, restore and fork
+
+    async def _take_snapshot(self, request: Request) -> Response:
+        sandbox = self._sandbox(request)
+        if sandbox is None:
+            return _missing()
+        name = (await self._body(request))["name"]
+        for taken in self.snapshots.values():
+            if (taken["sandbox_id"], taken["name"]) == (sandbox["id"], name):
+                message = f"a snapshot named {name!r} exists"
+                return _error(409, "conflict", message, {"snapshot_id": taken["id"]})
+        if (refusal := _refuse(sandbox, "snapshot")) is not None:
+            return refusal
+        number = next(self._ids)
+        snapshot = {
+            "id": f"snp{number:04d}",
+            "name": name,
+            "sandbox_id": sandbox["id"],
+            "parent_id": sandbox.get("head_snapshot"),
+            "node_id": "local",
+            "created_at": (_EPOCH + timedelta(minutes=number)).isoformat(),
+            **{key: sandbox[key] for key in SIZES},
+            "memory_bytes": sandbox["memory_mib"] << 20,
+            "exclusive_bytes": None if sandbox.get("head_snapshot") is None else 3 << 20,
+        }
+        self.snapshots[snapshot["id"]] = snapshot
+        sandbox["head_snapshot"] = snapshot["id"]
+        return JSONResponse(snapshot, status_code=201)
+
+    async def _sandbox_snapshots(self, request: Request) -> Response:
+        if (sandbox := self._sandbox(request)) is None:
+            return _missing()
+        listing = [s for s in self.snapshots.values() if s["sandbox_id"] == sandbox["id"]]
+        return JSONResponse({"snapshots": listing})
+
+    async def _all_snapshots(self, request: Request) -> Response:
+        return JSONResponse({"snapshots": list(self.snapshots.values())})
+
+    async def _get_snapshot(self, request: Request) -> Response:
+        snapshot = self.snapshots.get(request.path_params["snap"])
+        return JSONResponse(snapshot) if snapshot else _missing()
+
+    async def _delete_snapshot(self, request: Request) -> Response:
+        gone = self.snapshots.pop(request.path_params["snap"], None)
+        for snapshot in self.snapshots.values():
+            if gone is not None and snapshot["parent_id"] == gone["id"]:
+                snapshot["parent_id"] = gone["parent_id"]  # children are re-parented
+        return Response(status_code=204)
+
+    async def _restore(self, request: Request) -> Response:
+        sandbox = self._sandbox(request)
+        snapshot = self.snapshots.get((await self._body(request))["snapshot_id"])
+        if sandbox is None or snapshot is None:
+            return _missing()
+        if any(sandbox[key] != snapshot[key] for key in SIZES):
+            return _error(422, "invalid_argument", "the snapshot's sizes differ")
+        if (refusal := _refuse(sandbox, "restore")) is not None:
+            return refusal
+        sandbox.update(state="running", head_snapshot=snapshot["id"])
+        return JSONResponse(sandbox)
+
+    async def _fork(self, request: Request) -> Response:
+        if (sandbox := self._sandbox(request)) is None:
+            return _missing()
+        count = (await self._body(request))["count"]
+        if type(count) is not int or not 1 <= count <= 16:
+            return _error(422, "invalid_argument", f"count must be 1-16, got {count!r}")
+        if (refusal := _refuse(sandbox, "fork")) is not None:
+            return refusal
+        children = []
+        for _ in range(count):
+            child = {**sandbox, "id": f"sbx{next(self._ids):04d}", "state": "running"}
+            self.sandboxes[child["id"]] = child
+            children.append(child)
+        return JSONResponse({"sandboxes": children}, status_code=201)
+
+
+def _refuse(sandbox: dict[str, Any], action: str) -> Response | None:
+    """409 naming the state unless ``action`` is allowed in it (a LIVE state)."""
+    state = sandbox.get("state")
+    if state in LIVE:
+        return None
+    message = f"cannot {action} sandbox {sandbox['id']}: it is {state}"
+    return _error(409, "conflict", message, {"state": state})
+
+
+def _seconds(value: Any) -> bool:
+    return value is None or (type(value) is int and value >= 1)
+
 
 def _error(status: int, code: str, message: str, details: dict[str, Any] | None = None) -> Response:
     body = {"error": {"code": code, "message": message, "details": details or {}}}
@@ -304,155 +437,3 @@ def _ndjson(lines: list[dict[str, Any]]) -> Response:
             yield json.dumps(line).encode() + b"\n"
 
     return StreamingResponse(body(), media_type="application/x-ndjson")
-
-
-# The fake itself follows the contract.
-
-pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
-def fake() -> FakeApi:
-    return FakeApi()
-
-
-async def _client(fake: FakeApi) -> httpx.AsyncClient:
-    return httpx.AsyncClient(
-        transport=fake.transport(),
-        base_url="http://space",
-        headers={"Authorization": f"Bearer {API_KEY}"},
-    )
-
-
-async def test_fake_api_creates_sandbox_with_201_and_the_documented_fields(fake: FakeApi) -> None:
-    async with await _client(fake) as client:
-        answer = await client.post("/v1/sandboxes", json={"template": "base"})
-    assert answer.status_code == 201
-    assert set(answer.json()) == {
-        "id", "template", "state", "cpus", "memory_mib", "disk_mib",
-        "env", "metadata", "created_at", "expires_at", "node_id",
-    }  # fmt: skip
-
-
-async def test_negative_fake_api_answers_401_in_the_error_shape_without_a_key(
-    fake: FakeApi,
-) -> None:
-    async with httpx.AsyncClient(transport=fake.transport(), base_url="http://x") as client:
-        answer = await client.get("/v1/sandboxes")
-    assert answer.status_code == 401
-    assert answer.json()["error"]["code"] == "unauthenticated"
-
-
-async def test_fake_api_exec_streams_start_output_exit_as_ndjson(fake: FakeApi) -> None:
-    fake.sandboxes["s1"] = {"id": "s1"}
-    fake.scripts["echo hi"] = [("stdout", b"hi\n"), ("exit", 0, None, False)]
-    async with await _client(fake) as client:
-        answer = await client.post("/v1/sandboxes/s1/exec", json={"cmd": "echo hi"})
-    events = [json.loads(line) for line in answer.text.splitlines()]
-    assert answer.headers["content-type"] == "application/x-ndjson"
-    assert [e["type"] for e in events] == ["start", "stdout", "exit"]
-    assert base64.b64decode(events[1]["data"]) == b"hi\n"
-
-
-async def test_fake_api_pause_and_resume_answer_the_sandbox_in_its_new_state(
-    fake: FakeApi,
-) -> None:
-    async with await _client(fake) as client:
-        sid = (await client.post("/v1/sandboxes", json={})).json()["id"]
-        paused = await client.post(f"/v1/sandboxes/{sid}/pause")
-        again = await client.post(f"/v1/sandboxes/{sid}/pause")
-        resumed = await client.post(f"/v1/sandboxes/{sid}/resume")
-    assert (paused.status_code, paused.json()["state"]) == (200, "paused")
-    assert (again.status_code, again.json()["state"]) == (200, "paused")
-    assert (resumed.status_code, resumed.json()["state"]) == (200, "running")
-
-
-async def test_negative_fake_api_pause_of_a_sandbox_in_error_is_409_naming_the_state(
-    fake: FakeApi,
-) -> None:
-    fake.sandboxes["s1"] = {"id": "s1", "state": "error"}
-    async with await _client(fake) as client:
-        answer = await client.post("/v1/sandboxes/s1/pause")
-    assert answer.status_code == 409
-    assert answer.json()["error"]["details"] == {"state": "error"}
-    assert fake.sandboxes["s1"]["state"] == "error"
-
-
-# The SDK's pause and resume against the fake.
-
-
-async def _sdk_sandbox(fake: FakeApi) -> AsyncSandbox:
-    return await AsyncSandbox.create(
-        api_url="http://space", api_key=API_KEY, _transport=fake.transport()
-    )
-
-
-async def test_sdk_pause_and_resume_post_to_the_documented_paths_and_report_the_state(
-    fake: FakeApi,
-) -> None:
-    sandbox = await _sdk_sandbox(fake)
-    sid = sandbox.sandbox_id
-
-    paused = await sandbox.pause()
-    listed = {info.sandbox_id: info.state for info in await _list(fake)}
-    resumed = await sandbox.resume()
-    await sandbox.close()
-
-    assert paused.state == "paused" and listed == {sid: "paused"}
-    assert resumed.state == "running" and fake.sandboxes[sid]["state"] == "running"
-    posts = [path for method, path, _ in fake.requests if method == "POST"]
-    assert posts[-2:] == [f"/v1/sandboxes/{sid}/pause", f"/v1/sandboxes/{sid}/resume"]
-
-
-async def test_sdk_command_on_a_paused_sandbox_runs_and_leaves_it_running(fake: FakeApi) -> None:
-    fake.scripts["echo hi"] = [("stdout", b"hi\n"), ("exit", 0, None, False)]
-    sandbox = await _sdk_sandbox(fake)
-    await sandbox.pause()
-
-    result = await sandbox.commands.run("echo hi")
-
-    assert result.stdout == "hi\n"
-    assert (await sandbox.get_info()).state == "running"
-    await sandbox.close()
-
-
-async def test_negative_sdk_pause_of_a_sandbox_in_error_raises_conflict_naming_it(
-    fake: FakeApi,
-) -> None:
-    sandbox = await _sdk_sandbox(fake)
-    fake.sandboxes[sandbox.sandbox_id]["state"] = "error"
-    with pytest.raises(Conflict, match="it is error"):
-        await sandbox.pause()
-    with pytest.raises(Conflict, match="it is error"):
-        await sandbox.resume()
-    await sandbox.close()
-    assert fake.sandboxes[sandbox.sandbox_id]["state"] == "error"
-
-
-async def test_negative_sdk_pause_of_a_deleted_sandbox_raises_not_found(fake: FakeApi) -> None:
-    sandbox = await _sdk_sandbox(fake)
-    del fake.sandboxes[sandbox.sandbox_id]
-    with pytest.raises(NotFound):
-        await sandbox.pause()
-    await sandbox.close()
-
-
-def test_sync_sandbox_pause_and_resume_wrap_the_async_core(fake: FakeApi) -> None:
-    sandbox = Sandbox.create(api_url="http://space", api_key=API_KEY, _transport=fake.transport())
-    try:
-        assert sandbox.pause().state == "paused"
-        assert sandbox.get_info().state == "paused"
-        assert sandbox.resume().state == "running"
-    finally:
-        sandbox.close()
-
-
-async def _list(fake: FakeApi) -> list[SandboxInfo]:
-    return await AsyncSandbox.list(
-        api_url="http://space", api_key=API_KEY, _transport=fake.transport()
-    )

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Iterator
 
 import pytest
 
-from space.sdk import CommandHandle, Sandbox
+from space.sdk import (
+    AsyncCommandHandle,
+    AsyncCommands,
+    AsyncFiles,
+    AsyncSandbox,
+    CommandHandle,
+    Commands,
+    Files,
+    Sandbox,
+)
 from space.sdk.errors import CommandExitError, InvalidArgument, NotFound
 from tests.unit.test_sdk_fake_api import API_KEY, FakeApi
 
@@ -83,3 +93,38 @@ def test_negative_calling_the_sync_sdk_from_its_own_callback_raises_instead_of_d
 def test_sync_methods_keep_the_async_signature_and_docstring() -> None:
     assert Sandbox.kill.__doc__ and "Idempotent" in Sandbox.kill.__doc__
     assert Sandbox.create.__doc__ and "Create a sandbox" in Sandbox.create.__doc__
+
+
+PAIRS = [
+    (AsyncSandbox, Sandbox),
+    (AsyncCommands, Commands),
+    (AsyncFiles, Files),
+    (AsyncCommandHandle, CommandHandle),
+]
+
+
+def _public_methods(cls: type) -> set[str]:
+    return {name for name, _ in inspect.getmembers(cls, callable) if not name.startswith("_")}
+
+
+@pytest.mark.parametrize(("async_cls", "sync_cls"), PAIRS)
+def test_every_public_async_method_has_a_sync_twin(async_cls: type, sync_cls: type) -> None:
+    assert _public_methods(async_cls) <= _public_methods(sync_cls)
+
+
+@pytest.mark.parametrize(("async_cls", "sync_cls"), PAIRS)
+def test_wrapped_sync_twins_keep_the_async_parameters(async_cls: type, sync_cls: type) -> None:
+    for name in _public_methods(async_cls):
+        twin = getattr(sync_cls, name)
+        if getattr(twin, "__wrapped__", None) is None:
+            continue  # hand-written twins (run, read, connect) return facade objects
+        assert inspect.signature(twin) == inspect.signature(getattr(async_cls, name)), name
+        assert twin.__doc__ == getattr(async_cls, name).__doc__, name
+
+
+def test_the_lifecycle_methods_are_wrapped_not_hand_written() -> None:
+    for name in (
+        "hibernate", "resume", "set_timeouts", "snapshot", "snapshots", "restore", "fork",
+        "list_snapshots", "delete_snapshot",
+    ):  # fmt: skip
+        assert getattr(Sandbox, name).__wrapped__ == getattr(AsyncSandbox, name), name

@@ -36,11 +36,13 @@ def _exec_request(body: ExecBody) -> ExecRequest:
 async def exec_command(body: ExecBody, sandbox: LiveSandbox, ctx: Context) -> StreamingResponse:
     """Start a process; errors before it starts are HTTP errors, later ones NDJSON lines.
 
-    A client that disconnects closes the stream: a foreground process is killed.
+    A client that disconnects closes the stream: a foreground process is killed. The
+    sandbox counts as active while the stream is open (space.control.activity).
     """
     node = ctx.nodes.get(sandbox.node_id)
     stream = await node.exec(sandbox.id, _exec_request(body))
-    return StreamingResponse(ndjson_lines(stream), media_type=NDJSON)
+    lines = ctx.activity.watch(sandbox.id, ndjson_lines(stream))
+    return StreamingResponse(lines, media_type=NDJSON)
 
 
 @router.get("/processes")
@@ -55,7 +57,8 @@ async def stream_process(
 ) -> StreamingResponse:
     """The process's buffered output, then live events, as NDJSON (like exec)."""
     stream = await ctx.nodes.get(sandbox.node_id).attach(sandbox.id, process_id)
-    return StreamingResponse(ndjson_lines(stream), media_type=NDJSON)
+    lines = ctx.activity.watch(sandbox.id, ndjson_lines(stream))
+    return StreamingResponse(lines, media_type=NDJSON)
 
 
 @router.post("/processes/{process_id}/kill", status_code=204)

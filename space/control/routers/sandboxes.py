@@ -1,13 +1,20 @@
-"""``/v1/sandboxes``: create, list, get, delete, pause, resume."""
+"""``/v1/sandboxes``: create, list, get, delete, pause, hibernate, resume, timeouts,
+restore, fork."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Response
 
-from space.control import lifecycle
+from space.control import lifecycle, snapshots
 from space.control.deps import Context, Sandbox, Tenant
 from space.control.errors import ApiError
-from space.control.schemas import SandboxCreate, SandboxOut
+from space.control.schemas import (
+    ForkBody,
+    RestoreBody,
+    SandboxCreate,
+    SandboxOut,
+    TimeoutsBody,
+)
 from space.control.store import repo
 
 __all__ = ["router"]
@@ -54,7 +61,41 @@ async def pause_sandbox(sandbox: Sandbox, ctx: Context) -> SandboxOut:
     return SandboxOut.of(await lifecycle.pause_sandbox(ctx, sandbox))
 
 
+@router.post("/{sandbox_id}/hibernate")
+async def hibernate_sandbox(sandbox: Sandbox, ctx: Context) -> SandboxOut:
+    """Save memory to disk and stop the VM; idempotent (409 unless running, paused or
+    hibernated)."""
+    return SandboxOut.of(await lifecycle.hibernate_sandbox(ctx, sandbox))
+
+
 @router.post("/{sandbox_id}/resume")
 async def resume_sandbox(sandbox: Sandbox, ctx: Context) -> SandboxOut:
-    """Restart a paused sandbox; idempotent (409 unless running or paused)."""
+    """Restart a paused or hibernated sandbox; idempotent (409 unless running, paused or
+    hibernated)."""
     return SandboxOut.of(await lifecycle.resume_sandbox(ctx, sandbox))
+
+
+@router.put("/{sandbox_id}/timeouts")
+async def set_timeouts(body: TimeoutsBody, sandbox: Sandbox, ctx: Context) -> SandboxOut:
+    """Change the idle timeout and/or the lifetime (omitted: unchanged, null: none)."""
+    changes = body.model_dump(include=body.model_fields_set)
+    return SandboxOut.of(await lifecycle.set_timeouts(ctx, sandbox, changes))
+
+
+@router.post("/{sandbox_id}/restore")
+async def restore_sandbox(
+    body: RestoreBody, sandbox: Sandbox, tenant: Tenant, ctx: Context
+) -> SandboxOut:
+    """Roll the sandbox back to one of the tenant's snapshots on its node."""
+    snapshot = await snapshots.find_snapshot(ctx, tenant, body.snapshot_id)
+    return SandboxOut.of(await snapshots.restore_sandbox(ctx, sandbox, snapshot))
+
+
+@router.post("/{sandbox_id}/fork", status_code=201)
+async def fork_sandbox(
+    sandbox: Sandbox, ctx: Context, body: ForkBody | None = None
+) -> dict[str, list[SandboxOut]]:
+    """``count`` new running copies of the sandbox (the body is optional: one copy)."""
+    count = body.count if body is not None else 1
+    children = await snapshots.fork_sandbox(ctx, sandbox, count)
+    return {"sandboxes": [SandboxOut.of(child) for child in children]}

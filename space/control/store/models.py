@@ -10,10 +10,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, MetaData, String, Text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-__all__ = ["ApiKeyRow", "Base", "NodeRow", "SandboxRow", "TenantRow"]
+__all__ = ["ApiKeyRow", "Base", "NodeRow", "SandboxRow", "SnapshotRow", "TenantRow"]
 
 # Deterministic constraint names, so later migrations can refer to them on any backend.
 _NAMING = {
@@ -80,3 +90,38 @@ class SandboxRow(Base):
     created_at: Mapped[float] = mapped_column(Float)
     expires_at: Mapped[float | None] = mapped_column(Float, nullable=True, index=True)
     deleted_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    #: Seconds without guest activity after which the reaper hibernates it; None: never.
+    idle_timeout_s: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    #: Last exec, process or file call (written at most once a second); None: none yet.
+    last_active_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    #: The snapshot it last came from or took (as its node reports it).
+    head_snapshot: Mapped[str | None] = mapped_column(String(64), nullable=True)
+
+
+class SnapshotRow(Base):
+    """A snapshot of a sandbox, kept on the node that took it.
+
+    ``state`` is "pending" while the node makes it (never listed; reconciliation drops
+    it if the node does not have it), "ready" once the node returned it, "deleting"
+    once deletion was asked (not listed; the node deletion is retried) and "deleted".
+    """
+
+    __tablename__ = "snapshots"
+    __table_args__ = (Index("ix_snapshots_tenant_sandbox", "tenant_id", "sandbox_id"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
+    sandbox_id: Mapped[str] = mapped_column(ForeignKey("sandboxes.id"))
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id"), index=True)
+    name: Mapped[str] = mapped_column(String(64))
+    #: The snapshot this one was taken on top of (no foreign key: re-parented on delete).
+    parent_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    state: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[float] = mapped_column(Float)
+    deleted_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    template: Mapped[str] = mapped_column(String(128))
+    cpus: Mapped[int] = mapped_column(Integer)
+    memory_mib: Mapped[int] = mapped_column(Integer)
+    disk_mib: Mapped[int] = mapped_column(Integer)
+    # Saved RAM passes 2 GiB easily: 64-bit.
+    memory_bytes: Mapped[int] = mapped_column(BigInteger)

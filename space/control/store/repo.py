@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 
 from space.control.store.models import NodeRow, SandboxRow
@@ -21,6 +21,7 @@ __all__ = [
     "active_counts",
     "expired",
     "find_sandbox",
+    "idle",
     "insert_sandbox",
     "list_nodes",
     "list_sandboxes",
@@ -28,11 +29,16 @@ __all__ = [
     "on_node",
     "set_desired_deleted",
     "set_state",
+    "set_status",
+    "set_timeouts",
+    "touch",
     "upsert_node",
 ]
 
 RUNNING = "running"
 DELETED = "deleted"
+#: States the reaper hibernates once idle (a hibernated one is idle already).
+_IDLE_STATES = ("running", "paused")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +58,14 @@ class SandboxRecord:
     expires_at: float | None
     error: str | None = None
     deleted_at: float | None = None
+    idle_timeout_s: int | None = None
+    last_active_at: float | None = None
+    head_snapshot: str | None = None
+
+    @property
+    def max_lifetime_s(self) -> int | None:
+        """Seconds from creation to expiry (what the API calls ``max_lifetime_s``)."""
+        return None if self.expires_at is None else round(self.expires_at - self.created_at)
 
 
 def _record(row: SandboxRow) -> SandboxRecord:
@@ -71,6 +85,9 @@ def _record(row: SandboxRow) -> SandboxRecord:
         expires_at=row.expires_at,
         error=row.error,
         deleted_at=row.deleted_at,
+        idle_timeout_s=row.idle_timeout_s,
+        last_active_at=row.last_active_at,
+        head_snapshot=row.head_snapshot,
     )
 
 
@@ -90,6 +107,9 @@ def insert_sandbox(session: Session, record: SandboxRecord) -> None:
             desired_state=record.desired_state,
             created_at=record.created_at,
             expires_at=record.expires_at,
+            idle_timeout_s=record.idle_timeout_s,
+            last_active_at=record.last_active_at,
+            head_snapshot=record.head_snapshot,
         )
     )
 
@@ -120,6 +140,39 @@ def set_state(session: Session, sandbox_id: str, state: str, *, error: str | Non
     )
 
 
+def set_status(
+    session: Session, sandbox_id: str, state: str, error: str | None, head_snapshot: str | None
+) -> None:
+    """Record what the node reported of a sandbox."""
+    session.execute(
+        update(SandboxRow)
+        .where(SandboxRow.id == sandbox_id)
+        .values(state=state, error=error, head_snapshot=head_snapshot)
+    )
+
+
+def touch(session: Session, sandbox_id: str, now: float) -> None:
+    """Record guest activity at ``now`` (never moves ``last_active_at`` backwards)."""
+    session.execute(
+        update(SandboxRow)
+        .where(
+            SandboxRow.id == sandbox_id,
+            or_(SandboxRow.last_active_at.is_(None), SandboxRow.last_active_at < now),
+        )
+        .values(last_active_at=now)
+    )
+
+
+def set_timeouts(
+    session: Session, sandbox_id: str, idle_timeout_s: int | None, expires_at: float | None
+) -> None:
+    session.execute(
+        update(SandboxRow)
+        .where(SandboxRow.id == sandbox_id)
+        .values(idle_timeout_s=idle_timeout_s, expires_at=expires_at)
+    )
+
+
 def set_desired_deleted(session: Session, sandbox_id: str) -> None:
     session.execute(
         update(SandboxRow).where(SandboxRow.id == sandbox_id).values(desired_state=DELETED)
@@ -140,6 +193,22 @@ def expired(session: Session, now: float) -> list[SandboxRecord]:
         SandboxRow.expires_at.is_not(None),
         SandboxRow.expires_at <= now,
         SandboxRow.state != DELETED,
+    )
+    return [_record(row) for row in session.scalars(query)]
+
+
+def idle(session: Session, now: float) -> list[SandboxRecord]:
+    """Every tenant's running or paused sandboxes idle for their ``idle_timeout_s``.
+
+    Idle since the last activity, or since creation if there was none; due exactly at
+    the boundary (``last + idle_timeout_s <= now``), as expiry is. For the reaper.
+    """
+    since = func.coalesce(SandboxRow.last_active_at, SandboxRow.created_at)
+    query = select(SandboxRow).where(
+        SandboxRow.idle_timeout_s.is_not(None),
+        SandboxRow.state.in_(_IDLE_STATES),
+        SandboxRow.desired_state == RUNNING,
+        since + SandboxRow.idle_timeout_s <= now,
     )
     return [_record(row) for row in session.scalars(query)]
 
