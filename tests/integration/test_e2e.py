@@ -194,3 +194,41 @@ def test_many_threads_share_one_sync_client_safely(sbx: Sandbox) -> None:
     for t in threads:
         t.join(60)
     assert errors == []
+
+
+def test_lifecycle_through_the_sdk_hibernate_snapshot_restore_fork(
+    platform: Platform, key: str
+) -> None:
+    sbx = Sandbox.create(api_url=platform.url, api_key=key, memory_mib=256)
+    children: list[Sandbox] = []
+    twin: Sandbox | None = None
+    try:
+        sbx.files.write("/home/user/state.txt", "one")
+        snap = sbx.snapshot("one")
+        assert [s.snapshot_id for s in sbx.snapshots()] == [snap.snapshot_id]
+        sbx.files.write("/home/user/state.txt", "two")
+
+        assert sbx.hibernate().state == "hibernated"
+        assert sbx.files.read("/home/user/state.txt") == "two"  # wakes it transparently
+        assert sbx.get_info().state == "running"
+
+        assert sbx.restore(snap).head_snapshot == snap.snapshot_id
+        assert sbx.files.read("/home/user/state.txt") == "one"
+
+        children = sbx.fork(1)
+        children[0].files.write("/home/user/state.txt", "child")
+        assert sbx.files.read("/home/user/state.txt") == "one"
+
+        twin = Sandbox.create(api_url=platform.url, api_key=key, from_snapshot=snap)
+        assert twin.files.read("/home/user/state.txt") == "one"
+        assert (
+            twin.commands.run("hostname").stdout.strip()
+            != sbx.commands.run("hostname").stdout.strip()
+        )
+        info = sbx.set_timeouts(idle_timeout_s=600)
+        assert info.idle_timeout_s == 600
+    finally:
+        for sandbox in [*children, *([twin] if twin else []), sbx]:
+            sandbox.kill()
+        for snapshot in Sandbox.list_snapshots(api_url=platform.url, api_key=key):
+            Sandbox.delete_snapshot(snapshot, api_url=platform.url, api_key=key)
