@@ -174,9 +174,7 @@ async def _redo_restore(node: Registry, sandbox: LiveSandbox, say: Say) -> None:
         with contextlib.suppress(NodeError):
             sandbox.vm = await QemuVM.adopt(sandbox.config, sandbox.record.vmm_pid)
     node.sandboxes[sandbox.sandbox_id] = sandbox
-    snapshot = next(
-        (s for s in life.snapshots.load_all()[0] if s.snapshot_id == pending.snapshot_id), None
-    )
+    snapshot = life.snapshots.get(pending.snapshot_id)
     if snapshot is None:
         await sandbox.teardown()
         raise _missing(sandbox)

@@ -17,16 +17,16 @@ import logging
 import shutil
 import time
 import weakref
-from collections.abc import AsyncIterable, Callable
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from space.node._guest_ops import GuestOps
 from space.node._lifecycle import Lifecycle
 from space.node._recovery import Registry, recover
 from space.node._sandbox import LiveSandbox, not_allowed, settled, vm_config_for, with_console
 from space.node._template import Template, prepare_template
 from space.node._validation import MAX_FORK_CHILDREN, check_compatible, check_id, check_spec
-from space.node.channel import GuestChannel
 from space.node.config import NodeConfig, resolve_node_id
 from space.node.errors import (
     Conflict,
@@ -34,15 +34,9 @@ from space.node.errors import (
     NodeError,
     NotFound,
     ResourceExhausted,
-    Unavailable,
 )
 from space.node.interface import (
-    ExecRequest,
-    ExecStream,
-    FileReader,
-    FileStat,
     NodeInfo,
-    ProcessInfo,
     SandboxSpec,
     SandboxState,
     SandboxStatus,
@@ -60,7 +54,7 @@ log = logging.getLogger(__name__)
 _SAVEABLE = (SandboxState.RUNNING, SandboxState.PAUSED, SandboxState.HIBERNATED)
 
 
-class Node:
+class Node(GuestOps):
     """The sandboxes of one host. Start with ``await Node.start(config)``."""
 
     def __init__(
@@ -302,7 +296,7 @@ class Node:
         check_id(snapshot_id, "snapshot id")
         async with self._lock(sandbox_id):
             sandbox = self._get(sandbox_id)
-            existing = self._find_snapshot(snapshot_id)
+            existing = self._snapshots.get(snapshot_id)
             if existing is not None:
                 if existing.sandbox_id != sandbox_id:
                     raise Conflict(
@@ -327,7 +321,7 @@ class Node:
         sandboxes whose head it was get its parent instead."""
         check_id(snapshot_id, "snapshot id")
         async with self._lock(f"snapshot/{snapshot_id}"):
-            info = self._find_snapshot(snapshot_id)
+            info = self._snapshots.get(snapshot_id)
             if info is not None:
                 for child in self._snapshots.load_all()[0]:
                     if child.parent_id == snapshot_id:
@@ -409,16 +403,8 @@ class Node:
         self._sandboxes[child_id] = child
         return child
 
-    def _find_snapshot(self, snapshot_id: str) -> SnapshotInfo | None:
-        path = self._snapshots.path(snapshot_id)
-        if not path.exists():
-            return None
-        return next(
-            (i for i in self._snapshots.load_all()[0] if i.snapshot_id == snapshot_id), None
-        )
-
     def _snapshot(self, snapshot_id: str) -> SnapshotInfo:
-        info = self._find_snapshot(snapshot_id)
+        info = self._snapshots.get(snapshot_id)
         if info is None:
             raise NotFound(f"no snapshot {snapshot_id!r} on this node")
         return info
@@ -438,53 +424,6 @@ class Node:
     async def list_sandboxes(self) -> list[SandboxStatus]:
         return [s.record.status() for s in self._sandboxes.values()]
 
-    # guest operations: each goes to the sandbox's channel
-
-    async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecStream:
-        sandbox = self._get(sandbox_id)
-        if sandbox.record.spec.env:
-            request = replace(request, env={**sandbox.record.spec.env, **request.env})
-        return await (await self._channel(sandbox_id)).exec(request)
-
-    async def attach(self, sandbox_id: str, process_id: str) -> ExecStream:
-        return await (await self._channel(sandbox_id)).attach(process_id)
-
-    async def list_processes(self, sandbox_id: str) -> list[ProcessInfo]:
-        return await (await self._channel(sandbox_id)).list_processes()
-
-    async def kill_process(self, sandbox_id: str, process_id: str, signal: int = 9) -> None:
-        await (await self._channel(sandbox_id)).kill_process(process_id, signal)
-
-    async def read_file(self, sandbox_id: str, path: str, user: str = "user") -> FileReader:
-        return await (await self._channel(sandbox_id)).read_file(path, user)
-
-    async def write_file(
-        self,
-        sandbox_id: str,
-        path: str,
-        data: AsyncIterable[bytes],
-        *,
-        user: str = "user",
-        mode: int = 0o644,
-    ) -> FileStat:
-        channel = await self._channel(sandbox_id)
-        return await channel.write_file(path, data, user=user, mode=mode)
-
-    async def list_dir(self, sandbox_id: str, path: str, user: str = "user") -> list[FileStat]:
-        return await (await self._channel(sandbox_id)).list_dir(path, user)
-
-    async def stat(self, sandbox_id: str, path: str, user: str = "user") -> FileStat:
-        return await (await self._channel(sandbox_id)).stat(path, user)
-
-    async def make_dir(self, sandbox_id: str, path: str, user: str = "user") -> FileStat:
-        return await (await self._channel(sandbox_id)).make_dir(path, user)
-
-    async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
-        await (await self._channel(sandbox_id)).remove(path, recursive=recursive)
-
-    async def rename(self, sandbox_id: str, src: str, dst: str, user: str = "user") -> FileStat:
-        return await (await self._channel(sandbox_id)).rename(src, dst, user)
-
     # internals
 
     def _lock(self, sandbox_id: str) -> asyncio.Lock:
@@ -502,35 +441,6 @@ class Node:
         if sandbox is None:
             raise NotFound(f"no sandbox {sandbox_id!r} on this node", sandbox_id=sandbox_id)
         return sandbox
-
-    async def _channel(self, sandbox_id: str) -> GuestChannel:
-        """The sandbox's open channel, reconnecting once if it broke but QEMU lives.
-
-        A PAUSED or HIBERNATED sandbox is resumed first (under its lock), transparently.
-        """
-        sandbox = self._get(sandbox_id)
-        asleep = (SandboxState.PAUSED, SandboxState.HIBERNATED)
-        if sandbox.record.state in asleep:
-            async with sandbox.lock:
-                sandbox = self._get(sandbox_id)
-                if sandbox.record.state in asleep:
-                    log.info("sandbox %s: resuming it for a guest operation", sandbox_id)
-                    await self._switch_locked(sandbox, SandboxState.RUNNING)
-        if sandbox.record.state != SandboxState.RUNNING:
-            raise Unavailable(
-                f"sandbox is {sandbox.record.state.value}: {sandbox.record.error or ''}".strip(),
-                sandbox_id=sandbox_id,
-            )
-        channel = sandbox.channel
-        if channel is not None and not channel.closed:
-            return channel
-        async with sandbox.lock:
-            if sandbox.channel is not None and not sandbox.channel.closed:
-                return sandbox.channel
-            log.info("sandbox %s: guest channel closed, reconnecting", sandbox_id)
-            channel = await sandbox.connect(hello_timeout_s=self.config.boot_timeout_s)
-            await self._life.settle_identity(sandbox)
-            return channel
 
     def _live(self, record: SandboxRecord, lock: asyncio.Lock | None = None) -> LiveSandbox:
         sid = record.sandbox_id

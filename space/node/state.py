@@ -152,6 +152,13 @@ class _JsonDir(Generic[R]):
         os.replace(tmp, path)
         self._fsync_dir()
 
+    def get(self, record_id: str) -> R | None:
+        """The record of ``record_id``, or None if there is none (or it is unreadable)."""
+        try:
+            return self._parse(json.loads(self.path(record_id).read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
     def remove(self, record_id: str) -> None:
         """Delete the record; idempotent."""
         with contextlib.suppress(FileNotFoundError):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from space.node.errors import InvalidArgument, NotFound
-from space.node.storage.btrfs import BtrfsPool
+from space.node.storage.btrfs import BtrfsPool, pack_snapshot_args
 
 IMAGE_MIB = 64
 
@@ -141,3 +141,34 @@ def test_negative_unknown_template_and_bad_names_are_refused(pool: BtrfsPool) ->
         pool.template("base", "nope")
     with pytest.raises(InvalidArgument):
         pool.sandbox_path("../etc")
+
+
+def test_snapshot_of_a_sandbox_volume_is_read_only_and_holds_nothing_of_its_own(
+    pool: BtrfsPool, runner: asyncio.Runner, image_files: dict[str, Path]
+) -> None:
+    vol = runner.run(pool.import_template("base", "d1", **image_files))
+    path = runner.run(pool.create_sandbox_volume("sb-1", vol, disk_mib=IMAGE_MIB))
+    (path / "memory.ram").write_bytes(os.urandom(1 << 20))
+
+    snap = runner.run(pool.snapshot_volume("sb-1", "snap-1"))
+
+    assert "ro=true" in _btrfs("property", "get", "-ts", str(snap), "ro")
+    with pytest.raises(OSError):
+        (snap / "memory.ram").write_bytes(b"x")
+    assert runner.run(pool.exclusive_bytes(snap)) == 0  # every extent shared
+    clone = runner.run(pool.clone_volume(snap, "sb-2"))
+    (clone / "memory.ram").write_bytes(b"changed")  # writable, and apart from the snapshot
+    assert (snap / "memory.ram").stat().st_size == 1 << 20
+    assert pool.snapshot_ids() == ["snap-1"]
+    runner.run(pool.delete_snapshot("snap-1"))
+    runner.run(pool.delete_snapshot("snap-1"))  # idempotent
+    assert pool.snapshot_ids() == []
+    for sid in ("sb-1", "sb-2"):
+        runner.run(pool.delete_sandbox_volume(sid))
+
+
+@pytest.mark.parametrize("name", ["", "a/b", "x" * 4040])
+def test_negative_a_snapshot_name_the_ioctl_cannot_take_is_refused(name: str) -> None:
+    with pytest.raises(InvalidArgument):
+        pack_snapshot_args(0, name, read_only=True)
+    assert len(pack_snapshot_args(0, "x" * 4039, read_only=True)) == 4096

@@ -18,16 +18,18 @@ InvalidArgument for a bad name). Commands run through ``btrfs``, ``mount``, ``lo
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import re
 import shutil
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from space.node._run import run
 from space.node.errors import InvalidArgument, NotFound, Unavailable
 
-__all__ = ["BtrfsPool", "TemplateVolume"]
+__all__ = ["BtrfsPool", "TemplateVolume", "pack_snapshot_args", "snapshot_subvolume"]
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _DIGEST_RE = re.compile(r"^[A-Za-z0-9]{1,128}$")
@@ -187,7 +189,7 @@ class BtrfsPool:
         path = self.sandbox_path(sandbox_id)
         if path.exists():
             await self._delete_subvolume(path)
-        await run("btrfs", "subvolume", "snapshot", str(template.path), str(path))
+        await snapshot_subvolume(template.path, path)
         try:
             (path / _COMPLETE_MARK).unlink(missing_ok=True)
             await grow_image(path / "rootfs.img", disk_mib)
@@ -202,7 +204,7 @@ class BtrfsPool:
         path = self.sandbox_path(sandbox_id)
         if path.exists():
             await self._delete_subvolume(path)
-        await run("btrfs", "subvolume", "snapshot", str(source), str(path))
+        await snapshot_subvolume(source, path)
         return path
 
     # snapshots
@@ -222,9 +224,7 @@ class BtrfsPool:
         path = self.snapshot_path(snapshot_id)
         if path.exists():
             await self._delete_subvolume(path)
-        await run(
-            "btrfs", "subvolume", "snapshot", "-r", str(self.sandbox_path(sandbox_id)), str(path)
-        )
+        await snapshot_subvolume(self.sandbox_path(sandbox_id), path, read_only=True)
         return path
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
@@ -257,6 +257,49 @@ class BtrfsPool:
             await run("btrfs", "subvolume", "delete", str(path))
         else:
             await asyncio.to_thread(shutil.rmtree, path, True)
+
+
+#: BTRFS_IOC_SNAP_CREATE_V2 = _IOW(0x94, 23, struct btrfs_ioctl_vol_args_v2) (linux/btrfs.h).
+_SNAP_CREATE_V2 = 0x50009417
+_SUBVOL_RDONLY = 1 << 1
+#: struct btrfs_ioctl_vol_args_v2: s64 fd, u64 transid, u64 flags, u64 unused[4], then
+#: char name[BTRFS_SUBVOL_NAME_MAX + 1 = 4040]; 4096 bytes in all.
+_VOL_ARGS_V2 = struct.Struct("=qQQ32x4040s")
+
+
+def pack_snapshot_args(source_fd: int, name: str, *, read_only: bool) -> bytearray:
+    """The ioctl argument that snapshots the subvolume open as ``source_fd`` as ``name``."""
+    encoded = name.encode()
+    if not encoded or b"/" in encoded or len(encoded) >= 4040:
+        raise InvalidArgument(f"invalid subvolume name {name!r}")
+    flags = _SUBVOL_RDONLY if read_only else 0
+    return bytearray(_VOL_ARGS_V2.pack(source_fd, 0, flags, encoded))
+
+
+async def snapshot_subvolume(source: Path, dest: Path, *, read_only: bool = False) -> None:
+    """Snapshot subvolume ``source`` as ``dest`` (O(1), copy-on-write), durable on return.
+
+    The ioctl itself, not the ``btrfs`` command: spawning that costs more than the
+    snapshot. btrfs flushes the source's dirty data and commits the snapshot in its
+    own transaction. Raises Unavailable (with the errno's message) if it fails.
+    """
+
+    def snapshot() -> None:
+        src = os.open(source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            parent = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                args = pack_snapshot_args(src, dest.name, read_only=read_only)
+                fcntl.ioctl(parent, _SNAP_CREATE_V2, args)
+            finally:
+                os.close(parent)
+        finally:
+            os.close(src)
+
+    try:
+        await asyncio.to_thread(snapshot)
+    except OSError as exc:
+        raise Unavailable(f"snapshot of {source} as {dest} failed: {exc}") from exc
 
 
 async def grow_image(image: Path, disk_mib: int) -> None:
