@@ -6,8 +6,9 @@ prints median and p90 of:
 - pause and resume (QMP ``stop``/``cont`` + state persisted, clock synced on resume),
 - exec of ``true`` on a running and on a paused sandbox (auto-resume included),
 - hibernate, and resume from hibernate (until the guest answered and has its clock),
-- snapshot (pause, device state, btrfs snapshot, publish, resume) and the disk part
-  alone (a read-only btrfs snapshot of the sandbox volume),
+- snapshot (flush, pause, device state, btrfs snapshot, publish, resume) and the disk
+  part alone (a read-only btrfs snapshot of the running sandbox's volume, after the
+  flush that a snapshot does before pausing),
 - restore in place, and fork of the live sandbox into one child (until it answers),
 - the baseline beside them: a cold create (boot) of the same sandbox, and each memory
   path's ratio to it;
@@ -29,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from space.node._lifecycle import preflush
 from space.node.config import NodeConfig
 from space.node.interface import ExecExited, ExecRequest, SandboxSpec
 from space.node.service import Node
@@ -106,6 +108,7 @@ async def _round(node: Node, i: int, results: dict[str, list[float]]) -> None:
     await timed("hibernate", node.hibernate_sandbox(_SANDBOX))
     await timed("resume from hibernate", node.resume_sandbox(_SANDBOX))
     await timed("snapshot (disk + memory)", node.snapshot_sandbox(_SANDBOX, f"s{i}"))
+    await preflush(node.pool.sandbox_path(_SANDBOX))  # as a snapshot does before its pause
     await timed("disk snapshot (btrfs only)", node.pool.snapshot_volume(_SANDBOX, f"d{i}"))
     await node.pool.delete_snapshot(f"d{i}")
     await timed("restore", node.restore_sandbox(_SANDBOX, f"s{i}"))
