@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench._stats import summary
 from space.node._lifecycle import preflush
 from space.node.config import NodeConfig
 from space.node.interface import ExecExited, ExecRequest, SandboxSpec
@@ -54,15 +55,6 @@ _TIMED = (
     "restore",
     "fork of a live sandbox (1 child)",
 )
-
-
-def summary(name: str, values: list[float], unit: str) -> str:
-    ordered = sorted(values)
-    p90 = ordered[max(0, round(0.9 * len(ordered)) - 1)]
-    return (
-        f"{name:<34} median {statistics.median(ordered):9.2f} {unit:<3}"
-        f" p90 {p90:9.2f} {unit:<3} n={len(values)}"
-    )
 
 
 async def _exec_true(node: Node) -> None:

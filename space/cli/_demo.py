@@ -54,7 +54,8 @@ def demo(
     data_dir: Path,
     start_timeout_s: float,
 ) -> None:
-    """Create a sandbox, run Python in it, write and read a file, delete it; timed."""
+    """Create a sandbox, run Python, write and read a file, hibernate and wake it,
+    snapshot and fork it, delete everything; timed."""
     if not embedded:
         run_demo(click.echo, **connection(api_url, api_key))
         return
@@ -79,10 +80,29 @@ def run_demo(say: Callable[[str], None], **connect: Any) -> None:
             if text != DEMO_TEXT:
                 raise InternalError(f"read back {text!r}, wrote {DEMO_TEXT!r}")
             note(repr(text))
+        _lifecycle_steps(say, sandbox, connect)
     finally:
         with _step(say, "delete sandbox"):
             sandbox.kill()
     say(f"done in {(time.monotonic() - total) * 1000:.0f} ms")
+
+
+def _lifecycle_steps(say: Callable[[str], None], sandbox: Sandbox, connect: dict[str, Any]) -> None:
+    """Hibernate and wake, snapshot, fork: the sandbox's life beyond one boot."""
+    with _step(say, "hibernate"):
+        sandbox.hibernate()
+    with _step(say, f"wake by reading {DEMO_PATH}") as note:
+        note(repr(sandbox.files.read(DEMO_PATH)))
+    with _step(say, "snapshot") as note:
+        snapshot = sandbox.snapshot("demo")
+        note(snapshot.snapshot_id)
+    try:
+        with _step(say, "fork") as note:
+            (child,) = sandbox.fork(1)
+            note(f"{child.sandbox_id} reads {child.files.read(DEMO_PATH)!r}")
+        child.kill()
+    finally:
+        Sandbox.delete_snapshot(snapshot, **connect)
 
 
 @contextlib.contextmanager

@@ -42,11 +42,13 @@ __all__ = [
     "LinuxSystem",
     "RecordingSystem",
     "apply_identity",
+    "hosts_with",
     "is_space_guest",
     "op_identity",
     "pack_rand_pool_info",
     "replace_file",
     "system_for",
+    "write_host_name",
     "write_machine_id",
 ]
 
@@ -58,6 +60,8 @@ RNDADDENTROPY = 0x40085203
 RNDRESEEDCRNG = 0x5207
 _POOL_HEADER = struct.Struct("=ii")  # struct rand_pool_info: entropy_count, buf_size
 _SPACE_INIT = b"space.guest.init"
+#: /etc/hosts is read up to this size (a larger one is cut, which a guest would notice).
+_MAX_HOSTS_CHARS = 1 << 20
 _T = TypeVar("_T")
 
 
@@ -171,11 +175,32 @@ class LinuxSystem:
     def set_hostname(self, hostname: str) -> None:
         self._require_guest()
         socket.sethostname(hostname)
-        replace_file("/etc/hostname", f"{hostname}\n".encode(), 0o644)
+        write_host_name("/", hostname)
 
     def set_machine_id(self, machine_id: str) -> None:
         self._require_guest()
         write_machine_id("/", machine_id)
+
+
+def hosts_with(text: str, hostname: str) -> str:
+    """``text`` (an /etc/hosts) with ``127.0.1.1`` naming ``hostname``, as Debian does,
+    so the machine resolves its own name; other lines are kept as they are."""
+    lines = [line for line in text.splitlines() if line.split()[:1] != ["127.0.1.1"]]
+    at = next((i + 1 for i, line in enumerate(lines) if line.startswith("127.0.0.1")), 0)
+    lines.insert(at, f"127.0.1.1\t{hostname}")
+    return "\n".join(lines) + "\n"
+
+
+def write_host_name(root: str, hostname: str) -> None:
+    """Name the host in ``root``/etc/hostname and ``root``/etc/hosts (atomically)."""
+    replace_file(os.path.join(root, "etc/hostname"), f"{hostname}\n".encode(), 0o644)
+    hosts = os.path.join(root, "etc/hosts")
+    try:
+        with open(hosts, encoding="utf-8", errors="replace") as file:
+            text = file.read(_MAX_HOSTS_CHARS)
+    except FileNotFoundError:
+        text = "127.0.0.1\tlocalhost\n"
+    replace_file(hosts, hosts_with(text, hostname).encode(), 0o644)
 
 
 def write_machine_id(root: str, machine_id: str) -> None:

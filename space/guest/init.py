@@ -20,6 +20,8 @@ import sys
 import time
 import types
 
+from ._identity import write_host_name
+
 __all__ = ["backoff_s", "hostname_from_cmdline", "main"]
 
 _MOUNTS = (
@@ -86,6 +88,7 @@ def set_hostname() -> None:
             name = hostname_from_cmdline(file.read())
         if name is not None:
             socket.sethostname(name)
+            write_host_name("/", name)
     except OSError as exc:
         _log(f"cannot set the hostname: {exc}")
 

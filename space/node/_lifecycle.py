@@ -23,18 +23,18 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from space.node._sandbox import MEMORY_FILE, STATE_FILE, LiveSandbox, hostname_for
 from space.node.config import NodeConfig
 from space.node.errors import NodeError, Unavailable
 from space.node.interface import SandboxState, SnapshotInfo
-from space.node.state import Pending, SnapshotStore, StateStore
-from space.node.storage.btrfs import BtrfsPool
+from space.node.state import Pending, SandboxRecord, SnapshotStore, StateStore
+from space.node.storage.btrfs import BtrfsPool, snapshot_subvolume
 
-__all__ = ["Lifecycle", "memory_bytes", "preflush"]
+__all__ = ["Lifecycle", "Registry", "memory_bytes", "preflush"]
 
 log = logging.getLogger(__name__)
 
@@ -264,14 +264,23 @@ class Lifecycle:
                 self.store.save(sandbox.mark(SandboxState.ERROR, error=error))
             raise
 
-    async def create_from_snapshot(self, sandbox: LiveSandbox, snapshot: SnapshotInfo) -> None:
-        """Make a new sandbox's volume from ``snapshot`` and run it (fresh identity)."""
+    async def create_from_image(
+        self, sandbox: LiveSandbox, image: Path, *, head: str | None = None
+    ) -> None:
+        """Make a new sandbox's volume a copy of ``image`` (a snapshot, or a template's
+        ready state) and run it with a fresh identity; ``head`` is its snapshot parent."""
         self.save(sandbox, SandboxState.CREATING, pending=Pending("fork", SandboxState.CREATING))
-        await self.pool.clone_volume(
-            self.pool.snapshot_path(snapshot.snapshot_id), sandbox.sandbox_id
-        )
-        sandbox.record = replace(sandbox.record, head_snapshot=snapshot.snapshot_id)
+        await self.pool.clone_volume(image, sandbox.sandbox_id)
+        sandbox.record = replace(sandbox.record, head_snapshot=head)
         await self.start_from_memory(sandbox, fresh=True)
+
+    async def capture_image(self, sandbox: LiveSandbox, image: Path) -> None:
+        """Save a RUNNING sandbox as a read-only image at ``image`` (a template's ready
+        state); the sandbox is left paused, to be deleted."""
+        await preflush(sandbox.volume)
+        await sandbox.save_state()
+        await asyncio.to_thread(_fsync, sandbox.volume / MEMORY_FILE)
+        await snapshot_subvolume(sandbox.volume, image, read_only=True)
 
     async def fork(self, parent: LiveSandbox, children: list[LiveSandbox]) -> None:
         """Start each child from a copy of the parent's disk and memory, taken now.
@@ -312,3 +321,14 @@ class Lifecycle:
             self.save(sandbox, prior)
         else:
             await self.thaw(sandbox, prior)
+
+
+@dataclass(frozen=True, slots=True)
+class Registry:
+    """What recovery needs of the Node: its sandboxes and how to make and unmake one."""
+
+    life: Lifecycle
+    sandboxes: dict[str, LiveSandbox]
+    live: Callable[[SandboxRecord], LiveSandbox]
+    destroy: Callable[[LiveSandbox], Awaitable[None]]
+    remove_leftovers: Callable[[str], Awaitable[None]]

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
 
-from space.node._lifecycle import Lifecycle
+from space.node._lifecycle import Lifecycle, Registry
+from space.node._pool import is_pool_vm
 from space.node._sandbox import MEMORY_FILE, LiveSandbox, kill_strays
 from space.node.errors import NodeError, Unavailable
 from space.node.interface import SandboxState
 from space.node.state import SandboxRecord
 from space.node.vmm.qemu import QemuVM
 
-__all__ = ["Registry", "recover"]
+__all__ = ["recover"]
 
 log = logging.getLogger(__name__)
 
@@ -30,24 +32,12 @@ _ADOPTABLE = (SandboxState.CREATING, SandboxState.RUNNING, SandboxState.PAUSED)
 Say = Callable[[str], None]
 
 
-@dataclass(frozen=True, slots=True)
-class Registry:
-    """What recovery needs of the Node: its sandboxes and how to make and unmake one."""
-
-    life: Lifecycle
-    sandboxes: dict[str, LiveSandbox]
-    live: Callable[[SandboxRecord], LiveSandbox]
-    destroy: Callable[[LiveSandbox], Awaitable[None]]
-    remove_leftovers: Callable[[str], Awaitable[None]]
-
-
 async def recover(node: Registry, say: Say) -> None:
     """Re-adopt, finish or clean up every sandbox and snapshot left on disk."""
     life = node.life
     records, bad = life.store.load_all()
-    await kill_strays(
-        life.config.effective_run_dir, {r.sandbox_id: r.vmm_pid for r in records}, say
-    )
+    expected = {Path(r.run_dir).name: r.vmm_pid for r in records if not is_pool_vm(r)}
+    await kill_strays(life.config.effective_run_dir, expected, say)
     for path in bad:
         say(f"removing unreadable state file {path.name}")
         await node.remove_leftovers(path.stem)
@@ -85,7 +75,9 @@ async def _recover_one(node: Registry, record: SandboxRecord, say: Say) -> None:
     sid = record.sandbox_id
     pending = record.pending
     sandbox = node.live(record)
-    if pending is not None and pending.op == "fork":
+    if is_pool_vm(record):
+        await node.destroy(sandbox)  # its VM is gone already (a stray): the pool refills
+    elif pending is not None and pending.op == "fork":
         say(f"sandbox {sid}: its creation was interrupted; removing it")
         await node.destroy(sandbox)
     elif pending is not None and pending.op == "restore":

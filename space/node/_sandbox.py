@@ -179,18 +179,19 @@ class LiveSandbox:
 
     async def teardown(self) -> None:
         """Stop the watcher, close the channel, stop QEMU (quit, TERM, KILL); idempotent."""
-        await self._unwatch()
+        await self.unwatch()
         if self.vm is not None:
             vm, self.vm = self.vm, None
             await vm.stop()
 
     async def disconnect(self) -> None:
         """Stop watching and drop channel and QMP; QEMU keeps running."""
-        await self._unwatch()
+        await self.unwatch()
         if self.vm is not None:
             await self.vm.detach()
 
-    async def _unwatch(self) -> None:
+    async def unwatch(self) -> None:
+        """Stop the watcher and close the guest channel; QEMU and QMP stay."""
         if self.watcher is not None:
             watcher, self.watcher = self.watcher, None
             if watcher is not asyncio.current_task():
@@ -215,13 +216,17 @@ class LiveSandbox:
 async def kill_strays(
     run_root: Path, expected: dict[str, int | None], say: Callable[[str], None]
 ) -> None:
-    """Kill QEMUs of this node (sockets under ``run_root``) that no record names by pid."""
-    for pid, sid in _qemus_under(run_root):
-        if expected.get(sid) == pid:
+    """Kill QEMUs of this node (sockets under ``run_root``) that no record names by pid.
+
+    ``expected`` maps run directory names (a sandbox's id, or the pool VM it was made
+    from) to the pid its record names.
+    """
+    for pid, name in _qemus_under(run_root):
+        if expected.get(name) == pid:
             continue
-        say(f"killing stray qemu pid {pid} of sandbox {sid}")
+        say(f"killing stray qemu pid {pid} ({name})")
         with contextlib.suppress(NodeError):
-            vm = await QemuVM.adopt(_vm_config_stub(run_root, sid), pid)
+            vm = await QemuVM.adopt(_vm_config_stub(run_root, name), pid)
             await vm.kill()
 
 

@@ -46,6 +46,14 @@ class NodeConfig:
     qemu_binary: str = "qemu-system-x86_64"
     #: Bytes of serial console kept per sandbox (older output is rotated away).
     console_max_bytes: int = 1 << 20
+    #: Make each template's ready state at start (one boot, then kept in the pool), so
+    #: sandboxes of its shape start from memory instead of booting.
+    ready_state: bool = True
+    #: Warm pool per template (needs its ready state): paused VMs woken from it, handed
+    #: out on create. The pool follows recent demand between these sizes; 0 and 0 (the
+    #: default) means no pool. Each waiting VM holds its RAM but no CPU.
+    warm_pool_min: int = 0
+    warm_pool_max: int = 0
 
     @property
     def effective_run_dir(self) -> Path:

@@ -23,6 +23,7 @@ __all__ = [
     "FileStat",
     "NodeInfo",
     "NodeService",
+    "PoolInfo",
     "ProcessInfo",
     "SandboxSpec",
     "SandboxState",
@@ -177,11 +178,27 @@ class ProcessInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class PoolInfo:
+    """A node's warm pool of one template: VMs woken from its ready state, paused."""
+
+    template: str
+    #: Paused VMs waiting now, and how many the pool is filling towards.
+    size: int
+    target: int
+    min_size: int
+    max_size: int
+    #: Creates served from the pool, and creates of the ready shape it could not serve.
+    hits: int
+    misses: int
+
+
+@dataclass(frozen=True, slots=True)
 class NodeInfo:
     node_id: str
     accelerator: Literal["kvm", "tcg"]
     templates: list[str]
     sandboxes: int
+    pools: list[PoolInfo] = field(default_factory=list)
 
 
 class NodeService(Protocol):

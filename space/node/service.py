@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shutil
 import time
 import weakref
@@ -22,8 +23,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from space.node._guest_ops import GuestOps
-from space.node._lifecycle import Lifecycle
-from space.node._recovery import Registry, recover
+from space.node._lifecycle import Lifecycle, Registry
+from space.node._pool import WarmPool, hand_over, make_pool_vm
+from space.node._recovery import recover
 from space.node._sandbox import LiveSandbox, not_allowed, settled, vm_config_for, with_console
 from space.node._template import Template, prepare_template
 from space.node._validation import MAX_FORK_CHILDREN, check_compatible, check_id, check_spec
@@ -79,6 +81,7 @@ class Node(GuestOps):
         self._tasks: set[asyncio.Task[None]] = set()
         self._snapshots = SnapshotStore(config.data_dir / "snapshots")
         self._life = Lifecycle(config, pool, self._store, self._snapshots, self._on_vm_exit)
+        self._pools: dict[str, WarmPool] = {}
 
     # startup and shutdown
 
@@ -111,6 +114,9 @@ class Node(GuestOps):
                 config, node_id=node_id, pool=pool, templates={"base": template}, accel=accel
             )
             await recover(node._registry(), say)
+            if config.ready_state:
+                await node._prepare_ready_state("base", say)
+            node._start_pool("base")
         except BaseException:
             with contextlib.suppress(NodeError):
                 await pool.close(unmount=pool.fresh_mount)
@@ -120,9 +126,12 @@ class Node(GuestOps):
     async def close(self, *, unmount_pool: bool = False) -> None:
         """Disconnect from every VM but leave them running (the next start re-adopts them).
 
-        ``unmount_pool`` also unmounts a loop-file pool; only for tests and tools, and
-        only once no VM uses the pool any more.
+        Warm pool VMs (no tenant data) are deleted. ``unmount_pool`` also unmounts a
+        loop-file pool; only for tests and tools, and only once no VM uses it any more.
         """
+        for warm in self._pools.values():
+            await warm.close()
+        self._pools.clear()
         for sandbox in list(self._sandboxes.values()):
             await sandbox.disconnect()
         self._sandboxes.clear()
@@ -144,6 +153,7 @@ class Node(GuestOps):
             accelerator=self.accelerator,
             templates=sorted(self._templates),
             sandboxes=len(self._sandboxes),
+            pools=[warm.info() for warm in self._pools.values()],
         )
 
     # lifecycle
@@ -180,7 +190,10 @@ class Node(GuestOps):
             self._sandboxes[spec.sandbox_id] = sandbox
             try:
                 if snapshot is not None:
-                    await self._life.create_from_snapshot(sandbox, snapshot)
+                    image = self.pool.snapshot_path(snapshot.snapshot_id)
+                    await self._life.create_from_image(sandbox, image, head=snapshot.snapshot_id)
+                elif template.ready is not None and template.ready_fits(spec):
+                    await self._from_ready_state(sandbox, template.ready)
                 else:
                     await self._boot(sandbox, template)
             except BaseException as exc:
@@ -380,6 +393,64 @@ class Node(GuestOps):
                 raise
             return [child.record.status() for child in children]
 
+    async def _prepare_ready_state(self, name: str, say: Callable[[str], None]) -> None:
+        """Give template ``name`` its ready state: the memory image of a booted VM.
+
+        Made once per template digest (kept in the pool) by booting a sandbox of the
+        template's ready shape and capturing it; sandboxes of that shape then start
+        from a copy of it instead of booting. A failure is logged: creates boot then.
+        """
+        template = self._templates[name]
+        if not template.ready_image.is_dir() or not template.ready_mark.is_file():
+            say(f"template {name}: making its ready state (one boot)")
+            try:
+                await self._capture_ready(template)
+            except NodeError as exc:
+                say(f"template {name}: no ready state ({exc}); sandboxes will boot")
+                return
+        self._templates[name] = replace(template, ready=template.ready_image)
+
+    def _start_pool(self, name: str) -> None:
+        template, config = self._templates[name], self.config
+        if config.warm_pool_max <= 0 or template.ready is None:
+            return
+        warm = WarmPool(
+            name,
+            make=lambda: make_pool_vm(self._registry(), self._templates[name]),
+            destroy=self._destroy,
+            min_size=config.warm_pool_min,
+            max_size=config.warm_pool_max,
+        )
+        self._pools[name] = warm
+        warm.start()
+
+    async def _from_ready_state(self, sandbox: LiveSandbox, ready: Path) -> None:
+        """A pool VM handed over if one waits, else a clone of the ready state woken."""
+        warm = self._pools.get(sandbox.record.spec.template)
+        pooled = warm.take() if warm is not None else None
+        if pooled is None:
+            await self._life.create_from_image(sandbox, ready)
+            return
+        try:
+            await hand_over(self._registry(), pooled, sandbox)
+        except BaseException:  # the caller destroys the sandbox, VM included
+            with contextlib.suppress(NodeError):
+                await self.pool.delete_sandbox_volume(pooled.sandbox_id)
+            self._store.remove(pooled.sandbox_id)
+            raise
+
+    async def _capture_ready(self, template: Template) -> None:
+        sandbox_id = f"ready-{template.image.digest[:16]}"
+        await self.pool.delete_template_image(template.ready_image)
+        spec = replace(template.ready_spec, sandbox_id=sandbox_id)
+        await self.create_sandbox(spec)
+        try:
+            async with self._lock(sandbox_id):
+                await self._life.capture_image(self._get(sandbox_id), template.ready_image)
+            await asyncio.to_thread(_write_mark, template.ready_mark)
+        finally:
+            await self.delete_sandbox(sandbox_id)
+
     def _check_capacity(self, more: int, sandbox_id: str) -> None:
         if len(self._sandboxes) + more > self.config.max_sandboxes:
             raise ResourceExhausted(
@@ -462,6 +533,7 @@ class Node(GuestOps):
         except NodeError as exc:
             log.error("sandbox %s: stopping its VM failed: %s", sid, exc)
         await self._remove_leftovers(sid)
+        shutil.rmtree(sandbox.record.run_dir, ignore_errors=True)  # a pool VM's keeps its name
         self._sandboxes.pop(sid, None)
 
     async def _remove_leftovers(self, sandbox_id: str) -> None:
@@ -506,3 +578,16 @@ _VERBS = {
     SandboxState.RUNNING: "resume",
     SandboxState.HIBERNATED: "hibernate",
 }
+
+
+def _write_mark(path: Path) -> None:
+    """Publish what ``path`` marks: written, fsynced, with its directory."""
+    with open(path, "w") as file:
+        file.write("ready\n")
+        file.flush()
+        os.fsync(file.fileno())
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -141,6 +141,7 @@ def test_fork_of_a_live_sandbox_gives_independent_children(node: NodeHarness) ->
         assert own == sorted(["shared.txt", f"only-{sid}.txt"]), (sid, own)
     names = {sid: _sh(node, sid, "hostname") for sid in ("parent", "kid-a", "kid-b")}
     assert names == {"parent": "parent", "kid-a": "kid-a", "kid-b": "kid-b"}
+    assert _sh(node, "kid-a", "getent hosts kid-a").split() == ["127.0.1.1", "kid-a"]
     ids = {_sh(node, sid, "cat /etc/machine-id") for sid in ("parent", "kid-a", "kid-b")}
     assert len(ids) == 3
 

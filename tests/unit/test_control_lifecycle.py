@@ -84,24 +84,6 @@ async def test_a_paused_sandbox_can_be_hibernated_and_resume_wakes_a_hibernated_
         assert h.node.boxes[sid].status.state is SandboxState.RUNNING
 
 
-async def test_negative_hibernate_of_a_sandbox_in_error_is_409_naming_the_state(
-    tmp_path: Path,
-) -> None:
-    async with control_app(tmp_path) as h:
-        key = h.key("t")
-        h.node.fail_create = Unavailable("boot failed")
-        failed = await h.client.post("/v1/sandboxes", json={}, headers=key)
-        sid = failed.json()["error"]["details"]["sandbox_id"]
-        calls = list(h.node.calls)
-        answer = await h.client.post(f"/v1/sandboxes/{sid}/hibernate", headers=key)
-        error = answer.json()["error"]
-        assert answer.status_code == 409
-        assert (error["code"], error["details"]["state"]) == ("conflict", "error")
-        assert error["message"] == f"cannot hibernate sandbox {sid}: it is error"
-        assert h.node.calls == calls
-        assert (await _get(h, sid, key))["state"] == "error"
-
-
 async def test_negative_pause_of_a_hibernated_sandbox_is_409_naming_the_state(
     tmp_path: Path,
 ) -> None:

@@ -82,8 +82,18 @@ async def test_exec_and_files_on_a_paused_sandbox_resume_it_and_record_running(
         assert h.node.boxes[sid].files["/f"] == b"x"
 
 
-async def test_negative_pause_and_resume_of_a_sandbox_in_error_are_409_naming_the_state(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("path", "body", "verb"),
+    [
+        ("pause", None, "pause"),
+        ("resume", None, "resume"),
+        ("hibernate", None, "hibernate"),
+        ("snapshots", {"name": "s"}, "snapshot"),
+        ("fork", {"count": 1}, "fork"),
+    ],
+)
+async def test_negative_lifecycle_calls_on_a_sandbox_in_error_are_409_naming_the_state(
+    tmp_path: Path, path: str, body: dict[str, object] | None, verb: str
 ) -> None:
     async with control_app(tmp_path) as h:
         key = h.key("t")
@@ -91,12 +101,11 @@ async def test_negative_pause_and_resume_of_a_sandbox_in_error_are_409_naming_th
         failed = await h.client.post("/v1/sandboxes", json={}, headers=key)
         sid = failed.json()["error"]["details"]["sandbox_id"]
         calls = list(h.node.calls)
-        for action in ("pause", "resume"):
-            answer = await h.client.post(f"/v1/sandboxes/{sid}/{action}", headers=key)
-            error = answer.json()["error"]
-            assert answer.status_code == 409
-            assert (error["code"], error["details"]["state"]) == ("conflict", "error")
-            assert "error" in error["message"] and action in error["message"]
+        answer = await h.client.post(f"/v1/sandboxes/{sid}/{path}", json=body, headers=key)
+        error = answer.json()["error"]
+        assert answer.status_code == 409
+        assert (error["code"], error["details"]["state"]) == ("conflict", "error")
+        assert error["message"] == f"cannot {verb} sandbox {sid}: it is error"
         assert h.node.calls == calls  # refused before the node was asked
         assert await _state(h, sid, key) == "error"
 

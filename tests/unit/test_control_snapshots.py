@@ -151,30 +151,6 @@ async def test_negative_a_snapshot_name_already_taken_is_409_with_the_existing_i
         assert len((await _get(h, "/v1/snapshots", key))["snapshots"]) == 1
 
 
-async def test_negative_a_snapshot_of_a_sandbox_in_error_is_409_naming_the_state(
-    tmp_path: Path,
-) -> None:
-    async with control_app(tmp_path) as h:
-        key = h.key("t")
-        h.node.fail_create = Unavailable("boot failed")
-        failed = await h.client.post("/v1/sandboxes", json={}, headers=key)
-        sid = failed.json()["error"]["details"]["sandbox_id"]
-        calls = list(h.node.calls)
-        for action, body in [("snapshots", {"name": "s"}), ("fork", {"count": 1})]:
-            answer = await h.client.post(f"/v1/sandboxes/{sid}/{action}", json=body, headers=key)
-            assert answer.status_code == 409
-            assert answer.json()["error"]["details"]["state"] == "error"
-        assert (
-            "cannot snapshot sandbox"
-            in (
-                await h.client.post(
-                    f"/v1/sandboxes/{sid}/snapshots", json={"name": "s"}, headers=key
-                )
-            ).json()["error"]["message"]
-        )
-        assert h.node.calls == calls
-
-
 async def test_negative_a_node_failing_mid_snapshot_lists_nothing_and_frees_the_name(
     tmp_path: Path,
 ) -> None:

@@ -23,10 +23,12 @@ from space.guest._identity import (
     LinuxSystem,
     RecordingSystem,
     apply_identity,
+    hosts_with,
     is_space_guest,
     pack_rand_pool_info,
     replace_file,
     system_for,
+    write_host_name,
     write_machine_id,
 )
 from space.node._channel_parse import parse_applied
@@ -423,3 +425,20 @@ def test_the_identity_module_keeps_the_real_system_out_of_stdio_mode() -> None:
     # system_for is the only place spaced's entry point builds a system.
     source = Path(_identity.__file__).with_name("__main__.py").read_text()
     assert "LinuxSystem" not in source and "system_for(" in source
+
+
+def test_hosts_with_names_the_host_on_127_0_1_1_and_keeps_other_lines() -> None:
+    text = "127.0.0.1\tlocalhost\n127.0.1.1\tspace\n::1\tlocalhost ip6-localhost\n10.0.0.5 db\n"
+    assert hosts_with(text, "kid-a") == (
+        "127.0.0.1\tlocalhost\n127.0.1.1\tkid-a\n::1\tlocalhost ip6-localhost\n10.0.0.5 db\n"
+    )
+    assert hosts_with("", "x") == "127.0.1.1\tx\n"
+    assert hosts_with(hosts_with(text, "a"), "b") == hosts_with(text, "b")  # one line only
+
+
+def test_write_host_name_rewrites_hostname_and_hosts(tmp_path: Path) -> None:
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc/hosts").write_text("127.0.0.1\tlocalhost\n127.0.1.1\tspace\n")
+    write_host_name(str(tmp_path), "kid-b")
+    assert (tmp_path / "etc/hostname").read_text() == "kid-b\n"
+    assert (tmp_path / "etc/hosts").read_text() == "127.0.0.1\tlocalhost\n127.0.1.1\tkid-b\n"

@@ -170,6 +170,13 @@ class BtrfsPool:
         await run("btrfs", "property", "set", "-ts", str(path), "ro", "true")
         return TemplateVolume(name, digest, path)
 
+    async def delete_template_image(self, path: Path) -> None:
+        """Delete a subvolume beside the templates (a ready state); idempotent."""
+        if path.parent.parent != self.root / "templates":
+            raise InvalidArgument(f"{path} is not beside a template")
+        if await asyncio.to_thread(path.exists):
+            await self._delete_subvolume(path)
+
     # sandboxes
 
     def sandbox_path(self, sandbox_id: str) -> Path:

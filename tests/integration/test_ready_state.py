@@ -1,0 +1,76 @@
+"""A template's ready state: sandboxes of its shape start from a booted VM's memory.
+
+The node makes it once per template digest at start (one boot, kept in the pool); each
+sandbox is then a copy-on-write clone of it, woken with a fresh identity.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from space.node.interface import ExecRequest, SandboxSpec, SandboxState
+
+from .conftest import NodeHarness
+from .test_pause_resume import _run
+
+pytestmark = pytest.mark.vm
+
+
+def _field(path: Path, key: str) -> str:
+    """One field of ``btrfs subvolume show``: ``UUID`` or ``Parent UUID``."""
+    show = subprocess.run(
+        ["btrfs", "subvolume", "show", str(path)], check=True, capture_output=True, text=True
+    ).stdout
+    for line in show.splitlines():
+        name, _, value = line.strip().partition(":")
+        if name == key:
+            return value.strip()
+    raise AssertionError(f"no {key} in {show}")
+
+
+def _sh(h: NodeHarness, sandbox_id: str, cmd: str) -> str:
+    out, code = h.run(_run(h.node, sandbox_id, ExecRequest(cmd=cmd, user="root")))
+    assert code == 0, out
+    return out.strip()
+
+
+def test_sandboxes_of_the_ready_shape_start_from_the_ready_state_each_its_own(
+    node: NodeHarness,
+) -> None:
+    template = node.node._templates["base"]
+    assert template.ready is not None and template.ready_mark.is_file()
+    for sid in ("warm-1", "warm-2"):
+        status = node.run(node.node.create_sandbox(SandboxSpec(sid, memory_mib=256)))
+        assert status.state == SandboxState.RUNNING
+        assert _field(node.node.pool.sandbox_path(sid), "Parent UUID") == _field(
+            template.ready, "UUID"
+        )
+    assert [_sh(node, sid, "hostname") for sid in ("warm-1", "warm-2")] == ["warm-1", "warm-2"]
+    draws = {
+        _sh(node, sid, "head -c 32 /dev/urandom | od -An -tx1") for sid in ("warm-1", "warm-2")
+    }
+    ids = {_sh(node, sid, "cat /etc/machine-id") for sid in ("warm-1", "warm-2")}
+    assert len(draws) == 2 and len(ids) == 2
+    _sh(node, "warm-1", "echo mine > /home/user/f")
+    assert _sh(node, "warm-2", "ls /home/user") == ""  # clones share nothing written
+
+
+def test_another_shape_boots_from_the_template_itself(node: NodeHarness) -> None:
+    template = node.node._templates["base"]
+    node.run(node.node.create_sandbox(SandboxSpec("big-disk", disk_mib=3072)))
+    assert _field(node.node.pool.sandbox_path("big-disk"), "Parent UUID") == _field(
+        template.volume.path, "UUID"
+    )
+    assert _sh(node, "big-disk", "hostname") == "big-disk"
+
+
+def test_a_restarted_node_reuses_the_ready_state(node: NodeHarness) -> None:
+    ready = node.node._templates["base"].ready
+    assert ready is not None
+    before = _field(ready, "UUID")
+    node.restart()
+    after = node.node._templates["base"].ready
+    assert after is not None and _field(after, "UUID") == before

@@ -1,0 +1,101 @@
+"""Warm pools: creates of a template's ready shape take a paused, already woken VM.
+
+The node here keeps two pool VMs of the base template. A hit renames the VM to the new
+sandbox, writes its record and gives it a fresh identity; the pool refills behind it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+
+from space.node.config import NodeConfig
+from space.node.interface import ExecRequest, SandboxSpec, SandboxState
+from space.node.service import Node
+
+from .conftest import NodeHarness, release_data_dir
+from .platform import qemu_pids
+from .test_pause_resume import _run
+
+pytestmark = pytest.mark.vm
+
+POOL = 2
+
+
+@pytest.fixture
+def warm(node_config: NodeConfig) -> Iterator[NodeHarness]:
+    config = replace(node_config, warm_pool_min=POOL, warm_pool_max=POOL)
+    runner = asyncio.Runner()
+    try:
+        harness = NodeHarness(config, runner, runner.run(Node.start(config)))
+        try:
+            yield harness
+        finally:
+            harness.run(harness.node.shutdown(unmount_pool=True))
+    finally:
+        runner.close()
+        leaked = release_data_dir(config.data_dir)
+        assert not leaked, f"left behind after node shutdown: {leaked}"
+
+
+def _pool(h: NodeHarness) -> tuple[int, int, int]:
+    (info,) = h.run(h.node.info()).pools
+    return info.size, info.hits, info.misses
+
+
+def _wait_full(h: NodeHarness, timeout_s: float = 120.0) -> None:
+    async def wait() -> None:
+        deadline = time.monotonic() + timeout_s
+        while (await h.node.info()).pools[0].size < POOL:
+            assert time.monotonic() < deadline, "the warm pool did not fill"
+            await asyncio.sleep(0.2)
+
+    h.run(wait())
+
+
+def _sh(h: NodeHarness, sandbox_id: str, cmd: str) -> str:
+    out, code = h.run(_run(h.node, sandbox_id, ExecRequest(cmd=cmd, user="root")))
+    assert code == 0, out
+    return out.strip()
+
+
+def test_creates_take_pool_vms_that_become_independent_sandboxes(warm: NodeHarness) -> None:
+    _wait_full(warm)
+    vms_before = set(qemu_pids(warm.config.data_dir))
+
+    for sid in ("hot-1", "hot-2"):
+        status = warm.run(warm.node.create_sandbox(SandboxSpec(sid, memory_mib=256)))
+        assert status.state == SandboxState.RUNNING
+        assert status.vmm_pid in vms_before  # an existing VM, handed over
+
+    assert _pool(warm)[1:] == (2, 0)
+    assert [s.sandbox_id for s in warm.run(warm.node.list_sandboxes())] == ["hot-1", "hot-2"]
+    assert [_sh(warm, sid, "hostname") for sid in ("hot-1", "hot-2")] == ["hot-1", "hot-2"]
+    ids = {_sh(warm, sid, "cat /etc/machine-id") for sid in ("hot-1", "hot-2")}
+    draws = {_sh(warm, sid, "head -c 32 /dev/urandom | od -An -tx1") for sid in ("hot-1", "hot-2")}
+    assert len(ids) == 2 and len(draws) == 2
+    _sh(warm, "hot-1", "echo one > /home/user/f")
+    assert _sh(warm, "hot-2", "ls /home/user") == ""
+    assert warm.node.pool.sandbox_path("hot-1").is_dir()
+    _wait_full(warm)  # refilled behind the hits
+
+
+def test_a_handed_over_sandbox_survives_a_node_restart_and_the_pool_refills(
+    warm: NodeHarness,
+) -> None:
+    _wait_full(warm)
+    warm.run(warm.node.create_sandbox(SandboxSpec("kept", memory_mib=256)))
+    _sh(warm, "kept", "echo kept > /home/user/k")
+
+    warm.restart()
+
+    assert warm.run(warm.node.get_sandbox("kept")).state == SandboxState.RUNNING
+    assert _sh(warm, "kept", "cat /home/user/k") == "kept"
+    assert [s.sandbox_id for s in warm.run(warm.node.list_sandboxes())] == ["kept"]
+    _wait_full(warm)
+    warm.run(warm.node.delete_sandbox("kept"))
+    assert len(qemu_pids(warm.config.data_dir)) == POOL  # only the pool's own VMs remain

@@ -1,0 +1,131 @@
+"""WarmPool's bookkeeping, with fake VMs and an injected clock (no QEMU here)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import pytest
+
+from space.node._pool import WarmPool
+from space.node._sandbox import LiveSandbox
+from space.node.errors import Unavailable
+from space.node.interface import SandboxState
+
+from .fakes import FakeClock
+
+pytestmark = pytest.mark.anyio
+
+
+@dataclass
+class _Record:
+    state: SandboxState = SandboxState.PAUSED
+
+
+@dataclass
+class _Vm:
+    name: str
+    vm_alive: bool = True
+    record: _Record = field(default_factory=_Record)
+
+
+class _Maker:
+    def __init__(self, fail: int = 0) -> None:
+        self.made: list[_Vm] = []
+        self.destroyed: list[str] = []
+        self.fail = fail
+
+    async def make(self) -> LiveSandbox:
+        await asyncio.sleep(0)
+        if self.fail:
+            self.fail -= 1
+            raise Unavailable("no memory")
+        vm = _Vm(f"vm{len(self.made)}")
+        self.made.append(vm)
+        return cast(LiveSandbox, vm)
+
+    async def destroy(self, vm: Any) -> None:
+        self.destroyed.append(vm.name)
+
+
+async def _settle(pool: WarmPool, size: int) -> None:
+    async with asyncio.timeout(5):
+        while True:  # the pool fills in its own task: let it run until it got there
+            if pool.info().size == size:
+                return
+            await asyncio.sleep(0.001)
+
+
+def _pool(maker: _Maker, clock: FakeClock, low: int = 1, high: int = 3) -> WarmPool:
+    return WarmPool(
+        "base",
+        make=maker.make,
+        destroy=maker.destroy,
+        min_size=low,
+        max_size=high,
+        window_s=60.0,
+        clock=clock,
+    )
+
+
+async def test_the_pool_fills_to_its_minimum_and_serves_hits_then_refills() -> None:
+    maker, clock = _Maker(), FakeClock()
+    pool = _pool(maker, clock)
+    pool.start()
+    await _settle(pool, 1)
+
+    vm = pool.take()
+
+    assert vm is not None and cast(Any, vm).name == "vm0"
+    info = pool.info()
+    assert (info.hits, info.misses) == (1, 0)
+    await _settle(pool, 1)  # demand of 1 in the window: target 1
+    await pool.close()
+    assert maker.destroyed == ["vm1"] and pool.info().size == 0
+
+
+async def test_the_target_follows_demand_within_the_window_and_stays_within_bounds() -> None:
+    maker, clock = _Maker(), FakeClock()
+    pool = _pool(maker, clock, low=1, high=3)
+    assert pool.target == 1
+    for _ in range(5):
+        pool.take()
+    assert pool.target == 3  # 5 creates in the window, clamped to the maximum
+    clock.now += 59
+    assert pool.target == 3
+    clock.now += 2  # the creates left the window
+    assert pool.target == 1
+    assert pool.info().misses == 5  # never started: every take missed
+
+
+async def test_negative_a_dead_pool_vm_is_never_handed_out() -> None:
+    maker, clock = _Maker(), FakeClock()
+    pool = _pool(maker, clock, low=2, high=2)
+    pool.start()
+    await _settle(pool, 2)
+    maker.made[0].vm_alive = False
+    maker.made[1].record.state = SandboxState.ERROR
+
+    assert pool.take() is None
+
+    assert pool.info().misses == 1
+    await pool.close()
+    assert {"vm0", "vm1"} <= set(maker.destroyed)
+
+
+async def test_negative_a_failing_refill_is_logged_and_retried_not_raised(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("space.node._pool._RETRY_S", 0.0)
+    maker, clock = _Maker(fail=2), FakeClock()
+    pool = _pool(maker, clock)
+    pool.start()
+    await _settle(pool, 1)
+    assert len(maker.made) == 1
+    await pool.close()
+
+
+def test_negative_sizes_out_of_order_are_refused() -> None:
+    with pytest.raises(ValueError, match="min_size"):
+        _pool(_Maker(), FakeClock(), low=3, high=2)
