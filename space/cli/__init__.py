@@ -1,7 +1,7 @@
 """The ``space`` command line.
 
 Client commands (create, ls, rm, pause, hibernate, resume, snapshot, restore, fork,
-timeouts, exec, cp, demo) go through the SDK; server commands
+timeouts, exec, cp, pools, demo) go through the SDK; server commands
 (serve, node, keys, template) import the node and control plane only when they run.
 Every failure is one ``error: ...`` line on stderr and a non-zero exit status.
 """
@@ -13,6 +13,7 @@ import click
 from space.cli._common import CliContext
 from space.cli._demo import demo
 from space.cli._lifecycle import fork, hibernate, restore, snapshot, timeouts
+from space.cli._pools import pools
 from space.cli._sandboxes import cp, create, exec_, ls, pause, resume, rm
 from space.cli._server import keys, node, serve, template
 
@@ -29,6 +30,6 @@ def main(ctx: click.Context) -> None:
 
 for _command in (
     *(serve, node, keys, template, create, ls, rm, pause, hibernate, resume),
-    *(snapshot, restore, fork, timeouts, exec_, cp, demo),
+    *(snapshot, restore, fork, timeouts, exec_, cp, pools, demo),
 ):
     main.add_command(_command)

@@ -6,7 +6,7 @@ import contextlib
 import functools
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, ParamSpec, TypeVar
 
@@ -22,6 +22,7 @@ __all__ = [
     "api_options",
     "connected",
     "connection",
+    "echo_table",
     "fail",
     "reports_errors",
 ]
@@ -85,6 +86,13 @@ def connected(sandbox_id: str, api_url: str | None, api_key: str | None) -> Iter
         yield sandbox
     finally:
         sandbox.close()
+
+
+def echo_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """Print ``header`` and ``rows`` as left-aligned columns two spaces apart."""
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
+    for line in (header, *rows):
+        click.echo("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
 
 
 class ProgressPrinter:

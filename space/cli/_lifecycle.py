@@ -12,7 +12,14 @@ from datetime import datetime
 import click
 from click.core import ParameterSource
 
-from space.cli._common import ProgressPrinter, api_options, connected, connection, reports_errors
+from space.cli._common import (
+    ProgressPrinter,
+    api_options,
+    connected,
+    connection,
+    echo_table,
+    reports_errors,
+)
 from space.sdk import Sandbox, SnapshotInfo
 
 __all__ = ["fork", "hibernate", "restore", "snapshot", "snapshot_forest", "timeouts"]
@@ -140,11 +147,8 @@ def snapshot_create(sandbox_id: str, name: str, api_url: str | None, api_key: st
 def snapshot_ls(sandbox_id: str | None, api_url: str | None, api_key: str | None) -> None:
     """List snapshots as a tree: each under the snapshot it was taken after."""
     listed = Sandbox.list_snapshots(sandbox_id=sandbox_id, **connection(api_url, api_key))
-    header = ("ID", "NAME", "CREATED", "MEMORY", "EXCLUSIVE")
     rows = [_snapshot_row(depth, snap) for depth, snap in snapshot_forest(listed)]
-    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
-    for line in (header, *rows):
-        click.echo("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
+    echo_table(("ID", "NAME", "CREATED", "MEMORY", "EXCLUSIVE"), rows)
 
 
 @snapshot.command(name="rm")

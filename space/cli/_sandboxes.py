@@ -17,6 +17,7 @@ from space.cli._common import (
     api_options,
     connected,
     connection,
+    echo_table,
     fail,
     reports_errors,
 )
@@ -100,10 +101,7 @@ def _refuse_sizes(sizes: dict[str, object]) -> None:
 def ls(api_url: str | None, api_key: str | None) -> None:
     """List your sandboxes."""
     rows = [_row(info) for info in Sandbox.list(**connection(api_url, api_key))]
-    header = ("ID", "TEMPLATE", "STATE", "CPUS", "MEMORY_MIB", "CREATED", "EXPIRES")
-    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=False)]
-    for line in (header, *rows):
-        click.echo("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
+    echo_table(("ID", "TEMPLATE", "STATE", "CPUS", "MEMORY_MIB", "CREATED", "EXPIRES"), rows)
 
 
 def _row(info: SandboxInfo) -> tuple[str, ...]:

@@ -14,7 +14,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from space.control.store.repo import SandboxRecord
 from space.control.store.snapshots import SnapshotRecord
-from space.node.interface import FileStat, ProcessInfo
+from space.node.interface import FileStat, PoolInfo, ProcessInfo
 
 __all__ = [
     "ExecBody",
@@ -24,6 +24,7 @@ __all__ = [
     "KillBody",
     "MkdirBody",
     "NodeRegistration",
+    "PoolOut",
     "ProcessOut",
     "RenameBody",
     "RestoreBody",
@@ -275,6 +276,38 @@ class ProcessOut(BaseModel):
             exit_code=info.exit_code,
             signal=info.signal,
             started_at=_iso(info.started_at) or "",
+        )
+
+
+class PoolOut(BaseModel):
+    """One node's warm pool of one template (``GET /v1/pools``): no tenant data."""
+
+    node_id: str
+    template: str
+    #: Paused VMs waiting now, and how many the pool is filling towards.
+    size: int
+    target: int
+    min_size: int
+    max_size: int
+    #: Creates served from the pool, and creates of the pool's shape it could not serve.
+    hits: int
+    misses: int
+    #: hits / (hits + misses); null before the first such create.
+    hit_rate: float | None
+
+    @classmethod
+    def of(cls, node_id: str, pool: PoolInfo) -> PoolOut:
+        served = pool.hits + pool.misses
+        return cls(
+            node_id=node_id,
+            template=pool.template,
+            size=pool.size,
+            target=pool.target,
+            min_size=pool.min_size,
+            max_size=pool.max_size,
+            hits=pool.hits,
+            misses=pool.misses,
+            hit_rate=pool.hits / served if served else None,
         )
 
 

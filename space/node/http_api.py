@@ -4,11 +4,12 @@
 ``RemoteNode`` is its client, so a control plane on another host holds that node like a
 local one. Bodies are JSON (dataclasses of space.node.interface, bytes as base64),
 exec/attach answer NDJSON (``start`` line, then events, as docs/api.md), file contents
-travel as raw bytes (a read's FileStat in the ``X-Space-File-Stat`` header). Snapshots
-live under ``/snapshots`` (node-wide: a snapshot outlives its sandbox); taking, restoring
-and forking are POSTs on the sandbox (``/snapshots``, ``/restore``, ``/fork``). Errors
-answer ``{"error": {"code", "message", "details"}}`` with the status of ``STATUS_BY_CODE``.
-Every request needs ``Authorization: Bearer <node token>``.
+travel as raw bytes (a read's FileStat in the ``X-Space-File-Stat`` header). ``/info``
+answers NodeInfo, the node's warm pools included. Snapshots live under ``/snapshots``
+(node-wide: a snapshot outlives its sandbox); taking, restoring and forking are POSTs on
+the sandbox (``/snapshots``, ``/restore``, ``/fork``). Errors answer ``{"error": {"code",
+"message", "details"}}`` with the status of ``STATUS_BY_CODE``. Every request needs
+``Authorization: Bearer <node token>``.
 
 The JSON and NDJSON shapes live in space.node.wire, shared with RemoteNode and the
 control plane.

@@ -9,6 +9,7 @@ Unavailable, a transport timeout Timeout, and an answer that does not parse Unav
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any, TypeVar
@@ -35,6 +36,7 @@ from space.node.interface import (
     FileStat,
     NodeInfo,
     NodeService,
+    PoolInfo,
     ProcessInfo,
     SandboxSpec,
     SandboxStatus,
@@ -62,6 +64,8 @@ _ERROR_BY_CODE: dict[str, type[NodeError]] = {
 #: An NDJSON line longer than this ends the stream (a chunk is at most ~1 MiB base64'd).
 MAX_LINE_BYTES = 8 * 1024 * 1024
 _MAX_ERROR_BYTES = 64 * 1024
+#: PoolInfo's counters: JSON integers, never negative.
+_POOL_COUNTS = tuple(f.name for f in dataclasses.fields(PoolInfo) if f.name != "template")
 
 
 def error_from_response(status: int, body: bytes, sandbox_id: str | None) -> NodeError:
@@ -94,6 +98,26 @@ def _member(body: object, name: str, sandbox_id: str | None = None) -> object:
     if not isinstance(body, dict) or name not in body:
         raise Unavailable(f"malformed answer from node: no {name!r}", sandbox_id=sandbox_id)
     return body[name]
+
+
+def _node_info(body: object) -> NodeInfo:
+    """The NodeInfo in ``body``; a pool whose counts are not JSON integers >= 0 is malformed.
+
+    Decoding alone would take ``true``, ``"3"`` or ``3.0`` for a count.
+    """
+    info = _parse(NodeInfo, body)
+    pools = body.get("pools", []) if isinstance(body, dict) else []
+    for pool in pools if isinstance(pools, list) else []:
+        bad = [name for name in _POOL_COUNTS if not _is_count(pool.get(name))]
+        if bad or not pool.get("template"):
+            fields = ", ".join(bad) or "template"
+            raise Unavailable(f"malformed pool from node: {fields} in {pool!r:.200}")
+    return info
+
+
+def _is_count(value: object) -> bool:
+    # bool is an int subclass: true is no count.
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _status(body: object, sandbox_id: str) -> SandboxStatus:
@@ -281,7 +305,8 @@ class RemoteNode(NodeService):
             raise Unavailable("node answered non-JSON", sandbox_id=sandbox_id) from exc
 
     async def info(self) -> NodeInfo:
-        return _parse(NodeInfo, await self._json("GET", "/info"))
+        """The node's identity, load and warm pools (Unavailable if the answer is malformed)."""
+        return _node_info(await self._json("GET", "/info"))
 
     async def create_sandbox(self, spec: SandboxSpec) -> SandboxStatus:
         sid = spec.sandbox_id

@@ -14,7 +14,14 @@ from __future__ import annotations
 from space.sdk._commands import AsyncCommandHandle, AsyncCommands
 from space.sdk._files import AsyncFiles, ByteStream
 from space.sdk._http import ConnectionConfig
-from space.sdk._models import CommandResult, FileInfo, ProcessInfo, SandboxInfo, SnapshotInfo
+from space.sdk._models import (
+    CommandResult,
+    FileInfo,
+    PoolInfo,
+    ProcessInfo,
+    SandboxInfo,
+    SnapshotInfo,
+)
 from space.sdk._sandbox import AsyncSandbox
 from space.sdk._sync import CommandHandle, Commands, Files, Sandbox
 from space.sdk.errors import (
@@ -50,6 +57,7 @@ __all__ = [
     "InvalidArgument",
     "NotFound",
     "PermissionDenied",
+    "PoolInfo",
     "ProcessInfo",
     "ResourceExhausted",
     "Sandbox",

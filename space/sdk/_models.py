@@ -9,7 +9,14 @@ from typing import Any
 
 from space.sdk.errors import InternalError
 
-__all__ = ["CommandResult", "FileInfo", "ProcessInfo", "SandboxInfo", "SnapshotInfo"]
+__all__ = [
+    "CommandResult",
+    "FileInfo",
+    "PoolInfo",
+    "ProcessInfo",
+    "SandboxInfo",
+    "SnapshotInfo",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +117,47 @@ class SnapshotInfo:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InternalError(f"malformed snapshot in answer: {exc!r}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class PoolInfo:
+    """One node's warm pool of one template (``GET /v1/pools``).
+
+    A warm pool holds VMs already woken from the template's ready state and paused; a
+    create of that template and shape takes one instead of booting. ``size`` VMs wait
+    now and the pool fills towards ``target`` (recent demand, clamped to
+    ``min_size``..``max_size``). ``hits`` counts the creates it served, ``misses`` the
+    creates of its shape it could not serve; ``hit_rate`` is hits / (hits + misses),
+    None while both are 0.
+    """
+
+    node_id: str
+    template: str
+    size: int
+    target: int
+    min_size: int
+    max_size: int
+    hits: int
+    misses: int
+    hit_rate: float | None
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> PoolInfo:
+        """Parse a Pool object; raises InternalError if it is malformed."""
+        try:
+            return cls(
+                node_id=_required_str(body, "node_id"),
+                template=_required_str(body, "template"),
+                size=_required_int(body, "size"),
+                target=_required_int(body, "target"),
+                min_size=_required_int(body, "min_size"),
+                max_size=_required_int(body, "max_size"),
+                hits=_required_int(body, "hits"),
+                misses=_required_int(body, "misses"),
+                hit_rate=_optional_fraction(body, "hit_rate"),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InternalError(f"malformed pool in answer: {exc!r}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,3 +282,13 @@ def _required_int(body: Mapping[str, Any], key: str) -> int:
 
 def _optional_int(body: Mapping[str, Any], key: str) -> int | None:
     return None if body.get(key) is None else _required_int(body, key)
+
+
+def _optional_fraction(body: Mapping[str, Any], key: str) -> float | None:
+    """``body[key]``: null, or a JSON number from 0 to 1 (KeyError if absent)."""
+    value = body[key]
+    if value is None:
+        return None
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value <= 1:
+        raise TypeError(f"{key} is not null or a number from 0 to 1: {value!r}")
+    return float(value)

@@ -14,7 +14,7 @@ import httpx
 from space.sdk._commands import AsyncCommands
 from space.sdk._files import AsyncFiles
 from space.sdk._http import ApiClient, ConnectionConfig
-from space.sdk._models import SandboxInfo, SnapshotInfo
+from space.sdk._models import PoolInfo, SandboxInfo, SnapshotInfo
 from space.sdk.errors import InternalError, InvalidArgument, NotFound
 
 __all__ = ["KEEP", "AsyncSandbox"]
@@ -176,6 +176,28 @@ class AsyncSandbox:
             return await _get_snapshots(api, path, sandbox_id)
         finally:
             await api.aclose()
+
+    @classmethod
+    async def list_pools(
+        cls,
+        *,
+        api_url: str | None = None,
+        api_key: str | None = None,
+        request_timeout_s: float | None = None,
+        _transport: httpx.AsyncBaseTransport | None = None,
+    ) -> builtins.list[PoolInfo]:
+        """The warm pools of every node, by node id then template.
+
+        Any valid key may read them (they hold no tenant data). A node that does not
+        answer is left out rather than failing the call. Raises AuthenticationError for
+        a missing or unknown key. Read-only.
+        """
+        api = ApiClient(_config(api_url, api_key, request_timeout_s, _transport))
+        try:
+            body = await api.request_json("GET", "/v1/pools", operation="pool.list")
+        finally:
+            await api.aclose()
+        return [PoolInfo.from_wire(_object(p)) for p in _listed(body, "pools", "pool.list")]
 
     @classmethod
     async def delete_snapshot(

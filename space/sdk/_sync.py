@@ -267,6 +267,7 @@ class Sandbox(_Facade[AsyncSandbox]):
     list = staticmethod(_blocking_static(AsyncSandbox.list))
     list_snapshots = staticmethod(_blocking_static(AsyncSandbox.list_snapshots))
     delete_snapshot = staticmethod(_blocking_static(AsyncSandbox.delete_snapshot))
+    list_pools = staticmethod(_blocking_static(AsyncSandbox.list_pools))
 
     get_info = _blocking(AsyncSandbox.get_info)
     pause = _blocking(AsyncSandbox.pause)

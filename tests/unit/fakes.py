@@ -32,6 +32,7 @@ from space.node.interface import (
     ExecRequest,
     FileStat,
     NodeInfo,
+    PoolInfo,
     ProcessInfo,
     SandboxSpec,
     SandboxState,
@@ -131,7 +132,10 @@ class _Snapshot:
 
 
 class FakeNode:
-    """An in-memory NodeService. ``calls`` records (method, sandbox_id) of every call."""
+    """An in-memory NodeService. ``calls`` records (method, sandbox_id) of every call.
+
+    ``pools`` is what ``info`` reports as the node's warm pools (set it in a test).
+    """
 
     def __init__(self, node_id: str = "local") -> None:
         self.node_id = node_id
@@ -142,6 +146,7 @@ class FakeNode:
         self.upload_chunk_sizes: list[int] = []
         self.streams: list[FakeExecStream] = []
         self.snapshots: dict[str, _Snapshot] = {}
+        self.pools: list[PoolInfo] = []
 
     def _box(self, method: str, sandbox_id: str) -> _Box:
         self.calls.append((method, sandbox_id))
@@ -168,7 +173,7 @@ class FakeNode:
         } | {sn: snap.info for sn, snap in self.snapshots.items()}
 
     async def info(self) -> NodeInfo:
-        return NodeInfo(self.node_id, "tcg", ["base"], len(self.boxes))
+        return NodeInfo(self.node_id, "tcg", ["base"], len(self.boxes), list(self.pools))
 
     async def create_sandbox(self, spec: SandboxSpec) -> SandboxStatus:
         self.calls.append(("create_sandbox", spec.sandbox_id))

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 
-from space.cli import CliContext, _demo, _lifecycle, _server, main
+from space.cli import CliContext, _demo, _lifecycle, _pools, _server, main
 from tests.unit.test_sdk_fake_api import API_KEY, FakeApi
 
 COMMANDS = [
     "cp", "create", "demo", "exec", "fork", "hibernate", "keys", "ls", "node", "pause",
-    "restore", "resume", "rm", "serve", "snapshot", "template", "timeouts",
+    "pools", "restore", "resume", "rm", "serve", "snapshot", "template", "timeouts",
 ]  # fmt: skip
 
 
@@ -393,3 +393,45 @@ def test_negative_timeouts_with_a_bad_value_is_a_usage_error_sending_nothing(
 )  # fmt: skip
 def test_sizes_are_printed_in_binary_units(n_bytes: int | None, shown: str) -> None:
     assert _lifecycle._size(n_bytes) == shown
+
+
+def _pool(node_id: str, template: str, hits: int, misses: int) -> dict[str, object]:
+    rate = hits / (hits + misses) if hits + misses else None
+    return {
+        "node_id": node_id, "template": template, "size": 2, "target": 3, "min_size": 0,
+        "max_size": 12, "hits": hits, "misses": misses, "hit_rate": rate,
+    }  # fmt: skip
+
+
+def test_pools_prints_one_row_per_pool_with_the_hit_rate_as_a_percentage(fake: FakeApi) -> None:
+    fake.pools = [_pool("node-a", "base", 2, 1), _pool("node-b", "python", 0, 0)]
+    result = _space(fake, "pools")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "NODE    TEMPLATE  SIZE/TARGET  MIN..MAX  HITS  MISSES  HIT_RATE",
+        "node-a  base      2/3          0..12     2     1       66.7%",
+        "node-b  python    2/3          0..12     0     0       -",
+    ]
+    assert fake.requests[-1][:2] == ("GET", "/v1/pools")
+
+
+def test_pools_prints_only_the_header_when_there_are_none(fake: FakeApi) -> None:
+    result = _space(fake, "pools")
+    assert (result.exit_code, result.stdout.split()) == (
+        0, ["NODE", "TEMPLATE", "SIZE/TARGET", "MIN..MAX", "HITS", "MISSES", "HIT_RATE"]
+    )  # fmt: skip
+
+
+def test_negative_pools_with_a_malformed_answer_prints_one_error_line(fake: FakeApi) -> None:
+    fake.pools = [_pool("node-a", "base", 2, 1) | {"hits": "two"}]
+    result = _space(fake, "pools")
+    assert (result.exit_code, result.stdout) == (1, "")
+    assert result.stderr.startswith("error: internal: malformed pool")
+    assert len(result.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("rate", "shown"), [(None, "-"), (0.0, "0.0%"), (1.0, "100.0%"), (0.12345, "12.3%")]
+)
+def test_hit_rates_are_printed_as_percentages(rate: float | None, shown: str) -> None:
+    assert _pools.hit_rate(rate) == shown

@@ -10,9 +10,9 @@ SDK_NAMES = {
     "AsyncCommandHandle", "AsyncCommands", "AsyncFiles", "AsyncSandbox",
     "AuthenticationError", "ByteStream", "CommandExitError", "CommandHandle",
     "CommandResult", "Commands", "Conflict", "ConnectionConfig", "FileInfo", "Files",
-    "InternalError", "InvalidArgument", "NotFound", "PermissionDenied", "ProcessInfo",
-    "ResourceExhausted", "Sandbox", "SandboxInfo", "SnapshotInfo", "SpaceError", "Timeout",
-    "Unavailable",
+    "InternalError", "InvalidArgument", "NotFound", "PermissionDenied", "PoolInfo",
+    "ProcessInfo", "ResourceExhausted", "Sandbox", "SandboxInfo", "SnapshotInfo", "SpaceError",
+    "Timeout", "Unavailable",
 }  # fmt: skip
 
 TOP_NAMES = {

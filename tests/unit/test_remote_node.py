@@ -27,6 +27,8 @@ from space.node.interface import (
     ExecExited,
     ExecOutput,
     ExecRequest,
+    NodeInfo,
+    PoolInfo,
     SandboxSpec,
     SandboxState,
     SandboxStatus,
@@ -451,3 +453,43 @@ async def test_memory_saving_calls_wait_long_and_quick_calls_keep_the_default(
             await _LIFECYCLE_CALLS[call](client)
     assert [t["read"] for t in timeouts] == [read_timeout_s]
     assert timeouts[0]["connect"] == 10.0
+
+
+_POOL = PoolInfo("base", size=2, target=3, min_size=1, max_size=8, hits=40, misses=7)
+_NODE_INFO = encode(NodeInfo("n1", "tcg", ["base"], 0, [_POOL]))
+
+
+async def test_node_info_carries_the_warm_pools_through_the_node_api() -> None:
+    node = FakeNode("n1")
+    node.pools = [_POOL, PoolInfo("py", 0, 0, 0, 0, 0, 0)]
+    async with remote(node) as client:
+        info = await client.info()
+    assert info == await node.info() and info.pools == node.pools
+
+
+async def test_node_info_from_a_node_without_pools_has_none() -> None:
+    old_node = {k: v for k, v in _NODE_INFO.items() if k != "pools"}
+    async with _mocked(_canned(200, old_node)) as client:
+        assert (await client.info()).pools == []
+    async with _mocked(_canned(200, _NODE_INFO)) as client:
+        assert (await client.info()).pools == [_POOL]
+
+
+@pytest.mark.parametrize(
+    "pools",
+    [
+        "base",
+        [1],
+        [{"template": "base"}],
+        [_NODE_INFO["pools"][0] | {"size": "2"}],
+        [_NODE_INFO["pools"][0] | {"hits": True}],
+        [_NODE_INFO["pools"][0] | {"misses": 7.0}],
+        [_NODE_INFO["pools"][0] | {"target": -1}],
+        [_NODE_INFO["pools"][0] | {"template": ""}],
+        [_NODE_INFO["pools"][0] | {"max_size": None}],
+    ],
+)
+async def test_negative_a_malformed_pool_in_node_info_is_unavailable(pools: object) -> None:
+    async with _mocked(_canned(200, _NODE_INFO | {"pools": pools})) as client:
+        with pytest.raises(Unavailable, match="malformed"):
+            await client.info()

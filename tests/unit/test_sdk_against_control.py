@@ -12,9 +12,10 @@ from typing import Any
 import httpx
 import pytest
 
-from space.sdk import AsyncSandbox
+from space.node.interface import PoolInfo as NodePoolInfo
+from space.sdk import AsyncSandbox, PoolInfo
 from space.sdk.errors import AuthenticationError, Conflict, NotFound, Unavailable
-from tests.unit.fakes import control_app
+from tests.unit.fakes import FakeNode, control_app
 
 pytestmark = pytest.mark.anyio
 
@@ -83,3 +84,18 @@ async def test_sdk_drives_the_sandbox_lifecycle_through_the_control_plane(tmp_pa
     assert len({c.sandbox_id for c in children} | {sandbox.sandbox_id}) == 3
     assert (clone_info.head_snapshot, clone_info.state) == (second.snapshot_id, "running")
     assert [(s.snapshot_id, s.parent_id) for s in left] == [(second.snapshot_id, None)]
+
+
+async def test_sdk_reads_the_warm_pools_the_control_plane_gathers_from_its_nodes(
+    tmp_path: Path,
+) -> None:
+    node = FakeNode()
+    node.pools = [NodePoolInfo("base", 1, 2, 0, 4, hits=1, misses=3), NodePoolInfo("py", *[0] * 6)]
+    async with control_app(tmp_path, node) as h:
+        key = h.key("acme")["Authorization"].removeprefix("Bearer ")
+        transport = httpx.ASGITransport(app=h.app)
+        pools = await AsyncSandbox.list_pools(api_key=key, _transport=transport)
+    assert pools == [
+        PoolInfo("local", "base", 1, 2, 0, 4, hits=1, misses=3, hit_rate=0.25),
+        PoolInfo("local", "py", 0, 0, 0, 0, hits=0, misses=0, hit_rate=None),
+    ]

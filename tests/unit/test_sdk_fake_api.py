@@ -50,6 +50,8 @@ class FakeApi:
     scripts: dict[str, list[Event]] = field(default_factory=dict)
     processes: dict[str, FakeProcess] = field(default_factory=dict)
     snapshots: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: Pool objects ``GET /v1/pools`` answers, as given (docs/api.md, "Warm pools").
+    pools: list[dict[str, Any]] = field(default_factory=list)
     requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
     #: (method, path, JSON body) of every create and lifecycle request, in order.
     bodies: list[tuple[str, str, Any]] = field(default_factory=list)
@@ -91,6 +93,7 @@ class FakeApi:
             Route("/v1/snapshots", self._all_snapshots, methods=["GET"]),
             Route("/v1/snapshots/{snap}", self._get_snapshot, methods=["GET"]),
             Route("/v1/snapshots/{snap}", self._delete_snapshot, methods=["DELETE"]),
+            Route("/v1/pools", self._pools, methods=["GET"]),
         ]
         app = Starlette(routes=routes)
 
@@ -380,7 +383,15 @@ class FakeApi:
             child = {**sandbox, "id": f"sbx{next(self._ids):04d}", "state": "running"}
             self.sandboxes[child["id"]] = child
             children.append(child)
+            for (sid, path), data in list(self.files.items()):  # a fork copies the disk
+                if sid == sandbox["id"]:
+                    self.files[(child["id"], path)] = data
         return JSONResponse({"sandboxes": children}, status_code=201)
+
+    # warm pools
+
+    async def _pools(self, request: Request) -> Response:
+        return JSONResponse({"pools": self.pools})
 
 
 def _refuse(sandbox: dict[str, Any], action: str) -> Response | None:

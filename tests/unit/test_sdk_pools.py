@@ -1,0 +1,113 @@
+"""The SDK's view of the nodes' warm pools (``GET /v1/pools``) against the fake API."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from space.sdk import AsyncSandbox, PoolInfo, Sandbox
+from space.sdk.errors import AuthenticationError, InternalError
+from tests.unit.test_sdk_fake_api import API_KEY, FakeApi
+
+pytestmark = pytest.mark.anyio
+
+#: A well-formed Pool object as the API sends it.
+WIRE_POOL: dict[str, Any] = {
+    "node_id": "n1",
+    "template": "base",
+    "size": 2,
+    "target": 3,
+    "min_size": 1,
+    "max_size": 8,
+    "hits": 3,
+    "misses": 1,
+    "hit_rate": 0.75,
+}
+POOL = PoolInfo("n1", "base", 2, 3, 1, 8, 3, 1, 0.75)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def fake() -> FakeApi:
+    return FakeApi()
+
+
+def _connection(fake: FakeApi) -> dict[str, Any]:
+    return {"api_url": "http://space", "api_key": API_KEY, "_transport": fake.transport()}
+
+
+async def test_list_pools_gets_every_pool_in_the_order_answered(fake: FakeApi) -> None:
+    unused = WIRE_POOL | {"node_id": "n2", "hits": 0, "misses": 0, "hit_rate": None}
+    fake.pools = [WIRE_POOL, unused]
+    pools = await AsyncSandbox.list_pools(**_connection(fake))
+    assert pools == [POOL, PoolInfo("n2", "base", 2, 3, 1, 8, 0, 0, None)]
+    assert [(method, path) for method, path, _ in fake.requests] == [("GET", "/v1/pools")]
+
+
+async def test_list_pools_with_no_pools_is_empty(fake: FakeApi) -> None:
+    assert await AsyncSandbox.list_pools(**_connection(fake)) == []
+
+
+def test_sync_list_pools_blocks_for_the_same_answer(fake: FakeApi) -> None:
+    fake.pools = [WIRE_POOL]
+    assert Sandbox.list_pools(**_connection(fake)) == [POOL]
+
+
+def test_pool_info_is_frozen() -> None:
+    with pytest.raises(AttributeError):
+        POOL.size = 4  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("rate", [0, 1, 0.5])
+def test_a_hit_rate_of_any_json_number_from_0_to_1_parses_as_a_float(rate: float) -> None:
+    parsed = PoolInfo.from_wire(WIRE_POOL | {"hit_rate": rate})
+    assert parsed.hit_rate == rate and isinstance(parsed.hit_rate, float)
+
+
+async def test_negative_list_pools_with_a_wrong_key_is_an_authentication_error(
+    fake: FakeApi,
+) -> None:
+    fake.pools = [WIRE_POOL]
+    with pytest.raises(AuthenticationError):
+        await AsyncSandbox.list_pools(**_connection(fake) | {"api_key": "sk-wrong"})
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"node_id": ""},
+        {"template": None},
+        {"size": "2"},
+        {"target": -1},
+        {"hits": True},
+        {"misses": 1.0},
+        {"hit_rate": 1.5},
+        {"hit_rate": -0.1},
+        {"hit_rate": "0.75"},
+        {"hit_rate": False},
+    ],
+)
+def test_negative_a_malformed_pool_is_an_internal_error(change: dict[str, Any]) -> None:
+    with pytest.raises(InternalError, match="malformed pool"):
+        PoolInfo.from_wire(WIRE_POOL | change)
+
+
+@pytest.mark.parametrize("missing", sorted(WIRE_POOL))
+def test_negative_a_pool_missing_a_field_is_an_internal_error(missing: str) -> None:
+    body = {key: value for key, value in WIRE_POOL.items() if key != missing}
+    with pytest.raises(InternalError, match="malformed pool"):
+        PoolInfo.from_wire(body)
+
+
+@pytest.mark.parametrize("pools", [None, "n1", {"n1": WIRE_POOL}, [["n1"]]])
+async def test_negative_a_malformed_pools_answer_is_an_internal_error(
+    fake: FakeApi, pools: Any
+) -> None:
+    fake.pools = pools
+    with pytest.raises(InternalError):
+        await AsyncSandbox.list_pools(**_connection(fake))
