@@ -82,16 +82,24 @@ def node_config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeConfig
     assert not leaked, f"left behind by the node tests: {leaked}"
 
 
-@pytest.fixture
-def node(node_config: NodeConfig) -> Iterator[NodeHarness]:
+@contextlib.contextmanager
+def started_node(config: NodeConfig) -> Iterator[NodeHarness]:
+    """A Node on ``config`` for one test; on exit every sandbox is deleted, the pool
+    unmounted, and nothing of the data dir may be left."""
     runner = asyncio.Runner()
     try:
-        harness = NodeHarness(node_config, runner, runner.run(Node.start(node_config)))
+        harness = NodeHarness(config, runner, runner.run(Node.start(config)))
         try:
             yield harness
         finally:
             harness.run(harness.node.shutdown(unmount_pool=True))
     finally:
         runner.close()
-        leaked = release_data_dir(node_config.data_dir)
+        leaked = release_data_dir(config.data_dir)
         assert not leaked, f"left behind after node shutdown: {leaked}"
+
+
+@pytest.fixture
+def node(node_config: NodeConfig) -> Iterator[NodeHarness]:
+    with started_node(node_config) as harness:
+        yield harness

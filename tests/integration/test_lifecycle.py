@@ -28,6 +28,7 @@ def _create(h: NodeHarness, sandbox_id: str, **kw: object) -> None:
 
 
 def _sh(h: NodeHarness, sandbox_id: str, cmd: str) -> str:
+    """Run ``cmd`` as root in the sandbox; its stdout, stripped (exit 0 asserted)."""
     out, code = h.run(_run(h.node, sandbox_id, ExecRequest(cmd=cmd, user="root")))
     assert code == 0, out
     return out.strip()

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from space.node.interface import ExecRequest, SandboxSpec, SandboxState
+from space.node.interface import SandboxSpec, SandboxState
 
 from .conftest import NodeHarness
-from .test_pause_resume import _run
+from .test_lifecycle import _sh
 
 pytestmark = pytest.mark.vm
 
@@ -29,12 +29,6 @@ def _field(path: Path, key: str) -> str:
         if name == key:
             return value.strip()
     raise AssertionError(f"no {key} in {show}")
-
-
-def _sh(h: NodeHarness, sandbox_id: str, cmd: str) -> str:
-    out, code = h.run(_run(h.node, sandbox_id, ExecRequest(cmd=cmd, user="root")))
-    assert code == 0, out
-    return out.strip()
 
 
 def test_sandboxes_of_the_ready_shape_start_from_the_ready_state_each_its_own(

@@ -14,12 +14,11 @@ from dataclasses import replace
 import pytest
 
 from space.node.config import NodeConfig
-from space.node.interface import ExecRequest, SandboxSpec, SandboxState
-from space.node.service import Node
+from space.node.interface import SandboxSpec, SandboxState
 
-from .conftest import NodeHarness, release_data_dir
+from .conftest import NodeHarness, started_node
 from .platform import qemu_pids
-from .test_pause_resume import _run
+from .test_lifecycle import _sh
 
 pytestmark = pytest.mark.vm
 
@@ -28,18 +27,8 @@ POOL = 2
 
 @pytest.fixture
 def warm(node_config: NodeConfig) -> Iterator[NodeHarness]:
-    config = replace(node_config, warm_pool_min=POOL, warm_pool_max=POOL)
-    runner = asyncio.Runner()
-    try:
-        harness = NodeHarness(config, runner, runner.run(Node.start(config)))
-        try:
-            yield harness
-        finally:
-            harness.run(harness.node.shutdown(unmount_pool=True))
-    finally:
-        runner.close()
-        leaked = release_data_dir(config.data_dir)
-        assert not leaked, f"left behind after node shutdown: {leaked}"
+    with started_node(replace(node_config, warm_pool_min=POOL, warm_pool_max=POOL)) as harness:
+        yield harness
 
 
 def _pool(h: NodeHarness) -> tuple[int, int, int]:
@@ -55,12 +44,6 @@ def _wait_full(h: NodeHarness, timeout_s: float = 120.0) -> None:
             await asyncio.sleep(0.2)
 
     h.run(wait())
-
-
-def _sh(h: NodeHarness, sandbox_id: str, cmd: str) -> str:
-    out, code = h.run(_run(h.node, sandbox_id, ExecRequest(cmd=cmd, user="root")))
-    assert code == 0, out
-    return out.strip()
 
 
 def test_creates_take_pool_vms_that_become_independent_sandboxes(warm: NodeHarness) -> None:
