@@ -1,8 +1,10 @@
 """Benchmark of sandbox creation paths side by side (issue 4).
 
-One Node (as tests/integration starts it) on a fresh data directory; the same template
-and shape (1 vCPU, 256 MiB, 2 GiB disk) created again and again, each create timed until
-the first exec (``true``) in it returned, then deleted (not timed). Paths:
+The embedded platform in this process: one Node (as tests/integration starts it) on a
+fresh data directory, and the control plane's REST API on a loopback port. Through the
+SDK, the same template and shape (1 vCPU, 256 MiB, 2 GiB disk) is created again and
+again, each create timed until the first exec (``true``) in it returned, then deleted
+(not timed). The bench switches the node between paths in between:
 
 (a) cold: a full copy of the template's files into a new subvolume + cold boot;
 (b) a copy-on-write clone (btrfs snapshot) + cold boot;
@@ -20,23 +22,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import httpx
+
 from bench._stats import summary
+from space.control import ControlSettings, create_key
+from space.control.server import run_control_plane
 from space.node._run import run as run_command
 from space.node.config import NodeConfig
-from space.node.interface import ExecExited, ExecRequest, SandboxSpec
 from space.node.service import Node
 from space.node.storage.btrfs import BtrfsPool, TemplateVolume, grow_image
+from space.sdk import AsyncSandbox
 from tests.integration.conftest import release_data_dir
+from tests.integration.platform import free_port
 
 PATHS = (
     "(a) full copy + cold boot",
@@ -59,48 +66,49 @@ async def full_copy_volume(
     return path
 
 
-async def _first_exec(node: Node, sandbox_id: str) -> None:
-    stream = await node.exec(sandbox_id, ExecRequest(argv=["true"]))
-    exits = [e for e in [event async for event in stream] if isinstance(e, ExecExited)]
-    if [e.exit_code for e in exits] != [0]:
-        raise RuntimeError(f"true did not exit 0: {exits}")
-
-
-async def _timed_create(node: Node, sandbox_id: str) -> float:
+async def _timed_create(api: tuple[str, str]) -> float:
     start = time.perf_counter()
-    await node.create_sandbox(SandboxSpec(sandbox_id, memory_mib=256))
-    await _first_exec(node, sandbox_id)
-    elapsed = (time.perf_counter() - start) * 1000
-    await node.delete_sandbox(sandbox_id)
+    sandbox = await AsyncSandbox.create("base", memory_mib=256, api_url=api[0], api_key=api[1])
+    try:
+        result = await sandbox.commands.run(["true"])
+        elapsed = (time.perf_counter() - start) * 1000
+        if result.exit_code != 0:
+            raise RuntimeError(f"true exited {result.exit_code}")
+    finally:
+        await sandbox.kill()
+        await sandbox.close()
     return elapsed
 
 
 def _path_setters(node: Node) -> list[Callable[[], None]]:
     """One function per path that switches the node to it."""
-    template = node._templates["base"]
-    cold = replace(template, ready=None)
+    catalog, base = node._catalog, node._catalog.resolve("base")
+    ready_state = base.ready
     cow = node.pool.create_sandbox_volume
-    warm = node._pools.pop("base")
+    warm = node._pools.pop(base.digest)
 
-    async def copying(sandbox_id: str, template: TemplateVolume, *, disk_mib: int) -> Path:
+    async def copying(
+        sandbox_id: str, template: TemplateVolume, *, disk_mib: int, grow: bool = True
+    ) -> Path:
+        del grow  # the base image is pristine: it is always grown
         return await full_copy_volume(node.pool, sandbox_id, template, disk_mib=disk_mib)
 
     def full_copy() -> None:
-        node._templates["base"] = cold
+        catalog.set_ready(base.digest, None)
         node.pool.create_sandbox_volume = copying  # type: ignore[method-assign]
 
     def clone() -> None:
-        node._templates["base"] = cold
+        catalog.set_ready(base.digest, None)
         node.pool.create_sandbox_volume = cow  # type: ignore[method-assign]
 
     def ready() -> None:
-        node._templates["base"] = template
+        catalog.set_ready(base.digest, ready_state)
         node.pool.create_sandbox_volume = cow  # type: ignore[method-assign]
-        node._pools.pop("base", None)
+        node._pools.pop(base.digest, None)
 
     def pooled() -> None:
         ready()
-        node._pools["base"] = warm
+        node._pools[base.digest] = warm
 
     return [full_copy, clone, ready, pooled]
 
@@ -113,17 +121,17 @@ async def _pool_full(node: Node, timeout_s: float = 300.0) -> None:
             await asyncio.sleep(0.1)
 
 
-async def bench(node: Node, runs: int) -> dict[str, list[float]]:
-    if node._templates["base"].ready is None:
+async def bench(node: Node, api: tuple[str, str], runs: int) -> dict[str, list[float]]:
+    if node._catalog.resolve("base").ready is None:
         raise RuntimeError("the node made no ready state for the base template")
     results: dict[str, list[float]] = {name: [] for name in PATHS}
     setters = _path_setters(node)
-    for i in range(runs):
+    for _ in range(runs):
         for name, use in zip(PATHS, setters, strict=True):
             use()
             if name == PATHS[3]:
                 await _pool_full(node)
-            results[name].append(await _timed_create(node, f"bench-{i}"))
+            results[name].append(await _timed_create(api))
         await _pool_full(node)
     setters[3]()
     return results
@@ -134,10 +142,33 @@ async def run(data_dir: Path, runs: int) -> dict[str, list[float]]:
         data_dir=data_dir, pool_size_gib=8, boot_timeout_s=90.0, warm_pool_min=1, warm_pool_max=1
     )
     node = await Node.start(config)
+    settings = ControlSettings(data_dir=data_dir / "control")
+    port = free_port()
+    server = asyncio.ensure_future(run_control_plane(settings, node, host="127.0.0.1", port=port))
     try:
-        return await bench(node, runs)
+        api = (f"http://127.0.0.1:{port}", await _key(settings))
+        await _serving(api[0], server)
+        return await bench(node, api, runs)
     finally:
+        server.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await server
         await node.shutdown(unmount_pool=True)
+
+
+async def _key(settings: ControlSettings) -> str:
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    return await asyncio.to_thread(create_key, settings, "bench")
+
+
+async def _serving(url: str, server: asyncio.Future[None], timeout_s: float = 60.0) -> None:
+    async with httpx.AsyncClient() as client, asyncio.timeout(timeout_s):
+        while not server.done():
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get(f"{url}/openapi.json")).status_code == 200:
+                    return
+            await asyncio.sleep(0.1)
+        await server  # raises why it stopped
 
 
 def report(results: dict[str, list[float]], say: Callable[[str], None] = print) -> None:

@@ -15,7 +15,7 @@ fi
 debian_packages=(
   python3 python3-venv python3-dev gcc ca-certificates
   qemu-system-x86 qemu-utils
-  debootstrap busybox-static e2fsprogs cpio zstd xz-utils kmod
+  debootstrap busybox-static e2fsprogs cpio zstd xz-utils kmod dpkg-dev
   btrfs-progs util-linux
   nftables iproute2
 )
@@ -41,5 +41,5 @@ if [ ! -e "$stamp" ]; then
 fi
 
 say "building the base guest image (reused at once when unchanged)"
-.venv/bin/space template build base
+.venv/bin/space template build-base
 say "setup done"

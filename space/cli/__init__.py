@@ -1,8 +1,8 @@
 """The ``space`` command line.
 
 Client commands (create, ls, rm, pause, hibernate, resume, snapshot, restore, fork,
-timeouts, exec, cp, pools, demo) go through the SDK; server commands
-(serve, node, keys, template) import the node and control plane only when they run.
+timeouts, exec, cp, pools, template, demo) go through the SDK; server commands
+(serve, node, keys, template build-base) import the node and control plane only when they run.
 Every failure is one ``error: ...`` line on stderr and a non-zero exit status.
 """
 
@@ -15,7 +15,8 @@ from space.cli._demo import demo
 from space.cli._lifecycle import fork, hibernate, restore, snapshot, timeouts
 from space.cli._pools import pools
 from space.cli._sandboxes import cp, create, exec_, ls, pause, resume, rm
-from space.cli._server import keys, node, serve, template
+from space.cli._server import keys, node, serve
+from space.cli._templates import template
 
 __all__ = ["CliContext", "main"]
 

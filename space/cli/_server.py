@@ -1,4 +1,4 @@
-"""Server-side commands: serve, node, keys, template.
+"""Server-side commands: serve, node, keys.
 
 The node and control-plane packages are imported inside the command functions, so
 ``space --help`` stays fast and an SDK-only use of the CLI never imports them.
@@ -21,10 +21,9 @@ import click
 from space.cli._common import ProgressPrinter, fail
 from space.sdk.errors import SpaceError
 
-__all__ = ["keys", "node", "serve", "template"]
+__all__ = ["keys", "node", "serve", "server_errors"]
 
 DEFAULT_DATA_DIR = Path("/var/lib/space")
-DEFAULT_CACHE_DIR = Path("/var/cache/space/images")
 
 _data_dir_option = click.option(
     "--data-dir",
@@ -41,10 +40,27 @@ _data_dir_option = click.option(
 @click.option("--accel", type=click.Choice(["auto", "kvm", "tcg"]), default="auto")
 @click.option("--pool-path", type=click.Path(path_type=Path), default=None, help="A btrfs mount.")
 @click.option("--release-pool", is_flag=True, hidden=True, help="Unmount an idle pool on exit.")
+@click.option(
+    "--warm-min", type=click.IntRange(min=0), default=0, show_default=True,
+    help="Paused VMs each template's warm pool keeps at least.",
+)  # fmt: skip
+@click.option(
+    "--warm-max", type=click.IntRange(min=0), default=0, show_default=True,
+    help="Paused VMs each template's warm pool holds at most (0: no pool).",
+)  # fmt: skip
 def serve(
-    data_dir: Path, host: str, port: int, accel: str, pool_path: Path | None, release_pool: bool
+    data_dir: Path,
+    host: str,
+    port: int,
+    accel: str,
+    pool_path: Path | None,
+    release_pool: bool,
+    warm_min: int,
+    warm_max: int,
 ) -> None:
     """Run the control plane and one node in this process (the embedded default)."""
+    if warm_min > warm_max:
+        fail(f"--warm-min ({warm_min}) must not exceed --warm-max ({warm_max})", 2)
     from space.control.server import run_control_plane
     from space.control.settings import ControlSettings
     from space.node.config import NodeConfig
@@ -54,7 +70,13 @@ def serve(
 
     async def run() -> None:
         progress(f"starting node (data in {data_dir})")
-        config = NodeConfig(data_dir=data_dir, pool_path=pool_path, accel=_accel(accel))
+        config = NodeConfig(
+            data_dir=data_dir,
+            pool_path=pool_path,
+            accel=_accel(accel),
+            warm_pool_min=warm_min,
+            warm_pool_max=warm_max,
+        )
         local = await Node.start(config, progress=progress)
         try:
             progress(f"node {local.node_id} ready; API on http://{host}:{port}")
@@ -133,34 +155,9 @@ def keys_create(tenant: str, data_dir: Path) -> None:
     from space.control.keys import create_key
     from space.control.settings import ControlSettings
 
-    with _server_errors():
+    with server_errors():
         key = create_key(ControlSettings(data_dir=data_dir), tenant)
     click.echo(key)
-
-
-@click.group()
-def template() -> None:
-    """Manage sandbox templates."""
-
-
-@template.command(name="build")
-@click.argument("name", default="base")
-@click.option(
-    "--cache-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=DEFAULT_CACHE_DIR,
-    show_default=True,
-)
-def template_build(name: str, cache_dir: Path) -> None:
-    """Build template NAME (default: base), or reuse the cached build; print its digest."""
-    from space.node.images import build_template
-
-    progress = ProgressPrinter()
-    progress(f"building template {name!r} in {cache_dir}")
-    with _server_errors():
-        image = build_template(name, cache_dir=cache_dir, progress=progress)
-    progress(f"template {name!r} ready: {image.directory}")
-    click.echo(image.digest)
 
 
 class _Terminate(Exception):
@@ -180,7 +177,7 @@ def _run_until_signal(main: Coroutine[Any, Any, None]) -> None:
     """
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        with _server_errors():
+        with server_errors():
             asyncio.run(main)
     except (KeyboardInterrupt, _Terminate):
         click.echo("stopped", err=True)
@@ -189,7 +186,7 @@ def _run_until_signal(main: Coroutine[Any, Any, None]) -> None:
 
 
 @contextlib.contextmanager
-def _server_errors() -> Iterator[None]:
+def server_errors() -> Iterator[None]:
     """Node, control-plane and OS errors as one ``error: ...`` line and exit code 1."""
     from space.node.errors import NodeError
 

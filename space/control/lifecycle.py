@@ -23,6 +23,7 @@ from space.control.store import repo
 from space.control.store import snapshots as snaps
 from space.control.store.repo import SandboxRecord
 from space.control.store.snapshots import SnapshotRecord
+from space.control.template_names import node_ref
 from space.node.errors import NodeError, NotFound
 from space.node.interface import SandboxSpec, SandboxState, SandboxStatus
 
@@ -105,7 +106,8 @@ def _new_record(
 def _spec(record: SandboxRecord, from_snapshot: str | None = None) -> SandboxSpec:
     return SandboxSpec(
         sandbox_id=record.id,
-        template=record.template,
+        # The tenant's spelling is kept in the row; the node knows the scoped name.
+        template=node_ref(record.tenant_id, record.template),
         cpus=record.cpus,
         memory_mib=record.memory_mib,
         disk_mib=record.disk_mib,
@@ -126,6 +128,7 @@ async def create_sandbox(
     stays ``creating`` until reconciliation.
     """
     source = await _source(ctx, tenant, body.from_snapshot)
+    node_ref(tenant, body.template)  # refuse a name too long to scope before any row
     node_id = source.node_id if source is not None else await _place(ctx)
     timeout_s = body.timeout_s if timeout_given else ctx.settings.default_timeout_s
     record = _new_record(ctx, tenant, node_id, body, source, timeout_s)

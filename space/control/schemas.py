@@ -14,7 +14,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from space.control.store.repo import SandboxRecord
 from space.control.store.snapshots import SnapshotRecord
-from space.node.interface import FileStat, PoolInfo, ProcessInfo
+from space.control.template_names import REF_PATTERN
+from space.node.interface import FileStat, PoolInfo, ProcessInfo, TemplateInfo
 
 __all__ = [
     "ExecBody",
@@ -32,6 +33,7 @@ __all__ = [
     "SandboxOut",
     "SnapshotCreate",
     "SnapshotOut",
+    "TemplateOut",
     "TimeoutsBody",
     "UserName",
     "parse_mode",
@@ -77,7 +79,8 @@ class _Body(BaseModel):
 
 
 class SandboxCreate(_Body):
-    template: str = Field("base", pattern=r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+    #: ``name`` (tag latest), ``name:tag`` or ``name@<digest>``: base or the tenant's own.
+    template: str = Field("base", pattern=REF_PATTERN, max_length=129)
     cpus: int = Field(1, ge=1, le=8)
     memory_mib: int = Field(256, ge=128, le=16384)
     disk_mib: int = Field(2048, ge=1024, le=65536)
@@ -308,6 +311,44 @@ class PoolOut(BaseModel):
             hits=pool.hits,
             misses=pool.misses,
             hit_rate=pool.hits / served if served else None,
+        )
+
+
+class TemplateOut(BaseModel):
+    """One tag of a template (``GET /v1/templates``), in the tenant's own names."""
+
+    name: str
+    tag: str
+    #: The build's content digest, 64 lowercase hex digits.
+    digest: str
+    created_at: str
+    #: ``debian:<release>``, ``template:<name>:<tag>`` or ``template@<digest>``.
+    base: str
+    cpus: int
+    memory_mib: int
+    disk_mib: int
+    env: dict[str, str]
+    workdir: str | None
+    start: str | None
+    #: Whether sandboxes of its exact shape start from a saved, booted state.
+    ready: bool
+
+    @classmethod
+    def of(cls, info: TemplateInfo, *, name: str, base: str) -> TemplateOut:
+        """``info`` shown as ``name`` with ``base``, both already in the tenant's names."""
+        return cls(
+            name=name,
+            tag=info.tag,
+            digest=info.digest,
+            created_at=_iso(info.created_at) or "",
+            base=base,
+            cpus=info.cpus,
+            memory_mib=info.memory_mib,
+            disk_mib=info.disk_mib,
+            env=dict(info.env),
+            workdir=info.workdir,
+            start=info.start,
+            ready=info.ready,
         )
 
 

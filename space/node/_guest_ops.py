@@ -44,9 +44,9 @@ class GuestOps(ABC):
     async def _switch_locked(self, sandbox: LiveSandbox, target: SandboxState) -> None: ...
 
     async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecStream:
-        sandbox = self._get(sandbox_id)
-        if sandbox.record.spec.env:
-            request = replace(request, env={**sandbox.record.spec.env, **request.env})
+        record = self._get(sandbox_id).record
+        env = {**record.template_env, **record.spec.env, **request.env}
+        request = replace(request, env=env, cwd=request.cwd or record.workdir)
         return await (await self._channel(sandbox_id)).exec(request)
 
     async def attach(self, sandbox_id: str, process_id: str) -> ExecStream:

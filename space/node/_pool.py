@@ -34,7 +34,7 @@ from space.node.errors import NodeError
 from space.node.interface import ExecRequest, PoolInfo, SandboxState
 from space.node.state import Pending, SandboxRecord
 
-__all__ = ["POOL_PREFIX", "WarmPool", "hand_over", "is_pool_vm", "make_pool_vm", "pool_vm_id"]
+__all__ = ["POOL_PREFIX", "WarmPool", "hand_over", "make_pool_vm", "pool_vm_id"]
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +46,6 @@ _RETRY_S = 5.0
 
 def pool_vm_id() -> str:
     return POOL_PREFIX + secrets.token_hex(8)
-
-
-def is_pool_vm(record: SandboxRecord) -> bool:
-    return record.sandbox_id.startswith(POOL_PREFIX)
 
 
 class WarmPool:
@@ -157,7 +153,7 @@ async def make_pool_vm(node: Registry, template: Template) -> LiveSandbox:
         spec=replace(template.ready_spec, sandbox_id=sid),
         state=SandboxState.CREATING,
         created_at=time.time(),
-        template_digest=template.image.digest,
+        template_digest=template.digest,
         run_dir=str(node.life.config.effective_run_dir / sid),
     )
     vm = node.live(record)

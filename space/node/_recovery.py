@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from space.node._hidden import is_hidden
 from space.node._lifecycle import Lifecycle, Registry
-from space.node._pool import is_pool_vm
 from space.node._sandbox import MEMORY_FILE, LiveSandbox, kill_strays
 from space.node.errors import NodeError, Unavailable
 from space.node.interface import SandboxState
@@ -36,7 +36,7 @@ async def recover(node: Registry, say: Say) -> None:
     """Re-adopt, finish or clean up every sandbox and snapshot left on disk."""
     life = node.life
     records, bad = life.store.load_all()
-    expected = {Path(r.run_dir).name: r.vmm_pid for r in records if not is_pool_vm(r)}
+    expected = {Path(r.run_dir).name: r.vmm_pid for r in records if not is_hidden(r.sandbox_id)}
     await kill_strays(life.config.effective_run_dir, expected, say)
     for path in bad:
         say(f"removing unreadable state file {path.name}")
@@ -75,8 +75,8 @@ async def _recover_one(node: Registry, record: SandboxRecord, say: Say) -> None:
     sid = record.sandbox_id
     pending = record.pending
     sandbox = node.live(record)
-    if is_pool_vm(record):
-        await node.destroy(sandbox)  # its VM is gone already (a stray): the pool refills
+    if is_hidden(record.sandbox_id):
+        await node.destroy(sandbox)  # the node's own VM: a stray, killed already; remade as needed
     elif pending is not None and pending.op == "fork":
         say(f"sandbox {sid}: its creation was interrupted; removing it")
         await node.destroy(sandbox)

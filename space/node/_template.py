@@ -1,34 +1,68 @@
-"""A node's templates: the base image built (or reused) and imported into the pool."""
+"""A node's templates: the base image, built (or reused) and imported into the pool, and
+the templates built from specs (space.node._builder), by name and tag."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from space.node.config import NodeConfig
 from space.node.errors import NodeError, Unavailable
-from space.node.images import GuestImage, build_template
-from space.node.interface import SandboxSpec
+from space.node.images import build_template
+from space.node.images._rootfs import Debootstrap
+from space.node.interface import SandboxSpec, TemplateInfo
 from space.node.storage.btrfs import BtrfsPool, TemplateVolume
 
-__all__ = ["READY_SHAPE", "Template", "prepare_template"]
+__all__ = ["BASE", "READY_SHAPE", "Shape", "Template", "prepare_template"]
+
+#: The built-in template's name; it is never built from a spec and never deleted.
+BASE = "base"
 
 
-#: The shape of a template's ready state: sandboxes of exactly this shape start from
-#: it (a memory image fixes cpus and RAM, and a disk a guest wrote is never resized).
-READY_SHAPE = {"cpus": 1, "memory_mib": 256, "disk_mib": 2048}
+@dataclass(frozen=True, slots=True)
+class Shape:
+    cpus: int
+    memory_mib: int
+    disk_mib: int
+
+    def fits(self, spec: SandboxSpec) -> bool:
+        return (spec.cpus, spec.memory_mib, spec.disk_mib) == (
+            self.cpus,
+            self.memory_mib,
+            self.disk_mib,
+        )
+
+
+#: The default shape of a template's sandboxes, and so of its ready state: sandboxes of
+#: exactly its template's shape start from the ready state (a memory image fixes cpus
+#: and RAM, and a disk a guest wrote is never resized).
+READY_SHAPE = Shape(cpus=1, memory_mib=256, disk_mib=2048)
 
 
 @dataclass(frozen=True, slots=True)
 class Template:
-    image: GuestImage
+    name: str
+    tag: str
     volume: TemplateVolume
-    #: The smallest disk a sandbox of this template may ask for (the image's size).
+    kernel_cmdline: str
+    #: The smallest disk a sandbox of this template may ask for (its image's size).
     min_disk_mib: int
+    #: Whether no guest ever wrote its disk image: only then may the host grow it.
+    pristine: bool
+    shape: Shape = READY_SHAPE
+    base: str = "debian:" + Debootstrap.suite
+    created_at: float = 0.0
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str | None = None
+    start: str | None = None
     #: The ready state's volume (a booted VM's disk and memory), once made.
     ready: Path | None = None
+
+    @property
+    def digest(self) -> str:
+        return self.volume.digest
 
     @property
     def ready_image(self) -> Path:
@@ -42,18 +76,36 @@ class Template:
 
     @property
     def ready_spec(self) -> SandboxSpec:
-        shape = READY_SHAPE
         return SandboxSpec(
             sandbox_id="ready",
-            template=self.volume.name,
-            cpus=shape["cpus"],
-            memory_mib=shape["memory_mib"],
-            disk_mib=shape["disk_mib"],
+            template=f"{self.name}@{self.digest}",
+            cpus=self.shape.cpus,
+            memory_mib=self.shape.memory_mib,
+            disk_mib=self.shape.disk_mib,
         )
 
     def ready_fits(self, spec: SandboxSpec) -> bool:
         """Whether a sandbox of ``spec`` can start from the ready state."""
-        return all(getattr(spec, key) == value for key, value in READY_SHAPE.items())
+        return self.shape.fits(spec)
+
+    def info(self) -> TemplateInfo:
+        return TemplateInfo(
+            name=self.name,
+            tag=self.tag,
+            digest=self.digest,
+            created_at=self.created_at,
+            base=self.base,
+            cpus=self.shape.cpus,
+            memory_mib=self.shape.memory_mib,
+            disk_mib=self.shape.disk_mib,
+            env=dict(self.env),
+            workdir=self.workdir,
+            start=self.start,
+            ready=self.ready is not None,
+        )
+
+    def tagged(self, tag: str) -> Template:
+        return replace(self, tag=tag)
 
 
 async def prepare_template(
@@ -61,14 +113,27 @@ async def prepare_template(
 ) -> Template:
     try:
         image = await asyncio.to_thread(
-            build_template, "base", cache_dir=config.image_cache_dir, progress=say
+            build_template, BASE, cache_dir=config.image_cache_dir, progress=say
         )
     except NodeError:
         raise
     except Exception as exc:
         raise Unavailable(f"building the base image failed: {exc}") from exc
     volume = await pool.import_template(
-        "base", image.digest, kernel=image.kernel, initrd=image.initrd, rootfs=image.rootfs
+        BASE, image.digest, kernel=image.kernel, initrd=image.initrd, rootfs=image.rootfs
     )
-    size = volume.rootfs.stat().st_size
-    return Template(image=image, volume=volume, min_disk_mib=-(-size // (1 << 20)))
+    created = volume.path.stat().st_mtime
+    return Template(
+        name=BASE,
+        tag="latest",
+        volume=volume,
+        kernel_cmdline=image.kernel_cmdline,
+        min_disk_mib=image_mib(volume),
+        pristine=True,
+        created_at=created,
+    )
+
+
+def image_mib(volume: TemplateVolume) -> int:
+    """The size of a template's disk image, in MiB rounded up."""
+    return -(-volume.rootfs.stat().st_size // (1 << 20))

@@ -7,9 +7,10 @@ Private to space.node.service. Every function raises space.node.errors.InvalidAr
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from space.node._template import Template
-from space.node.errors import InvalidArgument, NotFound
+from space.node.errors import InvalidArgument, NodeError
 from space.node.interface import SandboxSpec, SnapshotInfo
 
 __all__ = ["MAX_FORK_CHILDREN", "check_compatible", "check_id", "check_spec"]
@@ -27,8 +28,11 @@ def check_id(value: object, kind: str = "sandbox id") -> str:
     return value
 
 
-def check_spec(spec: SandboxSpec, templates: dict[str, Template]) -> Template:
-    """The template of a valid ``spec``; resources within limits, env of strings."""
+def check_spec(spec: SandboxSpec, resolve: Callable[[str], Template]) -> Template:
+    """The template of a valid ``spec``; resources within limits, env of strings.
+
+    ``resolve`` finds a template by reference (NotFound, InvalidArgument).
+    """
     check_id(spec.sandbox_id)
     for name, (low, high) in _LIMITS.items():
         value = getattr(spec, name)
@@ -36,18 +40,33 @@ def check_spec(spec: SandboxSpec, templates: dict[str, Template]) -> Template:
             raise InvalidArgument(
                 f"{name} must be within {low}..{high}, got {value!r}", sandbox_id=spec.sandbox_id
             )
-    template = templates.get(spec.template)
-    if template is None:
-        raise NotFound(f"no template {spec.template!r} on this node", sandbox_id=spec.sandbox_id)
+    if not isinstance(spec.template, str):
+        raise InvalidArgument("template must be a string", sandbox_id=spec.sandbox_id)
+    try:
+        template = resolve(spec.template)
+    except NodeError as exc:
+        exc.sandbox_id = spec.sandbox_id
+        raise
+    _check_disk(spec, template)
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in spec.env.items()):
+        raise InvalidArgument("env must map strings to strings", sandbox_id=spec.sandbox_id)
+    return template
+
+
+def _check_disk(spec: SandboxSpec, template: Template) -> None:
     if spec.disk_mib < template.min_disk_mib:
         raise InvalidArgument(
             f"disk_mib must be at least the template's {template.min_disk_mib}, "
             f"got {spec.disk_mib}",
             sandbox_id=spec.sandbox_id,
         )
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in spec.env.items()):
-        raise InvalidArgument("env must map strings to strings", sandbox_id=spec.sandbox_id)
-    return template
+    # A disk a guest wrote is never grown by the host (it would parse it).
+    if not template.pristine and spec.disk_mib != template.min_disk_mib:
+        raise InvalidArgument(
+            f"template {spec.template} has a disk of {template.min_disk_mib} MiB; "
+            f"disk_mib must be that, got {spec.disk_mib}",
+            sandbox_id=spec.sandbox_id,
+        )
 
 
 def check_compatible(spec: SandboxSpec, snapshot: SnapshotInfo) -> None:

@@ -20,6 +20,13 @@ __all__ = ["Accel", "NodeConfig", "resolve_node_id"]
 Accel = Literal["auto", "kvm", "tcg"]
 
 _NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_KEYRING = "/usr/share/keyrings/debian-archive-keyring.gpg"
+#: The Debian release of the guest image (space/node/images/_rootfs.py) and its updates.
+DEFAULT_APT_SOURCES = (
+    f"deb [signed-by={_KEYRING}] http://deb.debian.org/debian bookworm main",
+    f"deb [signed-by={_KEYRING}] http://deb.debian.org/debian bookworm-updates main",
+    f"deb [signed-by={_KEYRING}] http://deb.debian.org/debian-security bookworm-security main",
+)
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,11 @@ class NodeConfig:
     #: default) means no pool. Each waiting VM holds its RAM but no CPU.
     warm_pool_min: int = 0
     warm_pool_max: int = 0
+    #: Longest a template build's run step or package install may take.
+    build_step_timeout_s: float = 1800.0
+    #: Where template builds fetch packages from (apt one-line sources; the host
+    #: fetches, the build VM has no network).
+    apt_sources: tuple[str, ...] = DEFAULT_APT_SOURCES
 
     @property
     def effective_run_dir(self) -> Path:

@@ -7,9 +7,12 @@ exec/attach answer NDJSON (``start`` line, then events, as docs/api.md), file co
 travel as raw bytes (a read's FileStat in the ``X-Space-File-Stat`` header). ``/info``
 answers NodeInfo, the node's warm pools included. Snapshots live under ``/snapshots``
 (node-wide: a snapshot outlives its sandbox); taking, restoring and forking are POSTs on
-the sandbox (``/snapshots``, ``/restore``, ``/fork``). Errors answer ``{"error": {"code",
-"message", "details"}}`` with the status of ``STATUS_BY_CODE``. Every request needs
-``Authorization: Bearer <node token>``.
+the sandbox (``/snapshots``, ``/restore``, ``/fork``). Templates live under ``/templates``:
+``POST /templates/builds`` takes the build context (a tar, plain or gzip'd) as its raw
+body and answers the build's NDJSON events (its id in ``X-Build-Id``); ``GET`` lists,
+``DELETE /templates/{ref}`` deletes (``name``, ``name:tag``, ``name@digest``). Errors
+answer ``{"error": {"code", "message", "details"}}`` with the status of
+``STATUS_BY_CODE``. Every request needs ``Authorization: Bearer <node token>``.
 
 The JSON and NDJSON shapes live in space.node.wire, shared with RemoteNode and the
 control plane.
@@ -32,14 +35,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from space.node.errors import InvalidArgument, NodeError
 from space.node.interface import NodeService, SandboxSpec
 from space.node.wire import (
+    BUILD_ID_HEADER,
     FILE_STAT_HEADER,
     NDJSON,
     STATUS_BY_CODE,
+    build_lines,
     decode,
     decode_child_ids,
     decode_exec_request,
     decode_snapshot_id,
     encode,
+    encode_templates,
     ndjson_lines,
 )
 
@@ -276,6 +282,26 @@ async def _rename(node: Node, sandbox_id: str, request: Request) -> Any:
     user = body.get("user", "user") if isinstance(body, dict) else "user"
     src, dst = _str_field(body, "src"), _str_field(body, "dst")
     return encode(await node.rename(sandbox_id, src, dst, str(user)))
+
+
+@_router.post("/templates/builds")
+async def _build(node: Node, request: Request) -> StreamingResponse:
+    # A bad archive or spec raises here, before the first event: the error JSON answers.
+    stream = await node.build_template(_chunks(request))
+    headers = {BUILD_ID_HEADER: stream.build_id}
+    return StreamingResponse(build_lines(stream), media_type=NDJSON, headers=headers)
+
+
+@_router.get("/templates")
+async def _list_templates(node: Node) -> Any:
+    return encode_templates(await node.list_templates())
+
+
+# A plain parameter takes any one path segment, ':' and '@' included (name:tag, name@digest).
+@_router.delete("/templates/{ref}", status_code=204)
+async def _delete_template(node: Node, ref: str) -> Response:
+    await node.delete_template(ref)
+    return Response(status_code=204)
 
 
 def create_node_app(node: NodeService, token: str) -> FastAPI:

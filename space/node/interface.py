@@ -14,6 +14,11 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 __all__ = [
+    "BuildEvent",
+    "BuildFailed",
+    "BuildLog",
+    "BuildStream",
+    "BuildSucceeded",
     "ExecEvent",
     "ExecExited",
     "ExecOutput",
@@ -29,6 +34,7 @@ __all__ = [
     "SandboxState",
     "SandboxStatus",
     "SnapshotInfo",
+    "TemplateInfo",
 ]
 
 
@@ -193,6 +199,73 @@ class PoolInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class TemplateInfo:
+    """One tag of a template on a node: what sandboxes created from it start with.
+
+    ``name`` is ``base`` for the node's built-in template (never built from a spec). A
+    sandbox names a template as ``name`` (tag ``latest``), ``name:tag`` or
+    ``name@digest``; its cpus, memory_mib and disk_mib are the defaults of such
+    sandboxes, and sandboxes of exactly that shape start from the ready state.
+    """
+
+    name: str
+    tag: str
+    #: The content digest of the build (its last step's), 64 lowercase hex digits.
+    digest: str
+    created_at: float
+    #: The spec's ``base``: ``debian:<release>``, ``template:<name>:<tag>`` or
+    #: ``template@<digest>`` (``debian:<release>`` for ``base`` itself).
+    base: str
+    cpus: int
+    memory_mib: int
+    disk_mib: int
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str | None = None
+    start: str | None = None
+    #: Whether its ready state (booted, start command running, memory saved) exists.
+    ready: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class BuildLog:
+    """One line of a template build's log: a step starting, cached, or its output."""
+
+    line: str
+
+
+@dataclass(frozen=True, slots=True)
+class BuildSucceeded:
+    template: TemplateInfo
+
+
+@dataclass(frozen=True, slots=True)
+class BuildFailed:
+    """The build stopped: the previous version of the template (if any) is unchanged."""
+
+    #: The stable error code (``build_failed`` for a failing step, else a NodeError code).
+    code: str
+    message: str
+    #: The position (from 0) of the failing step in the plan, if a step failed.
+    step: int | None = None
+
+
+BuildEvent = BuildLog | BuildSucceeded | BuildFailed
+
+
+class BuildStream(Protocol):
+    """A running build: log lines as they come, then one BuildSucceeded or BuildFailed.
+
+    ``aclose`` stops listening; the build itself carries on to its end on the node.
+    """
+
+    build_id: str
+
+    def __aiter__(self) -> AsyncIterator[BuildEvent]: ...
+
+    async def aclose(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
 class NodeInfo:
     node_id: str
     accelerator: Literal["kvm", "tcg"]
@@ -222,6 +295,17 @@ class NodeService(Protocol):
     the control plane restricts that to the tenant's own snapshots. get_snapshot and
     list_snapshots measure ``exclusive_bytes``; delete_snapshot is idempotent (children
     in the tree are re-parented to its parent). Unknown ids raise NotFound.
+
+    build_template reads a build context: a tar stream (plain or gzip) holding the spec
+    as ``space.toml`` at its root and the files its copy steps name, only regular files
+    and directories (space.node.templates.context has the limits). A bad archive or spec
+    raises InvalidArgument (TemplateSpecError, with the key path) before any event; the
+    build then runs on the node, its log streamed, and ends with BuildSucceeded (the tag
+    now names the new build) or BuildFailed (the tag still names the previous build).
+    Steps whose digest the node has built before are reused. list_templates lists every
+    tag, ``base:latest`` included. delete_template takes ``name`` or ``name:tag`` (that
+    tag) or ``name@digest`` (every tag of that build); sandboxes already created from it
+    are unaffected. ``base`` cannot be deleted (Conflict); unknown refs raise NotFound.
     """
 
     async def info(self) -> NodeInfo: ...
@@ -281,3 +365,9 @@ class NodeService(Protocol):
     async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None: ...
 
     async def rename(self, sandbox_id: str, src: str, dst: str, user: str = "user") -> FileStat: ...
+
+    async def build_template(self, context: AsyncIterable[bytes]) -> BuildStream: ...
+
+    async def list_templates(self) -> list[TemplateInfo]: ...
+
+    async def delete_template(self, ref: str) -> None: ...

@@ -13,6 +13,7 @@ import dataclasses
 import json
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 import httpx
 from pydantic import ValidationError
@@ -29,6 +30,8 @@ from space.node.errors import (
 )
 from space.node.http_api import PREFIX
 from space.node.interface import (
+    BuildEvent,
+    BuildLog,
     ExecEvent,
     ExecExited,
     ExecOutput,
@@ -41,8 +44,18 @@ from space.node.interface import (
     SandboxSpec,
     SandboxStatus,
     SnapshotInfo,
+    TemplateInfo,
 )
-from space.node.wire import FILE_STAT_HEADER, decode, encode, encode_exec_request
+from space.node.templates import parse_ref
+from space.node.wire import (
+    BUILD_ID_HEADER,
+    FILE_STAT_HEADER,
+    decode,
+    decode_build_event,
+    decode_templates,
+    encode,
+    encode_exec_request,
+)
 
 __all__ = ["RemoteNode", "error_from_response"]
 
@@ -142,7 +155,7 @@ def _snapshot(body: object, snapshot_id: str, sandbox_id: str | None = None) -> 
     return info
 
 
-async def _lines(response: httpx.Response, sandbox_id: str) -> AsyncIterator[bytes]:
+async def _lines(response: httpx.Response, sandbox_id: str | None) -> AsyncIterator[bytes]:
     """The response's non-empty lines, each at most MAX_LINE_BYTES."""
     buffer = bytearray()
     try:
@@ -226,16 +239,39 @@ class _RemoteFileReader:
         await self._response.aclose()
 
 
+class _RemoteBuildStream:
+    """BuildStream over the NDJSON answer of ``POST /templates/builds``."""
+
+    def __init__(self, response: httpx.Response, build_id: str) -> None:
+        self._response = response
+        self.build_id = build_id
+
+    async def __aiter__(self) -> AsyncIterator[BuildEvent]:
+        async for line in _lines(self._response, None):
+            try:
+                event = decode_build_event(line)
+            except ValueError as exc:
+                raise Unavailable(f"malformed event of build {self.build_id}: {exc}") from exc
+            yield event
+            if not isinstance(event, BuildLog):
+                return
+        raise Unavailable(f"the stream of build {self.build_id} ended without its result")
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+
 class RemoteNode(NodeService):
     """A node agent at ``base_url`` (e.g. ``http://10.0.0.2:7071``), authenticated by token.
 
     ``timeout_s`` bounds ordinary calls; ``create_timeout_s`` sandbox creation (a cold
     boot under TCG takes seconds); ``lifecycle_timeout_s`` resume, hibernate, snapshot,
     restore and fork, which save or load guest memory (seconds each under TCG). Streams
-    (exec, attach, file transfers) have no read deadline: a process may stay silent for
-    hours; their callers hold the deadline. A timeout raises Timeout but does not cancel
-    the operation on the node, which may still complete: read the state back (or retry
-    what is idempotent: create per sandbox id, snapshot per snapshot id).
+    (exec, attach, file transfers, template builds) have no read deadline: a process or
+    a build step may stay silent for hours; their callers hold the deadline. A timeout
+    raises Timeout but does not cancel the operation on the node, which may still
+    complete: read the state back (or retry what is idempotent: create per sandbox id,
+    snapshot per snapshot id).
     ``transport`` is for tests (httpx.ASGITransport over create_node_app).
     """
 
@@ -488,3 +524,39 @@ class RemoteNode(NodeService):
             "POST", url, sandbox_id, json={"src": src, "dst": dst, "user": user}
         )
         return _parse(FileStat, body, sandbox_id)
+
+    async def build_template(self, context: AsyncIterable[bytes]) -> _RemoteBuildStream:
+        """Upload ``context`` (streamed, never held whole) and follow the build's events.
+
+        A bad archive or spec raises InvalidArgument (the node's message) before any
+        event. The events are bounded: a line longer than MAX_LINE_BYTES, a log line longer
+        than wire.MAX_BUILD_LOG_BYTES, a malformed or unknown event, or a stream ending
+        without a result raise Unavailable while iterating.
+        """
+        response = await self._send(
+            "POST",
+            "/templates/builds",
+            content=context,
+            headers={"Content-Type": "application/x-tar"},
+            timeout=self._stream_timeout,
+        )
+        build_id = response.headers.get(BUILD_ID_HEADER, "")
+        if not build_id:
+            await response.aclose()
+            raise Unavailable(f"node sent no {BUILD_ID_HEADER} header with the build")
+        return _RemoteBuildStream(response, build_id)
+
+    async def list_templates(self) -> list[TemplateInfo]:
+        body = await self._json("GET", "/templates")
+        try:
+            return decode_templates(body)
+        except ValueError as exc:
+            raise Unavailable(f"malformed templates from node: {exc}") from exc
+
+    async def delete_template(self, ref: str) -> None:
+        """Raises TemplateRefError (InvalidArgument) for a malformed ``ref``, sending nothing.
+
+        Checked here so that no text, ``..`` or ``/`` included, can reach another route.
+        """
+        parse_ref(ref)
+        await self._json("DELETE", f"/templates/{quote(ref, safe=':@')}")

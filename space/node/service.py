@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import shutil
 import time
 import weakref
@@ -22,12 +21,16 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from space.node._builds import Builds
+from space.node._catalog import Catalog
 from space.node._guest_ops import GuestOps
+from space.node._hidden import start_command
 from space.node._lifecycle import Lifecycle, Registry
-from space.node._pool import WarmPool, hand_over, make_pool_vm
+from space.node._pool import WarmPool
 from space.node._recovery import recover
 from space.node._sandbox import LiveSandbox, not_allowed, settled, vm_config_for, with_console
 from space.node._template import Template, prepare_template
+from space.node._template_ops import TemplateOps
 from space.node._validation import MAX_FORK_CHILDREN, check_compatible, check_id, check_spec
 from space.node.config import NodeConfig, resolve_node_id
 from space.node.errors import (
@@ -56,7 +59,7 @@ log = logging.getLogger(__name__)
 _SAVEABLE = (SandboxState.RUNNING, SandboxState.PAUSED, SandboxState.HIBERNATED)
 
 
-class Node(GuestOps):
+class Node(GuestOps, TemplateOps):
     """The sandboxes of one host. Start with ``await Node.start(config)``."""
 
     def __init__(
@@ -65,14 +68,14 @@ class Node(GuestOps):
         *,
         node_id: str,
         pool: BtrfsPool,
-        templates: dict[str, Template],
+        catalog: Catalog,
         accel: Accelerator,
     ) -> None:
         self.config = config
         self.node_id = node_id
         self.pool = pool
         self.accelerator: Accelerator = accel
-        self._templates = templates
+        self._catalog = catalog
         self._store = StateStore(config.data_dir / "sandboxes")
         self._run_root = config.effective_run_dir
         self._sandboxes: dict[str, LiveSandbox] = {}
@@ -81,7 +84,9 @@ class Node(GuestOps):
         self._tasks: set[asyncio.Task[None]] = set()
         self._snapshots = SnapshotStore(config.data_dir / "snapshots")
         self._life = Lifecycle(config, pool, self._store, self._snapshots, self._on_vm_exit)
+        #: Warm pools by template digest.
         self._pools: dict[str, WarmPool] = {}
+        self._builds = Builds(self._registry, catalog, config.data_dir / "builds", self._make_ready)
 
     # startup and shutdown
 
@@ -106,17 +111,18 @@ class Node(GuestOps):
                 data_dir=config.data_dir,
                 kernel=template.volume.kernel,
                 initrd=template.volume.initrd,
-                kernel_digest=template.image.digest,
+                kernel_digest=template.digest,
                 qemu_binary=config.qemu_binary,
             )
             say(f"accelerator: {accel}")
-            node = cls(
-                config, node_id=node_id, pool=pool, templates={"base": template}, accel=accel
-            )
+            catalog = Catalog(template, pool, config.data_dir / "templates")
+            for problem in catalog.load():
+                say(problem)
+            node = cls(config, node_id=node_id, pool=pool, catalog=catalog, accel=accel)
             await recover(node._registry(), say)
-            if config.ready_state:
-                await node._prepare_ready_state("base", say)
-            node._start_pool("base")
+            await node._remove_untagged_templates(say)
+            for built in catalog.builds():
+                await node._ready_at_start(built, say)
         except BaseException:
             with contextlib.suppress(NodeError):
                 await pool.close(unmount=pool.fresh_mount)
@@ -129,6 +135,7 @@ class Node(GuestOps):
         Warm pool VMs (no tenant data) are deleted. ``unmount_pool`` also unmounts a
         loop-file pool; only for tests and tools, and only once no VM uses it any more.
         """
+        await self._builds.close()
         for warm in self._pools.values():
             await warm.close()
         self._pools.clear()
@@ -151,7 +158,7 @@ class Node(GuestOps):
         return NodeInfo(
             node_id=self.node_id,
             accelerator=self.accelerator,
-            templates=sorted(self._templates),
+            templates=sorted({template.name for template in self._catalog.tagged()}),
             sandboxes=len(self._sandboxes),
             pools=[warm.info() for warm in self._pools.values()],
         )
@@ -167,7 +174,7 @@ class Node(GuestOps):
         the message carries the console tail). On failure or cancellation nothing of the
         sandbox remains.
         """
-        template = check_spec(spec, self._templates)
+        template = check_spec(spec, self._catalog.resolve)
         snapshot = self._compatible_snapshot(spec) if spec.from_snapshot else None
         lock = self._lock(spec.sandbox_id)
         async with lock:
@@ -183,8 +190,10 @@ class Node(GuestOps):
                 spec=spec,
                 state=SandboxState.CREATING,
                 created_at=time.time(),
-                template_digest=template.image.digest,
+                template_digest=template.digest,
                 run_dir=str(self._run_root / spec.sandbox_id),
+                template_env=dict(template.env),
+                workdir=template.workdir,
             )
             sandbox = self._live(record, lock)
             self._sandboxes[spec.sandbox_id] = sandbox
@@ -209,11 +218,12 @@ class Node(GuestOps):
         spec = sandbox.record.spec
         self._store.save(sandbox.record)  # CREATING, before anything exists to clean up
         await self.pool.create_sandbox_volume(
-            spec.sandbox_id, template.volume, disk_mib=spec.disk_mib
+            spec.sandbox_id, template.volume, disk_mib=spec.disk_mib, grow=template.pristine
         )
         await sandbox.launch(qemu_binary=self.config.qemu_binary)
         self._store.save(sandbox.mark(SandboxState.CREATING))  # now with the pid
-        await sandbox.connect(hello_timeout_s=self.config.boot_timeout_s)
+        channel = await sandbox.connect(hello_timeout_s=self.config.boot_timeout_s)
+        await start_command(channel, template, check=False)
         self._store.save(sandbox.mark(SandboxState.RUNNING))
         sandbox.watch(self._on_vm_exit, self.config.console_max_bytes)
 
@@ -393,64 +403,6 @@ class Node(GuestOps):
                 raise
             return [child.record.status() for child in children]
 
-    async def _prepare_ready_state(self, name: str, say: Callable[[str], None]) -> None:
-        """Give template ``name`` its ready state: the memory image of a booted VM.
-
-        Made once per template digest (kept in the pool) by booting a sandbox of the
-        template's ready shape and capturing it; sandboxes of that shape then start
-        from a copy of it instead of booting. A failure is logged: creates boot then.
-        """
-        template = self._templates[name]
-        if not template.ready_image.is_dir() or not template.ready_mark.is_file():
-            say(f"template {name}: making its ready state (one boot)")
-            try:
-                await self._capture_ready(template)
-            except NodeError as exc:
-                say(f"template {name}: no ready state ({exc}); sandboxes will boot")
-                return
-        self._templates[name] = replace(template, ready=template.ready_image)
-
-    def _start_pool(self, name: str) -> None:
-        template, config = self._templates[name], self.config
-        if config.warm_pool_max <= 0 or template.ready is None:
-            return
-        warm = WarmPool(
-            name,
-            make=lambda: make_pool_vm(self._registry(), self._templates[name]),
-            destroy=self._destroy,
-            min_size=config.warm_pool_min,
-            max_size=config.warm_pool_max,
-        )
-        self._pools[name] = warm
-        warm.start()
-
-    async def _from_ready_state(self, sandbox: LiveSandbox, ready: Path) -> None:
-        """A pool VM handed over if one waits, else a clone of the ready state woken."""
-        warm = self._pools.get(sandbox.record.spec.template)
-        pooled = warm.take() if warm is not None else None
-        if pooled is None:
-            await self._life.create_from_image(sandbox, ready)
-            return
-        try:
-            await hand_over(self._registry(), pooled, sandbox)
-        except BaseException:  # the caller destroys the sandbox, VM included
-            with contextlib.suppress(NodeError):
-                await self.pool.delete_sandbox_volume(pooled.sandbox_id)
-            self._store.remove(pooled.sandbox_id)
-            raise
-
-    async def _capture_ready(self, template: Template) -> None:
-        sandbox_id = f"ready-{template.image.digest[:16]}"
-        await self.pool.delete_template_image(template.ready_image)
-        spec = replace(template.ready_spec, sandbox_id=sandbox_id)
-        await self.create_sandbox(spec)
-        try:
-            async with self._lock(sandbox_id):
-                await self._life.capture_image(self._get(sandbox_id), template.ready_image)
-            await asyncio.to_thread(_write_mark, template.ready_mark)
-        finally:
-            await self.delete_sandbox(sandbox_id)
-
     def _check_capacity(self, more: int, sandbox_id: str) -> None:
         if len(self._sandboxes) + more > self.config.max_sandboxes:
             raise ResourceExhausted(
@@ -515,11 +467,11 @@ class Node(GuestOps):
 
     def _live(self, record: SandboxRecord, lock: asyncio.Lock | None = None) -> LiveSandbox:
         sid = record.sandbox_id
-        template = self._templates.get(record.spec.template)
         config = vm_config_for(
             record,
             volume=self.pool.sandbox_path(sid),
-            base_cmdline=template.image.kernel_cmdline if template else "",
+            # Every template boots the base image's kernel with its command line.
+            base_cmdline=self._catalog.base.kernel_cmdline,
             accel=self.accelerator,
             console_log=self._console_log(sid),
         )
@@ -578,16 +530,3 @@ _VERBS = {
     SandboxState.RUNNING: "resume",
     SandboxState.HIBERNATED: "hibernate",
 }
-
-
-def _write_mark(path: Path) -> None:
-    """Publish what ``path`` marks: written, fsynced, with its directory."""
-    with open(path, "w") as file:
-        file.write("ready\n")
-        file.flush()
-        os.fsync(file.fileno())
-    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

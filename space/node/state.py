@@ -16,7 +16,7 @@ import contextlib
 import json
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -42,6 +42,10 @@ class SandboxRecord:
     error: str | None = None
     head_snapshot: str | None = None
     pending: Pending | None = None
+    #: The template's env and workdir: every exec starts with them (spec env and the
+    #: request override them), kept here because the template may be deleted later.
+    template_env: dict[str, str] = field(default_factory=dict)
+    workdir: str | None = None
 
     @property
     def sandbox_id(self) -> str:
@@ -92,6 +96,8 @@ class SandboxRecord:
             error=data.get("error"),
             head_snapshot=data.get("head_snapshot"),
             pending=None if pending is None else Pending.from_json(pending),
+            template_env={str(k): str(v) for k, v in dict(data.get("template_env", {})).items()},
+            workdir=data.get("workdir"),
         )
 
 

@@ -2,6 +2,10 @@
 
 Shared by the node's HTTP API, RemoteNode (its client) and the control plane, whose
 exec streams have the same NDJSON lines (docs/api.md, "Commands").
+
+A template build answers NDJSON too, one object with one key per line: ``{"log": str}``
+for each log line, then one ``{"template": TemplateInfo}`` (succeeded) or ``{"failed":
+{"code", "message", "step"}}``; the build's id travels in the ``X-Build-Id`` header.
 """
 
 from __future__ import annotations
@@ -16,19 +20,37 @@ from typing import Any, TypeVar
 from pydantic import TypeAdapter, ValidationError
 
 from space.node.errors import InvalidArgument, NodeError
-from space.node.interface import ExecEvent, ExecOutput, ExecRequest, ExecStream
+from space.node.interface import (
+    BuildEvent,
+    BuildFailed,
+    BuildLog,
+    BuildStream,
+    BuildSucceeded,
+    ExecEvent,
+    ExecOutput,
+    ExecRequest,
+    ExecStream,
+    TemplateInfo,
+)
 
 __all__ = [
+    "BUILD_ID_HEADER",
     "FILE_STAT_HEADER",
+    "MAX_BUILD_LOG_BYTES",
     "MAX_FORK_CHILDREN",
     "NDJSON",
     "STATUS_BY_CODE",
+    "build_event_line",
+    "build_lines",
     "decode",
+    "decode_build_event",
     "decode_child_ids",
     "decode_exec_request",
     "decode_snapshot_id",
+    "decode_templates",
     "encode",
     "encode_exec_request",
+    "encode_templates",
     "error_line",
     "event_line",
     "ndjson_lines",
@@ -40,6 +62,9 @@ T = TypeVar("T")
 
 NDJSON = "application/x-ndjson"
 FILE_STAT_HEADER = "X-Space-File-Stat"
+BUILD_ID_HEADER = "X-Build-Id"
+#: Longest ``log`` line of a build a client accepts (the node cuts longer log lines).
+MAX_BUILD_LOG_BYTES = 64 * 1024
 #: Most children one fork request may make: each is a whole VM on a node of a few cores.
 MAX_FORK_CHILDREN = 16
 
@@ -175,5 +200,77 @@ async def ndjson_lines(stream: ExecStream) -> AsyncIterator[bytes]:
     except Exception as exc:
         log.exception("exec stream failed")
         yield error_line("internal", f"stream failed: {type(exc).__name__}")
+    finally:
+        await stream.aclose()
+
+
+def encode_templates(templates: list[TemplateInfo]) -> dict[str, Any]:
+    """The ``GET /templates`` body: ``{"templates": [TemplateInfo, ...]}``."""
+    return {"templates": [encode(info) for info in templates]}
+
+
+def decode_templates(body: object) -> list[TemplateInfo]:
+    """The templates of a ``{"templates": [...]}`` body; raises ValueError when malformed."""
+    if not isinstance(body, dict) or "templates" not in body:
+        raise ValueError("no 'templates' in the answer")
+    return decode(list[TemplateInfo], body["templates"])
+
+
+def build_event_line(event: BuildEvent) -> bytes:
+    """One NDJSON line for a build event; a log line is cut to MAX_BUILD_LOG_BYTES."""
+    if isinstance(event, BuildLog):
+        return _log_line(event.line)
+    if isinstance(event, BuildSucceeded):
+        return _line({"template": encode(event.template)})
+    return _line({"failed": encode(event)})
+
+
+def _log_line(text: str) -> bytes:
+    line = _line({"log": text})
+    if len(line) <= MAX_BUILD_LOG_BYTES:
+        return line
+    # JSON writes one character as at most 12 bytes (a surrogate pair): this fits.
+    keep = (MAX_BUILD_LOG_BYTES - 128) // 12
+    return _line({"log": f"{text[:keep]} [{len(text) - keep} characters cut]"})
+
+
+def decode_build_event(line: bytes) -> BuildEvent:
+    """The build event of one NDJSON line.
+
+    Raises ValueError when the line is not JSON, not an object with exactly one of the
+    keys ``log``, ``template``, ``failed``, holds malformed fields, or is a ``log``
+    line longer than MAX_BUILD_LOG_BYTES.
+    """
+    obj = json.loads(line)
+    if not isinstance(obj, dict) or len(obj) != 1:
+        raise ValueError("a build event is an object with one key")
+    ((kind, value),) = obj.items()
+    if kind == "log":
+        if len(line) > MAX_BUILD_LOG_BYTES:
+            raise ValueError(f"a log line of {len(line)} bytes (at most {MAX_BUILD_LOG_BYTES})")
+        if not isinstance(value, str):
+            raise ValueError("a log line must be a string")
+        return BuildLog(value)
+    if kind == "template":
+        return BuildSucceeded(decode(TemplateInfo, value))
+    if kind == "failed":
+        return decode(BuildFailed, value)
+    raise ValueError(f"unknown build event {str(kind)[:64]!r}")
+
+
+async def build_lines(stream: BuildStream) -> AsyncIterator[bytes]:
+    """Each build event's line as produced; a stream that raises ends with a ``failed`` line.
+
+    Closing the iterator early (client gone) closes ``stream``: the build carries on to
+    its end on the node.
+    """
+    try:
+        async for event in stream:
+            yield build_event_line(event)
+    except NodeError as exc:
+        yield build_event_line(BuildFailed(exc.code, exc.message))
+    except Exception as exc:
+        log.exception("build stream %s failed", stream.build_id)
+        yield build_event_line(BuildFailed("internal", f"stream failed: {type(exc).__name__}"))
     finally:
         await stream.aclose()

@@ -1,4 +1,5 @@
-"""The SPACE Python SDK: sandboxes (sync and async), their commands, files and snapshots.
+"""The SPACE Python SDK: sandboxes (sync and async), their commands, files and snapshots,
+and templates.
 
     from space import Sandbox
 
@@ -21,11 +22,14 @@ from space.sdk._models import (
     ProcessInfo,
     SandboxInfo,
     SnapshotInfo,
+    TemplateInfo,
 )
 from space.sdk._sandbox import AsyncSandbox
-from space.sdk._sync import CommandHandle, Commands, Files, Sandbox
+from space.sdk._sync import CommandHandle, Commands, Files, Sandbox, Template
+from space.sdk._templates import AsyncTemplate
 from space.sdk.errors import (
     AuthenticationError,
+    BuildError,
     CommandExitError,
     Conflict,
     InternalError,
@@ -43,7 +47,9 @@ __all__ = [
     "AsyncCommands",
     "AsyncFiles",
     "AsyncSandbox",
+    "AsyncTemplate",
     "AuthenticationError",
+    "BuildError",
     "ByteStream",
     "CommandExitError",
     "CommandHandle",
@@ -64,6 +70,8 @@ __all__ = [
     "SandboxInfo",
     "SnapshotInfo",
     "SpaceError",
+    "Template",
+    "TemplateInfo",
     "Timeout",
     "Unavailable",
 ]

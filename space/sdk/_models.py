@@ -16,6 +16,7 @@ __all__ = [
     "ProcessInfo",
     "SandboxInfo",
     "SnapshotInfo",
+    "TemplateInfo",
 ]
 
 
@@ -158,6 +159,56 @@ class PoolInfo:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InternalError(f"malformed pool in answer: {exc!r}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class TemplateInfo:
+    """One tag of a template (``GET /v1/templates``): what its sandboxes start with.
+
+    A sandbox names it as ``ref`` (``name:tag``), as ``name`` for the tag ``latest``, or
+    as ``name@digest`` for exactly this build. ``base`` is what it was built on
+    (``debian:<release>``, ``template:<name>:<tag>`` or ``template@<digest>``);
+    ``cpus``, ``memory_mib`` and ``disk_mib`` are its sandboxes' defaults, and ``ready``
+    says whether sandboxes of exactly that shape start from a saved, booted state.
+    """
+
+    name: str
+    tag: str
+    digest: str
+    created_at: datetime
+    base: str
+    cpus: int
+    memory_mib: int
+    disk_mib: int
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str | None = None
+    start: str | None = None
+    ready: bool = False
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}:{self.tag}"
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> TemplateInfo:
+        """Parse a Template object; raises InternalError if it is malformed."""
+        try:
+            return cls(
+                name=_required_str(body, "name"),
+                tag=_required_str(body, "tag"),
+                digest=_required_str(body, "digest"),
+                created_at=_required_time(body, "created_at"),
+                base=_required_str(body, "base"),
+                cpus=_required_int(body, "cpus"),
+                memory_mib=_required_int(body, "memory_mib"),
+                disk_mib=_required_int(body, "disk_mib"),
+                env={str(k): str(v) for k, v in dict(body.get("env") or {}).items()},
+                workdir=_optional_str(body, "workdir"),
+                start=_optional_str(body, "start"),
+                ready=bool(body.get("ready", False)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InternalError(f"malformed template in answer: {exc!r}") from None
 
 
 @dataclass(frozen=True, slots=True)

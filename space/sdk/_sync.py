@@ -27,9 +27,10 @@ from space.sdk._events import OutputCallback
 from space.sdk._files import AsyncFiles, ByteStream
 from space.sdk._models import CommandResult
 from space.sdk._sandbox import AsyncSandbox
+from space.sdk._templates import AsyncTemplate
 from space.sdk.errors import InvalidArgument
 
-__all__ = ["CommandHandle", "Commands", "Files", "Sandbox"]
+__all__ = ["CommandHandle", "Commands", "Files", "Sandbox", "Template"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -291,6 +292,14 @@ class Sandbox(_Facade[AsyncSandbox]):
         tb: TracebackType | None,
     ) -> None:
         self.kill()
+
+
+class Template:
+    """Templates (sync). See AsyncTemplate; ``on_log`` runs on the SDK's loop thread."""
+
+    build = staticmethod(_blocking_static(AsyncTemplate.build))
+    list = staticmethod(_blocking_static(AsyncTemplate.list))
+    delete = staticmethod(_blocking_static(AsyncTemplate.delete))
 
 
 def _iterate(stream: ByteStream) -> Iterator[bytes]:

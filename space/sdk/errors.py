@@ -14,7 +14,8 @@ deadlines are translated here).
     ├── Timeout                504 timeout, or a client-side deadline passed
     ├── Unavailable            503 unavailable, or the API could not be reached
     ├── InternalError          500 internal, or an answer the SDK cannot understand
-    └── CommandExitError       a command exited non-zero and ``check=True`` was asked
+    ├── CommandExitError       a command exited non-zero and ``check=True`` was asked
+    └── BuildError             a template build failed: ``step`` and the node's message
 
 ``_ERROR_TABLE`` is the one table from HTTP status / wire code to class.
 """
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AuthenticationError",
+    "BuildError",
     "CommandExitError",
     "Conflict",
     "InternalError",
@@ -139,6 +141,24 @@ class CommandExitError(SpaceError):
         self.signal = result.signal
         self.stdout = result.stdout
         self.stderr = result.stderr
+
+
+class BuildError(SpaceError):
+    """A template build failed after it started; the template's tag is unchanged.
+
+    ``step`` is the failing step's position in the build plan (from 0; None when no
+    step failed, e.g. the node went away), ``error_code`` the wire code of the failure
+    (``build_failed`` for a failing step), ``message`` the node's words.
+    """
+
+    code = "build_failed"
+
+    def __init__(self, message: str, *, step: int | None, error_code: str) -> None:
+        where = f"step {step}: " if step is not None else ""
+        super().__init__(f"{where}{message}", operation="template.build")
+        self.step = step
+        self.error_code = error_code
+        self.build_message = message
 
 
 # The one table. A wire code decides when the body has one; the status decides for answers

@@ -39,6 +39,7 @@ from space.node.interface import (
     SandboxStatus,
     SnapshotInfo,
 )
+from tests.unit._fake_templates import FakeTemplates
 
 CHUNK = 1024 * 1024
 #: FakeNode methods that do not resume a paused or hibernated sandbox (guest operations do).
@@ -131,13 +132,16 @@ class _Snapshot:
     contents: _Box
 
 
-class FakeNode:
+class FakeNode(FakeTemplates):
     """An in-memory NodeService. ``calls`` records (method, sandbox_id) of every call.
 
     ``pools`` is what ``info`` reports as the node's warm pools (set it in a test).
+    Templates (build, list, delete) come from FakeTemplates; creating a sandbox from a
+    template the node does not have is NotFound.
     """
 
     def __init__(self, node_id: str = "local") -> None:
+        super().__init__()
         self.node_id = node_id
         self.boxes: dict[str, _Box] = {}
         self.calls: list[tuple[str, str]] = []
@@ -179,6 +183,8 @@ class FakeNode:
         self.calls.append(("create_sandbox", spec.sandbox_id))
         if self.fail_create is not None:
             raise self.fail_create
+        if spec.from_snapshot is None and not self.has_template(spec.template):
+            raise NotFound(f"no template {spec.template}", sandbox_id=spec.sandbox_id)
         if spec.sandbox_id not in self.boxes:
             source = _Box(_status_of(spec))
             if spec.from_snapshot is not None:

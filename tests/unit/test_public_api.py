@@ -7,7 +7,8 @@ import space.sdk
 import space.sdk.errors
 
 SDK_NAMES = {
-    "AsyncCommandHandle", "AsyncCommands", "AsyncFiles", "AsyncSandbox",
+    "AsyncCommandHandle", "AsyncCommands", "AsyncFiles", "AsyncSandbox", "AsyncTemplate",
+    "BuildError", "Template", "TemplateInfo",
     "AuthenticationError", "ByteStream", "CommandExitError", "CommandHandle",
     "CommandResult", "Commands", "Conflict", "ConnectionConfig", "FileInfo", "Files",
     "InternalError", "InvalidArgument", "NotFound", "PermissionDenied", "PoolInfo",

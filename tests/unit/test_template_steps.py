@@ -359,6 +359,6 @@ def test_the_package_exports_exactly_the_pinned_names() -> None:
         "Base", "CopyEntry", "CopyPlan", "CopyStep", "DebianBase", "DigestBase", "Packages",
         "Resources", "RunStep", "Step", "TemplateBase", "TemplateConfig", "TemplateError",
         "TemplateRef", "TemplateRefError", "TemplateSpec", "TemplateSpecError", "describe",
-        "load_spec", "parse_ref", "parse_spec", "plan", "template_digest",
+        "load_spec", "parse_ref", "parse_spec", "plan", "template_digest", "unpack_context",
     }  # fmt: skip
     assert all(hasattr(templates, name) for name in templates.__all__)

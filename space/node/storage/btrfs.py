@@ -6,6 +6,8 @@ Layout::
     <pool>/sandboxes/<id>/              writable snapshot of a template subvolume (or of a
                                         sandbox snapshot); also holds the guest RAM file
     <pool>/snapshots/<id>/              read-only snapshot of a sandbox volume
+    <pool>/layers/<digest>/             read-only: a template build step's result (the
+                                        template files of its build VM, paused)
 
 A sandbox volume is a subvolume snapshot, O(1) whatever the image size; its rootfs
 image is grown (truncate + resize2fs) right after the snapshot and before any boot, and
@@ -18,6 +20,7 @@ InvalidArgument for a bad name). Commands run through ``btrfs``, ``mount``, ``lo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import os
 import re
@@ -98,7 +101,7 @@ class BtrfsPool:
             pool = cls(pool_path, image=None, mounted_here=False)
         else:
             pool = await cls._open_loop(data_dir, size_gib)
-        for sub in ("templates", "sandboxes", "snapshots"):
+        for sub in ("templates", "sandboxes", "snapshots", "layers"):
             (pool.root / sub).mkdir(exist_ok=True)
         return pool
 
@@ -177,6 +180,60 @@ class BtrfsPool:
         if await asyncio.to_thread(path.exists):
             await self._delete_subvolume(path)
 
+    async def publish_template(
+        self, name: str, digest: str, source: TemplateVolume
+    ) -> TemplateVolume:
+        """Make ``source`` (a layer or another template) the template ``name``/``digest``.
+
+        O(1): a read-only snapshot. Idempotent; replaces a half-made one.
+        """
+        try:
+            return self.template(name, digest)
+        except NotFound:
+            pass
+        path = self.root / "templates" / _check_name("template", name) / _check_digest(digest)
+        path.parent.mkdir(exist_ok=True)
+        if path.exists():
+            await self._delete_subvolume(path)
+        await snapshot_subvolume(source.path, path, read_only=True)
+        return TemplateVolume(name, digest, path)
+
+    async def delete_template(self, volume: TemplateVolume) -> None:
+        """Delete a template's subvolume (sandboxes made from it keep their own); idempotent."""
+        if volume.path.parent.parent != self.root / "templates":
+            raise InvalidArgument(f"{volume.path} is not a template")
+        if await asyncio.to_thread(volume.path.exists):
+            await self._delete_subvolume(volume.path)
+        with contextlib.suppress(OSError):
+            volume.path.parent.rmdir()  # only once no build of the name is left
+
+    # layers
+
+    def layer(self, digest: str) -> TemplateVolume | None:
+        """The complete layer of the build step ``digest``, or None."""
+        path = self.root / "layers" / _check_digest(digest)
+        if (path / _COMPLETE_MARK).exists():
+            return TemplateVolume("layer", digest, path)
+        return None
+
+    async def save_layer(self, sandbox_id: str, digest: str) -> TemplateVolume:
+        """Keep a paused build VM's disk as the read-only layer ``digest``.
+
+        Only the template files are kept, not the guest's RAM. Replaces a half-made
+        layer of that digest.
+        """
+        path = self.root / "layers" / _check_digest(digest)
+        if path.exists():
+            await self._delete_subvolume(path)
+        await snapshot_subvolume(self.sandbox_path(sandbox_id), path)
+        try:
+            await asyncio.to_thread(_keep_template_files, path, digest)
+            await run("btrfs", "property", "set", "-ts", str(path), "ro", "true")
+        except BaseException:
+            await self._delete_subvolume(path)
+            raise
+        return TemplateVolume("layer", digest, path)
+
     # sandboxes
 
     def sandbox_path(self, sandbox_id: str) -> Path:
@@ -186,12 +243,14 @@ class BtrfsPool:
         return sorted(p.name for p in (self.root / "sandboxes").iterdir())
 
     async def create_sandbox_volume(
-        self, sandbox_id: str, template: TemplateVolume, *, disk_mib: int
+        self, sandbox_id: str, template: TemplateVolume, *, disk_mib: int, grow: bool = True
     ) -> Path:
         """Snapshot the template for a sandbox and grow its rootfs to ``disk_mib``.
 
         Raises Conflict-free: an existing volume for the id is replaced (the caller owns
         idempotency). Raises InvalidArgument if ``disk_mib`` is below the image size.
+        ``grow`` False keeps the image as it is: for an image a guest wrote, which the
+        host must never parse.
         """
         path = self.sandbox_path(sandbox_id)
         if path.exists():
@@ -199,7 +258,8 @@ class BtrfsPool:
         await snapshot_subvolume(template.path, path)
         try:
             (path / _COMPLETE_MARK).unlink(missing_ok=True)
-            await grow_image(path / "rootfs.img", disk_mib)
+            if grow:
+                await grow_image(path / "rootfs.img", disk_mib)
         except BaseException:
             await self._delete_subvolume(path)
             raise
@@ -327,6 +387,14 @@ def _extend_file(path: Path, size: int) -> bool:
         return False
     os.truncate(path, size)
     return True
+
+
+def _keep_template_files(path: Path, digest: str) -> None:
+    for entry in path.iterdir():
+        if entry.name not in _TEMPLATE_FILES:
+            entry.unlink()
+    (path / _COMPLETE_MARK).write_text(digest + "\n")
+    os.sync()
 
 
 def _prepare_loop_files(image: Path, size_gib: int) -> tuple[bool, bool]:

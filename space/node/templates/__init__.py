@@ -3,6 +3,7 @@
     spec.py     TemplateSpec and load_spec: the TOML spec, strictly checked
     steps.py    plan: the spec as ordered build steps, each keyed by a content digest
     refs.py     TemplateRef and parse_ref: ``name``, ``name:tag``, ``name@<digest>``
+    context.py  unpack_context: a build context (tar, plain or gzip'd) unpacked safely
     errors.py   TemplateError ─┬─ TemplateSpecError (file, key path, problem)
                                └─ TemplateRefError  (both InvalidArgument, ValueError)
 
@@ -13,6 +14,7 @@ docs/templates.md.
 
 from __future__ import annotations
 
+from space.node.templates.context import unpack_context
 from space.node.templates.errors import TemplateError, TemplateRefError, TemplateSpecError
 from space.node.templates.refs import TemplateRef, parse_ref
 from space.node.templates.spec import (
@@ -62,4 +64,5 @@ __all__ = [
     "parse_spec",
     "plan",
     "template_digest",
+    "unpack_context",
 ]
