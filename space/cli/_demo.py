@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ import click
 import httpx
 
 from space.cli._common import ProgressPrinter, api_options, connection, reports_errors
-from space.sdk import Sandbox
+from space.sdk import Sandbox, Template
 from space.sdk.errors import InternalError, SpaceError, Timeout, Unavailable
 
 __all__ = ["demo", "run_demo"]
@@ -55,7 +56,8 @@ def demo(
     start_timeout_s: float,
 ) -> None:
     """Create a sandbox, run Python, write and read a file, hibernate and wake it,
-    snapshot and fork it, delete everything; timed."""
+    snapshot and fork it, build a template and start a sandbox from it, delete
+    everything; timed."""
     if not embedded:
         run_demo(click.echo, **connection(api_url, api_key))
         return
@@ -84,6 +86,7 @@ def run_demo(say: Callable[[str], None], **connect: Any) -> None:
     finally:
         with _step(say, "delete sandbox"):
             sandbox.kill()
+    _template_steps(say, connect)
     say(f"done in {(time.monotonic() - total) * 1000:.0f} ms")
 
 
@@ -103,6 +106,44 @@ def _lifecycle_steps(say: Callable[[str], None], sandbox: Sandbox, connect: dict
         child.kill()
     finally:
         Sandbox.delete_snapshot(snapshot, **connect)
+
+
+DEMO_SPEC = """\
+name = "demo"
+base = "debian:bookworm"
+env = { GREETING = "hello from a template" }
+workdir = "/opt/demo"
+start = "python3 -m http.server 8000 --bind 127.0.0.1"
+
+[[steps]]
+copy = { src = "greet.py", dst = "/opt/demo/greet.py" }
+
+[[steps]]
+run = "python3 -m compileall -q /opt/demo"
+"""
+DEMO_GREET = "import os; print(os.environ['GREETING'], 'in', os.getcwd())\n"
+
+
+def _template_steps(say: Callable[[str], None], connect: dict[str, Any]) -> None:
+    """Build a template from a spec, start a sandbox from its ready state, remove both."""
+    with tempfile.TemporaryDirectory(prefix="space-demo-") as tmp:
+        (Path(tmp) / "space.toml").write_text(DEMO_SPEC)
+        (Path(tmp) / "greet.py").write_text(DEMO_GREET)
+        with _step(say, "build template demo") as note:
+            built = Template.build(Path(tmp), **connect)
+            note(f"{built.ref} {built.digest[:12]}")
+    try:
+        with _step(say, "create from template") as note:
+            sandbox = Sandbox.create("demo", **connect)
+            note(sandbox.sandbox_id)
+        try:
+            with _step(say, "run its greet.py") as note:
+                result = sandbox.commands.run(["python3", "greet.py"], check=True)
+                note(result.stdout.strip())
+        finally:
+            sandbox.kill()
+    finally:
+        Template.delete("demo", **connect)
 
 
 @contextlib.contextmanager

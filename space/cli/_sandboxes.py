@@ -35,9 +35,9 @@ _REMOTE = re.compile(r"^(?P<id>[A-Za-z0-9][A-Za-z0-9_-]*):(?P<path>.+)$")
 
 @click.command()
 @click.option("--template", default=None, help="[default: base]")
-@click.option("--cpus", default=None, type=int, help="[default: 1]")
-@click.option("--memory-mib", default=None, type=int, help="[default: 256]")
-@click.option("--disk-mib", default=None, type=int, help="[default: 2048]")
+@click.option("--cpus", default=None, type=int, help="[default: the template's; base: 1]")
+@click.option("--memory-mib", default=None, type=int, help="[default: the template's; base: 256]")
+@click.option("--disk-mib", default=None, type=int, help="[default: the template's; base: 2048]")
 @click.option("--timeout-s", default=300, show_default=True, type=int, help="Lifetime; 0: none.")
 @click.option(
     "--idle-timeout",

@@ -23,9 +23,9 @@ from space.control.store import repo
 from space.control.store import snapshots as snaps
 from space.control.store.repo import SandboxRecord
 from space.control.store.snapshots import SnapshotRecord
-from space.control.template_names import node_ref
+from space.control.template_names import node_ref, parse_ref
 from space.node.errors import NodeError, NotFound
-from space.node.interface import SandboxSpec, SandboxState, SandboxStatus
+from space.node.interface import NodeService, SandboxSpec, SandboxState, SandboxStatus
 
 __all__ = [
     "LIVE",
@@ -41,6 +41,8 @@ __all__ = [
 ]
 
 #: The states pause accepts (pausing a paused sandbox is a no-op).
+#: What a template gives a sandbox that does not ask for it.
+_RESOURCES = frozenset({"cpus", "memory_mib", "disk_mib"})
 _PAUSABLE = frozenset({SandboxState.RUNNING.value, SandboxState.PAUSED.value})
 #: States with a VM whose guest state exists: hibernate, resume, snapshot, fork and
 #: restore accept them.
@@ -131,15 +133,34 @@ async def create_sandbox(
     node_ref(tenant, body.template)  # refuse a name too long to scope before any row
     node_id = source.node_id if source is not None else await _place(ctx)
     timeout_s = body.timeout_s if timeout_given else ctx.settings.default_timeout_s
+    node = ctx.nodes.get(node_id)
+    if source is None:
+        body = await _with_template_defaults(node, tenant, body)
     record = _new_record(ctx, tenant, node_id, body, source, timeout_s)
     await ctx.db.run(lambda s: repo.insert_sandbox(s, record))
-    node = ctx.nodes.get(node_id)
     try:
         status = await node.create_sandbox(_spec(record, body.from_snapshot))
     except NodeError as exc:
         await _creation_failed(ctx, record, exc)
         raise
     return await record_status(ctx, record, status)
+
+
+async def _with_template_defaults(
+    node: NodeService, tenant: str, body: SandboxCreate
+) -> SandboxCreate:
+    """``body`` with the resources it leaves out taken from its template's defaults
+    (so its sandboxes start from the template's ready state). ``base`` has the API's."""
+    missing = _RESOURCES - body.model_fields_set
+    ref = parse_ref(body.template)
+    if not missing or ref.name == "base":
+        return body
+    wanted = parse_ref(node_ref(tenant, body.template))
+    for info in await node.list_templates():
+        tagged = wanted.tag in (None, info.tag) and wanted.digest in (None, info.digest)
+        if info.name == wanted.name and tagged:
+            return body.model_copy(update={k: getattr(info, k) for k in missing})
+    return body  # the node answers not_found on create
 
 
 async def _creation_failed(ctx: ControlContext, record: SandboxRecord, exc: NodeError) -> None:

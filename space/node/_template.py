@@ -15,7 +15,15 @@ from space.node.images._rootfs import Debootstrap
 from space.node.interface import SandboxSpec, TemplateInfo
 from space.node.storage.btrfs import BtrfsPool, TemplateVolume
 
-__all__ = ["BASE", "READY_SHAPE", "Shape", "Template", "prepare_template"]
+__all__ = [
+    "BASE",
+    "READY_SHAPE",
+    "Shape",
+    "Template",
+    "image_mib",
+    "prepare_template",
+    "ready_paths",
+]
 
 #: The built-in template's name; it is never built from a spec and never deleted.
 BASE = "base"
@@ -67,12 +75,12 @@ class Template:
     @property
     def ready_image(self) -> Path:
         """Where the ready state lives: beside the template's own subvolume."""
-        return self.volume.path.with_name(f"{self.volume.digest}.ready")
+        return ready_paths(self.volume)[0]
 
     @property
     def ready_mark(self) -> Path:
         """Written once the ready state is complete: its publication."""
-        return self.volume.path.with_name(f"{self.volume.digest}.ready.complete")
+        return ready_paths(self.volume)[1]
 
     @property
     def ready_spec(self) -> SandboxSpec:
@@ -132,6 +140,12 @@ async def prepare_template(
         pristine=True,
         created_at=created,
     )
+
+
+def ready_paths(volume: TemplateVolume) -> tuple[Path, Path]:
+    """A template's ready-state subvolume and the mark that publishes it, beside it."""
+    image = volume.path.with_name(f"{volume.digest}.ready")
+    return image, image.with_name(f"{image.name}.complete")
 
 
 def image_mib(volume: TemplateVolume) -> int:

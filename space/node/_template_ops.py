@@ -6,6 +6,7 @@ space.node.errors leaves only.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterable, Callable
@@ -18,12 +19,12 @@ from space.node._lifecycle import Lifecycle, Registry
 from space.node._pool import WarmPool, hand_over, make_pool_vm
 from space.node._ready import ensure_ready
 from space.node._sandbox import LiveSandbox
-from space.node._template import Template
+from space.node._template import Template, ready_paths
 from space.node.config import NodeConfig
 from space.node.errors import NodeError
 from space.node.interface import BuildStream, TemplateInfo
 from space.node.state import StateStore
-from space.node.storage.btrfs import BtrfsPool
+from space.node.storage.btrfs import BtrfsPool, TemplateVolume
 
 __all__ = ["TemplateOps"]
 
@@ -39,6 +40,8 @@ class TemplateOps(ABC):
     _store: StateStore
     #: Warm pools by template digest.
     _pools: dict[str, WarmPool]
+    #: Bounds the VMs starting at once (a pool hit starts none).
+    _starts: asyncio.Semaphore
 
     @abstractmethod
     def _registry(self) -> Registry: ...
@@ -65,9 +68,14 @@ class TemplateOps(ABC):
         if warm is not None:
             await warm.close()
         self._catalog.set_ready(template.digest, None)
-        template.ready_mark.unlink(missing_ok=True)
-        await self.pool.delete_template_image(template.ready_image)
-        await self.pool.delete_template(template.volume)
+        await self._delete_build_files(template.volume)
+
+    async def _delete_build_files(self, volume: TemplateVolume) -> None:
+        """A build's ready state (its mark first: unpublished) and its subvolume."""
+        ready, mark = ready_paths(volume)
+        mark.unlink(missing_ok=True)
+        await self.pool.delete_template_image(ready)
+        await self.pool.delete_template(volume)
 
     async def _remove_untagged_templates(self, say: Callable[[str], None]) -> None:
         """Delete template subvolumes no tag names: builds cut short or failed."""
@@ -75,10 +83,7 @@ class TemplateOps(ABC):
         for volume in self.pool.templates():
             if (volume.name, volume.digest) not in kept:
                 say(f"removing template {volume.name}@{volume.digest[:12]}: no tag names it")
-                await self.pool.delete_template_image(
-                    volume.path.with_name(f"{volume.digest}.ready")
-                )
-                await self.pool.delete_template(volume)
+                await self._delete_build_files(volume)
 
     async def _ready_at_start(self, template: Template, say: Callable[[str], None]) -> None:
         """Make (or find) a template's ready state and start its pool; a failure is
@@ -119,7 +124,8 @@ class TemplateOps(ABC):
         warm = self._pools.get(sandbox.record.template_digest)
         pooled = warm.take() if warm is not None else None
         if pooled is None:
-            await self._life.create_from_image(sandbox, ready)
+            async with self._starts:
+                await self._life.create_from_image(sandbox, ready)
             return
         try:
             await hand_over(self._registry(), pooled, sandbox)

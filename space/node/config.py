@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from space.node.errors import InvalidArgument
+
 __all__ = ["Accel", "NodeConfig", "resolve_node_id"]
 
 Accel = Literal["auto", "kvm", "tcg"]
@@ -61,11 +63,30 @@ class NodeConfig:
     #: default) means no pool. Each waiting VM holds its RAM but no CPU.
     warm_pool_min: int = 0
     warm_pool_max: int = 0
+    #: VMs started (booted or woken from memory) at once; more creates wait their turn.
+    max_parallel_starts: int = 4
     #: Longest a template build's run step or package install may take.
     build_step_timeout_s: float = 1800.0
     #: Where template builds fetch packages from (apt one-line sources; the host
     #: fetches, the build VM has no network).
     apt_sources: tuple[str, ...] = DEFAULT_APT_SOURCES
+
+    def __post_init__(self) -> None:
+        counts = {
+            "max_sandboxes": (self.max_sandboxes, 1),
+            "max_parallel_starts": (self.max_parallel_starts, 1),
+            "warm_pool_min": (self.warm_pool_min, 0),
+            "warm_pool_max": (self.warm_pool_max, self.warm_pool_min),
+        }
+        for name, (value, least) in counts.items():
+            if not isinstance(value, int) or value < least:
+                raise InvalidArgument(
+                    f"{name} must be an integer of at least {least}, got {value!r}"
+                )
+        if not all(isinstance(line, str) and line.startswith("deb ") for line in self.apt_sources):
+            raise InvalidArgument(
+                f"apt_sources must be one-line 'deb ...' sources: {self.apt_sources!r}"
+            )
 
     @property
     def effective_run_dir(self) -> Path:

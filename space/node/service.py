@@ -86,6 +86,9 @@ class Node(GuestOps, TemplateOps):
         self._life = Lifecycle(config, pool, self._store, self._snapshots, self._on_vm_exit)
         #: Warm pools by template digest.
         self._pools: dict[str, WarmPool] = {}
+        # A hundred QEMUs starting at once on a small host time out on their sockets;
+        # creates past the bound wait their turn instead.
+        self._starts = asyncio.Semaphore(config.max_parallel_starts)
         self._builds = Builds(self._registry, catalog, config.data_dir / "builds", self._make_ready)
 
     # startup and shutdown
@@ -200,11 +203,15 @@ class Node(GuestOps, TemplateOps):
             try:
                 if snapshot is not None:
                     image = self.pool.snapshot_path(snapshot.snapshot_id)
-                    await self._life.create_from_image(sandbox, image, head=snapshot.snapshot_id)
+                    async with self._starts:
+                        await self._life.create_from_image(
+                            sandbox, image, head=snapshot.snapshot_id
+                        )
                 elif template.ready is not None and template.ready_fits(spec):
                     await self._from_ready_state(sandbox, template.ready)
                 else:
-                    await self._boot(sandbox, template)
+                    async with self._starts:
+                        await self._boot(sandbox, template)
             except BaseException as exc:
                 tail = sandbox.console_tail()
                 await asyncio.shield(self._destroy(sandbox))

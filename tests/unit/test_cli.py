@@ -145,10 +145,16 @@ def test_demo_runs_the_session_and_deletes_its_sandbox(fake: FakeApi) -> None:
         ("stdout", b"3.11.2\n"),
         ("exit", 0, None, False),
     ]
+    fake.scripts["python3 greet.py"] = [
+        ("stdout", b"hello in /opt/demo\n"),
+        ("exit", 0, None, False),
+    ]
     result = _space(fake, "demo")
     assert result.exit_code == 0, result.stderr
     assert "Python 3.11.2" in result.stdout and " ms" in result.stdout
-    assert list(fake.sandboxes) == ["sbx1"]  # the demo's own sandbox is gone
+    assert "build template demo" in result.stdout and "demo:latest" in result.stdout
+    assert list(fake.sandboxes) == ["sbx1"]  # the demo's own sandboxes are gone
+    assert fake.templates == []  # and so is its template
 
 
 def test_negative_demo_failure_still_deletes_the_sandbox(fake: FakeApi) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 
 from space.control import NodeRegistry
 from space.control.routers import pools as pools_route
+from space.control.template_names import tenant_prefix
 from space.node.errors import NodeError, Unavailable
 from space.node.interface import NodeInfo, PoolInfo
 from space.node.remote import RemoteNode
@@ -21,7 +23,11 @@ from tests.unit.fakes import FakeNode, Harness, control_app
 pytestmark = pytest.mark.anyio
 
 _BASE = PoolInfo("base", size=2, target=3, min_size=1, max_size=8, hits=3, misses=1)
-_PY = PoolInfo("py", size=0, target=1, min_size=0, max_size=2, hits=0, misses=0)
+# Pools of the tenant "t"'s template py:v1 and of another tenant's: nodes name them scoped.
+_PY = PoolInfo(
+    f"{tenant_prefix('t')}py:v1", size=0, target=1, min_size=0, max_size=2, hits=0, misses=0
+)
+_THEIRS = replace(_PY, template=f"{tenant_prefix('other')}py:v1")
 
 
 class _SilentNode(FakeNode):
@@ -55,17 +61,17 @@ async def _pools(h: Harness, tenant: str = "t") -> list[dict[str, Any]]:
     return pools
 
 
-async def test_every_nodes_pools_are_listed_by_node_then_template_with_a_hit_rate(
+async def test_every_nodes_pools_of_base_and_the_tenants_templates_are_listed_in_its_names(
     tmp_path: Path,
 ) -> None:
     first, second = FakeNode("n1"), FakeNode("n2")
-    first.pools, second.pools = [_PY, _BASE], [_BASE]
+    first.pools, second.pools = [_PY, _THEIRS, _BASE], [_BASE]
     async with control_app(tmp_path, first, registry=_registry(n2=second, n1=first)) as h:
         listed = await _pools(h)
     base = {"template": "base", "size": 2, "target": 3, "min_size": 1, "max_size": 8}
     assert listed == [
         {"node_id": "n1", **base, "hits": 3, "misses": 1, "hit_rate": 0.75},
-        {"node_id": "n1", "template": "py", "size": 0, "target": 1, "min_size": 0,
+        {"node_id": "n1", "template": "py:v1", "size": 0, "target": 1, "min_size": 0,
          "max_size": 2, "hits": 0, "misses": 0, "hit_rate": None},
         {"node_id": "n2", **base, "hits": 3, "misses": 1, "hit_rate": 0.75},
     ]  # fmt: skip

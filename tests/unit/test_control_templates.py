@@ -262,3 +262,20 @@ def test_the_spec_writer_round_trips_every_toml_value() -> None:
         'f = [1, "x", {g = [], h = {}}]\n[t]\n"k y" = -inf\n[[s]]\nr = 2020-01-01\n'
     )
     assert tomllib.loads(dumps(document)) == document
+
+
+async def test_a_sandbox_takes_the_resources_it_leaves_out_from_its_template(
+    tmp_path: Path,
+) -> None:
+    sized = spec() + "[resources]\ncpus = 2\nmemory_mib = 512\n"
+    async with control_app(tmp_path) as h:
+        a = h.key("tenant-a")
+        assert lines(await build(h, a, archive(sized)))[-1]["type"] == "template"
+        made = await h.client.post("/v1/sandboxes", json={"template": "py:v1"}, headers=a)
+        assert made.status_code == 201, made.text
+        assert (made.json()["cpus"], made.json()["memory_mib"]) == (2, 512)
+        body = {"template": "py:v1", "memory_mib": 1024}
+        made = await h.client.post("/v1/sandboxes", json=body, headers=a)
+        assert (made.json()["cpus"], made.json()["memory_mib"]) == (2, 1024)
+        made = await h.client.post("/v1/sandboxes", json={}, headers=a)
+        assert (made.json()["cpus"], made.json()["memory_mib"]) == (1, 256)

@@ -13,6 +13,7 @@ from typing import cast
 import httpx
 import pytest
 
+from space.node._remote_answers import MAX_LINE_BYTES
 from space.node.errors import Conflict, InvalidArgument, NodeError, NotFound, Unavailable
 from space.node.http_api import create_node_app
 from space.node.interface import (
@@ -23,7 +24,7 @@ from space.node.interface import (
     NodeService,
     TemplateInfo,
 )
-from space.node.remote import MAX_LINE_BYTES, RemoteNode
+from space.node.remote import RemoteNode
 from space.node.templates import load_spec, parse_ref, unpack_context
 from space.node.wire import (
     BUILD_ID_HEADER,

@@ -9,8 +9,11 @@ to the contract, so the SDK tests do not test the SDK against a wrong fake.
 from __future__ import annotations
 
 import base64
+import io
 import itertools
 import json
+import tarfile
+import tomllib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -50,6 +53,8 @@ class FakeApi:
     scripts: dict[str, list[Event]] = field(default_factory=dict)
     processes: dict[str, FakeProcess] = field(default_factory=dict)
     snapshots: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: Names of the templates built (the archive is read, not checked).
+    templates: list[str] = field(default_factory=list)
     #: Pool objects ``GET /v1/pools`` answers, as given (docs/api.md, "Warm pools").
     pools: list[dict[str, Any]] = field(default_factory=list)
     requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
@@ -94,6 +99,8 @@ class FakeApi:
             Route("/v1/snapshots/{snap}", self._get_snapshot, methods=["GET"]),
             Route("/v1/snapshots/{snap}", self._delete_snapshot, methods=["DELETE"]),
             Route("/v1/pools", self._pools, methods=["GET"]),
+            Route("/v1/templates", self._build_template, methods=["POST"]),
+            Route("/v1/templates/{ref}", self._delete_template, methods=["DELETE"]),
         ]
         app = Starlette(routes=routes)
 
@@ -107,6 +114,32 @@ class FakeApi:
                 await app(scope, receive, send)
 
         return guarded
+
+    # templates
+
+    async def _build_template(self, request: Request) -> Response:
+        spec = _spec_of(await request.body())
+        name, tag = spec["name"], spec.get("tag", "latest")
+        self.templates.append(f"{name}:{tag}")
+        template = {
+            "name": name, "tag": tag, "digest": "d" * 64, "created_at": "2026-11-30T12:00:00Z",
+            "base": spec["base"], "cpus": 1, "memory_mib": 256, "disk_mib": 2048,
+            "env": spec.get("env", {}), "workdir": spec.get("workdir"),
+            "start": spec.get("start"), "ready": True,
+        }  # fmt: skip
+        lines = [
+            {"type": "log", "line": "step 1/1 config"},
+            {"type": "template", "template": template},
+        ]
+        body = "".join(json.dumps(line) + "\n" for line in lines)
+        return Response(body, media_type="application/x-ndjson")
+
+    async def _delete_template(self, request: Request) -> Response:
+        ref = request.path_params["ref"]
+        if ref not in self.templates and f"{ref}:latest" not in self.templates:
+            return _error(404, "not_found", f"no template {ref}")
+        self.templates = [t for t in self.templates if t not in (ref, f"{ref}:latest")]
+        return Response(status_code=204)
 
     # plumbing
 
@@ -405,6 +438,14 @@ def _refuse(sandbox: dict[str, Any], action: str) -> Response | None:
 
 def _seconds(value: Any) -> bool:
     return value is None or (type(value) is int and value >= 1)
+
+
+def _spec_of(archive: bytes) -> dict[str, Any]:
+    """The ``space.toml`` of a gzip'd tar build context."""
+    with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
+        member = tar.extractfile("space.toml")
+        assert member is not None
+        return tomllib.loads(member.read().decode())
 
 
 def _error(status: int, code: str, message: str, details: dict[str, Any] | None = None) -> Response:

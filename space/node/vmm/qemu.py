@@ -157,7 +157,7 @@ class QemuVM:
         vm = cls(cfg, pid, os.pidfd_open(pid))
         try:
             await vm._wait_for_qmp_socket(start_timeout_s)
-            await vm.connect_qmp()
+            await vm._connect_qmp_when_listening(start_timeout_s)
         except BaseException:
             await vm.kill()
             raise
@@ -200,6 +200,22 @@ class QemuVM:
         except Exception as exc:
             raise Unavailable(f"QMP connect failed: {exc}", sandbox_id=self.sandbox_id) from exc
         self._qmp = client
+
+    async def _connect_qmp_when_listening(self, timeout_s: float) -> None:
+        """Connect QMP, retrying while QEMU has bound its socket but not yet listens
+        (a window that grows to seconds when many VMs start on a busy host)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            try:
+                await self.connect_qmp()
+                return
+            except Unavailable as exc:
+                refused = isinstance(exc.__cause__, ConnectionRefusedError) or isinstance(
+                    getattr(exc.__cause__, "exc", None), ConnectionRefusedError
+                )
+                if not refused or not self.alive or asyncio.get_running_loop().time() > deadline:
+                    raise
+            await asyncio.sleep(0.05)
 
     async def query_status(self) -> str:
         """QEMU's run state (``running``, ``paused``, ``postmigrate``, ...).
