@@ -142,17 +142,23 @@ async def run(data_dir: Path, runs: int) -> dict[str, list[float]]:
         data_dir=data_dir, pool_size_gib=8, boot_timeout_s=90.0, warm_pool_min=1, warm_pool_max=1
     )
     node = await Node.start(config)
-    settings = ControlSettings(data_dir=data_dir / "control")
-    port = free_port()
-    server = asyncio.ensure_future(run_control_plane(settings, node, host="127.0.0.1", port=port))
     try:
+        settings = ControlSettings(data_dir=data_dir / "control")
+        port = free_port()
+        # The key first: making it migrates the database, as the server's start does,
+        # and two migrations at once in one process trip over alembic's global context.
         api = (f"http://127.0.0.1:{port}", await _key(settings))
-        await _serving(api[0], server)
-        return await bench(node, api, runs)
+        server = asyncio.ensure_future(
+            run_control_plane(settings, node, host="127.0.0.1", port=port)
+        )
+        try:
+            await _serving(api[0], server)
+            return await bench(node, api, runs)
+        finally:
+            server.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await server
     finally:
-        server.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await server
         await node.shutdown(unmount_pool=True)
 
 

@@ -58,6 +58,8 @@ BUILD_ENV = {
     "LANG": "C.UTF-8",
     "DEBIAN_FRONTEND": "noninteractive",
 }
+#: The least memory a build VM gets, whatever the template's.
+BUILD_MEMORY_MIB = 1024
 #: Longest log line passed on; longer output lines are cut.
 MAX_LINE = 4096
 #: Output lines of a failing step quoted in its error.
@@ -177,13 +179,12 @@ async def build_layers(node: Registry, planned: Planned, say: Say) -> TemplateVo
         return source
     vm_id = f"build-{secrets.token_hex(6)}"
     say(f"booting a build VM from {'the base' if source is planned.base.volume else 'the cache'}")
-    vm = await boot_hidden(
-        node,
-        vm_id,
-        source,
-        planned.shape,
-        grow=planned.base.pristine and source is planned.base.volume,
-    )
+    # The build VM's memory is never kept, so it may be larger than the template's:
+    # package installs and compilers need room. Its disk is the template's.
+    shape = planned.shape
+    build_shape = Shape(max(shape.cpus, 2), max(shape.memory_mib, BUILD_MEMORY_MIB), shape.disk_mib)
+    grow = planned.base.pristine and source is planned.base.volume
+    vm = await boot_hidden(node, vm_id, source, build_shape, grow=grow)
     try:
         for step in todo:
             say(lines[step.index])

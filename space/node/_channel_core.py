@@ -92,6 +92,11 @@ class ChannelCore:
     def closed(self) -> bool:
         return self._closed
 
+    def reassign(self, sandbox_id: str) -> None:
+        """Name another sandbox in errors from now on: a pool VM handed over keeps its
+        channel (the guest session held no tenant's requests)."""
+        self._sandbox_id = sandbox_id
+
     async def close(self) -> None:
         """Close the channel; pending calls raise Unavailable. Idempotent."""
         self._shutdown(Unavailable("guest channel closed", sandbox_id=self._sandbox_id))

@@ -181,6 +181,7 @@ async def hand_over(node: Registry, pooled: LiveSandbox, sandbox: LiveSandbox) -
     caller destroys ``sandbox``, which owns the VM by then.
     """
     life, old = node.life, pooled.sandbox_id
+    channel, pooled.channel = pooled.channel, None  # kept open: unwatch would close it
     await pooled.unwatch()
     sandbox.vm, pooled.vm = pooled.vm, None
     life.store.remove(old)
@@ -194,7 +195,11 @@ async def hand_over(node: Registry, pooled: LiveSandbox, sandbox: LiveSandbox) -
     life.save(sandbox, SandboxState.RUNNING, pending=pending)
     await sandbox.resume()
     sandbox.watch(life.on_vm_exit, life.config.console_max_bytes)
-    await sandbox.connect(hello_timeout_s=life.config.boot_timeout_s)
+    if channel is None or channel.closed:
+        await sandbox.connect(hello_timeout_s=life.config.boot_timeout_s)
+    else:  # a HELLO less: the pool's session only ever ran its warm-up `true`
+        channel.reassign(sandbox.sandbox_id)
+        sandbox.channel = channel
     await life.settle_identity(sandbox)
 
 

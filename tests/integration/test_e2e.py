@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ import pytest
 from space import Sandbox
 from space.sdk import InvalidArgument, NotFound
 
-from .platform import Platform, qemu_pids, running_platform
+from .platform import SPACE, Platform, qemu_pids, running_platform
 
 pytestmark = pytest.mark.vm
 
@@ -232,3 +233,36 @@ def test_lifecycle_through_the_sdk_hibernate_snapshot_restore_fork(
             sandbox.kill()
         for snapshot in Sandbox.list_snapshots(api_url=platform.url, api_key=key):
             Sandbox.delete_snapshot(snapshot, api_url=platform.url, api_key=key)
+
+
+def test_a_template_built_with_the_cli_serves_sandboxes_of_its_tenant_only(
+    platform: Platform, key: str, tmp_path: Path
+) -> None:
+    (tmp_path / "space.toml").write_text(
+        'name = "e2e"\ntag = "v1"\nbase = "debian:bookworm"\n'
+        'env = { FROM = "the template" }\n'
+        '[[steps]]\ncopy = { src = "hello.txt", dst = "/opt/hello.txt" }\n'
+    )
+    (tmp_path / "hello.txt").write_text("hello\n")
+    cli = {**os.environ, "SPACE_API_URL": platform.url, "SPACE_API_KEY": key}
+    built = subprocess.run(
+        [*SPACE, "template", "build", str(tmp_path)], env=cli, capture_output=True, text=True
+    )
+    assert built.returncode == 0, built.stdout + built.stderr
+    assert "step 1/2 copy" in built.stdout and "built e2e:v1" in built.stdout
+    listed = subprocess.run([*SPACE, "template", "ls"], env=cli, capture_output=True, text=True)
+    assert "e2e:v1" in listed.stdout and "base:latest" in listed.stdout
+
+    sbx = Sandbox.create("e2e:v1", api_url=platform.url, api_key=key)
+    try:
+        out = sbx.commands.run('cat /opt/hello.txt; echo "$FROM"').stdout
+        assert out == "hello\nthe template\n"
+    finally:
+        sbx.kill()
+    other = platform.create_key("tenant-b")
+    with pytest.raises(NotFound):
+        Sandbox.create("e2e:v1", api_url=platform.url, api_key=other)
+    removed = subprocess.run([*SPACE, "template", "rm", "e2e:v1"], env=cli, capture_output=True)
+    assert removed.returncode == 0, removed.stderr
+    with pytest.raises(NotFound):
+        Sandbox.create("e2e:v1", api_url=platform.url, api_key=key)
