@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from space.control.template_names import tenant_prefix
 from space.node.interface import PoolInfo as NodePoolInfo
 from space.sdk import AsyncSandbox, PoolInfo
 from space.sdk.errors import AuthenticationError, Conflict, NotFound, Unavailable
@@ -90,7 +91,10 @@ async def test_sdk_reads_the_warm_pools_the_control_plane_gathers_from_its_nodes
     tmp_path: Path,
 ) -> None:
     node = FakeNode()
-    node.pools = [NodePoolInfo("base", 1, 2, 0, 4, hits=1, misses=3), NodePoolInfo("py", *[0] * 6)]
+    node.pools = [
+        NodePoolInfo("base", 1, 2, 0, 4, hits=1, misses=3),
+        NodePoolInfo(f"{tenant_prefix('acme')}py:v1", *[0] * 6),
+    ]
     async with control_app(tmp_path, node) as h:
         key = h.key("acme")["Authorization"].removeprefix("Bearer ")
         transport = httpx.ASGITransport(app=h.app)
