@@ -101,5 +101,5 @@ async def test_sdk_reads_the_warm_pools_the_control_plane_gathers_from_its_nodes
         pools = await AsyncSandbox.list_pools(api_key=key, _transport=transport)
     assert pools == [
         PoolInfo("local", "base", 1, 2, 0, 4, hits=1, misses=3, hit_rate=0.25),
-        PoolInfo("local", "py", 0, 0, 0, 0, hits=0, misses=0, hit_rate=None),
+        PoolInfo("local", "py:v1", 0, 0, 0, 0, hits=0, misses=0, hit_rate=None),
     ]
