@@ -21,6 +21,7 @@ import json
 import secrets
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from space.node._catalog import Build, Catalog
@@ -78,11 +79,14 @@ class BuildStepFailed(NodeError):
         self.step = step
 
 
+@dataclass(frozen=True, slots=True)
 class Planned:
     """A spec resolved against the node: its base, shape and steps."""
 
-    def __init__(self, spec: TemplateSpec, base: Template, shape: Shape, steps: list[Step]):
-        self.spec, self.base, self.shape, self.steps = spec, base, shape, steps
+    spec: TemplateSpec
+    base: Template
+    shape: Shape
+    steps: list[Step]
 
     @property
     def digest(self) -> str:

@@ -29,6 +29,7 @@ from space.node._lifecycle import Lifecycle, Registry
 from space.node._pool import WarmPool
 from space.node._recovery import recover
 from space.node._sandbox import LiveSandbox, not_allowed, settled, vm_config_for, with_console
+from space.node._snapshot_ops import SAVEABLE, SnapshotOps
 from space.node._template import Template, prepare_template
 from space.node._template_ops import TemplateOps
 from space.node._validation import MAX_FORK_CHILDREN, check_compatible, check_id, check_spec
@@ -45,7 +46,6 @@ from space.node.interface import (
     SandboxSpec,
     SandboxState,
     SandboxStatus,
-    SnapshotInfo,
 )
 from space.node.state import SandboxRecord, SnapshotStore, StateStore
 from space.node.storage.btrfs import BtrfsPool
@@ -55,11 +55,8 @@ __all__ = ["Node"]
 
 log = logging.getLogger(__name__)
 
-#: States from which a sandbox's memory can be saved (hibernate, snapshot, fork).
-_SAVEABLE = (SandboxState.RUNNING, SandboxState.PAUSED, SandboxState.HIBERNATED)
 
-
-class Node(GuestOps, TemplateOps):
+class Node(GuestOps, SnapshotOps, TemplateOps):
     """The sandboxes of one host. Start with ``await Node.start(config)``."""
 
     def __init__(
@@ -290,7 +287,7 @@ class Node(GuestOps, TemplateOps):
         state = sandbox.record.state
         if state == target:
             return
-        if state not in _SAVEABLE or (state, target) == (
+        if state not in SAVEABLE or (state, target) == (
             SandboxState.HIBERNATED,
             SandboxState.PAUSED,
         ):
@@ -312,56 +309,7 @@ class Node(GuestOps, TemplateOps):
             self._store.save(sandbox.mark(target))
             await self._life.sync_clock(sandbox)
 
-    # snapshots, restore, fork
-
-    async def snapshot_sandbox(self, sandbox_id: str, snapshot_id: str) -> SnapshotInfo:
-        """Take a read-only snapshot of a sandbox's disk and memory; returns it.
-
-        The sandbox (RUNNING, PAUSED or HIBERNATED) keeps its state after a pause of
-        one state save and one subvolume snapshot. Idempotent per ``snapshot_id`` (the
-        same sandbox gets the published snapshot back; another sandbox, Conflict).
-        Raises NotFound, Conflict naming the state, Unavailable/Timeout. Nothing of a
-        failed or cancelled snapshot is ever listed.
-        """
-        check_id(snapshot_id, "snapshot id")
-        async with self._lock(sandbox_id):
-            sandbox = self._get(sandbox_id)
-            existing = self._snapshots.get(snapshot_id)
-            if existing is not None:
-                if existing.sandbox_id != sandbox_id:
-                    raise Conflict(
-                        f"snapshot {snapshot_id} is of another sandbox", sandbox_id=sandbox_id
-                    )
-                return existing
-            if sandbox.record.state not in _SAVEABLE:
-                raise not_allowed("snapshot", sandbox)
-            return await settled(self._life.snapshot(sandbox, snapshot_id))
-
-    async def list_snapshots(self) -> list[SnapshotInfo]:
-        """Every published snapshot, oldest first, with ``exclusive_bytes`` measured."""
-        infos = sorted(self._snapshots.load_all()[0], key=lambda i: i.created_at)
-        return list(await asyncio.gather(*(self._measured(i) for i in infos)))
-
-    async def get_snapshot(self, snapshot_id: str) -> SnapshotInfo:
-        check_id(snapshot_id, "snapshot id")
-        return await self._measured(self._snapshot(snapshot_id))
-
-    async def delete_snapshot(self, snapshot_id: str) -> None:
-        """Unpublish, then delete a snapshot; idempotent. Its children in the tree and
-        sandboxes whose head it was get its parent instead."""
-        check_id(snapshot_id, "snapshot id")
-        async with self._lock(f"snapshot/{snapshot_id}"):
-            info = self._snapshots.get(snapshot_id)
-            if info is not None:
-                for child in self._snapshots.load_all()[0]:
-                    if child.parent_id == snapshot_id:
-                        self._snapshots.save(replace(child, parent_id=info.parent_id))
-                for sandbox in self._sandboxes.values():
-                    if sandbox.record.head_snapshot == snapshot_id:
-                        sandbox.record = replace(sandbox.record, head_snapshot=info.parent_id)
-                        self._store.save(sandbox.record)
-                self._snapshots.remove(snapshot_id)
-            await self.pool.delete_snapshot(snapshot_id)
+    # restore, fork
 
     async def restore_sandbox(self, sandbox_id: str, snapshot_id: str) -> SandboxStatus:
         """Roll a sandbox back to a snapshot: disk, memory and processes; RUNNING after.
@@ -395,7 +343,7 @@ class Node(GuestOps, TemplateOps):
             )
         async with self._lock(sandbox_id):
             parent = self._get(sandbox_id)
-            if parent.record.state not in _SAVEABLE:
+            if parent.record.state not in SAVEABLE:
                 raise not_allowed("fork", parent)
             taken = [c for c in ids if c in self._sandboxes or c == sandbox_id]
             if taken:
@@ -432,21 +380,6 @@ class Node(GuestOps, TemplateOps):
         child = self._live(record)
         self._sandboxes[child_id] = child
         return child
-
-    def _snapshot(self, snapshot_id: str) -> SnapshotInfo:
-        info = self._snapshots.get(snapshot_id)
-        if info is None:
-            raise NotFound(f"no snapshot {snapshot_id!r} on this node")
-        return info
-
-    def _compatible_snapshot(self, spec: SandboxSpec) -> SnapshotInfo:
-        snapshot = self._snapshot(check_id(spec.from_snapshot, "snapshot id"))
-        check_compatible(spec, snapshot)
-        return snapshot
-
-    async def _measured(self, info: SnapshotInfo) -> SnapshotInfo:
-        path = self.pool.snapshot_path(info.snapshot_id)
-        return replace(info, exclusive_bytes=await self.pool.exclusive_bytes(path))
 
     async def get_sandbox(self, sandbox_id: str) -> SandboxStatus:
         return self._get(sandbox_id).record.status()
