@@ -6,10 +6,11 @@ state, so these tests take about half a minute per build under TCG.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import tarfile
 import textwrap
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,6 +34,27 @@ from .conftest import NodeHarness, started_node
 from .test_lifecycle import _sh
 
 pytestmark = pytest.mark.vm
+
+
+@contextlib.contextmanager
+def _removing_templates(h: NodeHarness) -> Iterator[NodeHarness]:
+    """``h``; afterwards every template but base is deleted, so the node's later
+    starts (in other test files, on the same data dir) make no ready state or pool
+    for them."""
+    try:
+        yield h
+    finally:
+        for info in h.run(h.node.list_templates()):
+            if info.name != "base":
+                with contextlib.suppress(NotFound):
+                    h.run(h.node.delete_template(f"{info.name}@{info.digest}"))
+
+
+@pytest.fixture
+def node(node_config: NodeConfig) -> Iterator[NodeHarness]:
+    with started_node(node_config) as harness, _removing_templates(harness):
+        yield harness
+
 
 _SERVER = """#!/bin/sh
 # Stays running: the template's start command.
@@ -154,7 +176,8 @@ def test_packages_are_fetched_by_the_host_and_installed_in_the_build_vm(
     spec = 'name = "with-packages"\nbase = "debian:bookworm"\npackages = ["space-app"]\n'
     with (
         served_repository(tmp_path / "repo") as source,
-        started_node(replace(node_config, apt_sources=(source,))) as node,
+        started_node(replace(node_config, apt_sources=(source,))) as started,
+        _removing_templates(started) as node,
     ):
         context = tmp_path / "context"
         context.mkdir()

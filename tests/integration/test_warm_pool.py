@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 
 from space.node.config import NodeConfig
-from space.node.interface import SandboxSpec, SandboxState
+from space.node.interface import PoolInfo, SandboxSpec, SandboxState
 
 from .conftest import NodeHarness, started_node
 from .platform import qemu_pids
@@ -31,19 +31,21 @@ def warm(node_config: NodeConfig) -> Iterator[NodeHarness]:
         yield harness
 
 
+def _base_pool(h: NodeHarness) -> PoolInfo:
+    (info,) = [p for p in h.run(h.node.info()).pools if p.template == "base:latest"]
+    return info
+
+
 def _pool(h: NodeHarness) -> tuple[int, int, int]:
-    (info,) = h.run(h.node.info()).pools
+    info = _base_pool(h)
     return info.size, info.hits, info.misses
 
 
 def _wait_full(h: NodeHarness, timeout_s: float = 120.0) -> None:
-    async def wait() -> None:
-        deadline = time.monotonic() + timeout_s
-        while (await h.node.info()).pools[0].size < POOL:
-            assert time.monotonic() < deadline, "the warm pool did not fill"
-            await asyncio.sleep(0.2)
-
-    h.run(wait())
+    deadline = time.monotonic() + timeout_s
+    while _base_pool(h).size < POOL:
+        assert time.monotonic() < deadline, "the warm pool did not fill"
+        h.run(asyncio.sleep(0.2))  # the node's loop runs (and refills) only in h.run
 
 
 def test_creates_take_pool_vms_that_become_independent_sandboxes(warm: NodeHarness) -> None:
