@@ -94,11 +94,13 @@ class Builds:
         catalog: Catalog,
         work_root: Path,
         make_ready: Callable[[Template], Awaitable[Template]],
+        drop_build: Callable[[Template], Awaitable[None]],
     ) -> None:
         self._registry = registry
         self._catalog = catalog
         self._work_root = work_root
         self._make_ready = make_ready
+        self._drop_build = drop_build
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
         shutil.rmtree(work_root, ignore_errors=True)  # what builds cut short left
@@ -160,4 +162,7 @@ class Builds:
             f"making the ready state ({planned.shape.cpus} cpu, {planned.shape.memory_mib} MiB)"
         )
         await self._make_ready(self._catalog.template(spec.name, spec.tag, build))
-        return self._catalog.add(spec.name, spec.tag, build)
+        template, orphans = self._catalog.add(spec.name, spec.tag, build)
+        for orphan in orphans:  # the tag's previous build, named by no other tag
+            await self._drop_build(orphan)
+        return template

@@ -131,15 +131,21 @@ class Catalog:
             seen.setdefault(template.digest, template)
         return list(seen.values())
 
-    def add(self, name: str, tag: str, build: Build) -> Template:
-        """Record a complete build of ``name`` and point ``tag`` at it (durably)."""
+    def add(self, name: str, tag: str, build: Build) -> tuple[Template, list[Template]]:
+        """Record a complete build of ``name`` and point ``tag`` at it (durably).
+
+        Returns the template and the builds no tag names any more (the one the tag
+        named before, unless another tag still does), for the caller to delete.
+        """
         record = self._records.get(name) or _Record(name, {}, {})
-        record = _Record(
-            name, {**record.tags, tag: build.digest}, {**record.builds, build.digest: build}
-        )
+        tags = {**record.tags, tag: build.digest}
+        builds = {**record.builds, build.digest: build}
+        named = set(tags.values())
+        record = _Record(name, tags, {d: b for d, b in builds.items() if d in named})
         self._store.save(record)
         self._records[name] = record
-        return self._template(name, tag, build)
+        orphans = [self._template(name, "", b) for d, b in builds.items() if d not in named]
+        return self._template(name, tag, build), orphans
 
     def template(self, name: str, tag: str, build: Build) -> Template:
         """``build`` of ``name`` as a Template (its subvolume published), tagged or not."""

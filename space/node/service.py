@@ -86,7 +86,9 @@ class Node(GuestOps, SnapshotOps, TemplateOps):
         # A hundred QEMUs starting at once on a small host time out on their sockets;
         # creates past the bound wait their turn instead.
         self._starts = asyncio.Semaphore(config.max_parallel_starts)
-        self._builds = Builds(self._registry, catalog, config.data_dir / "builds", self._make_ready)
+        self._builds = Builds(
+            self._registry, catalog, config.data_dir / "builds", self._make_ready, self._drop_build
+        )
 
     # startup and shutdown
 

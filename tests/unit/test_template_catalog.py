@@ -98,6 +98,21 @@ def test_removing_by_digest_removes_every_tag_of_that_build(
     assert [t.tag for t in catalog.tagged()] == ["latest", "c"]
 
 
+def test_a_tag_moved_to_a_new_build_orphans_the_old_one_unless_another_tag_names_it(
+    pool: BtrfsPool, tmp_path: Path
+) -> None:
+    catalog = _catalog(pool, tmp_path / "state")
+    for digest in ("1" * 64, "2" * 64, "3" * 64):
+        _volume(pool, "py", digest)
+    assert catalog.add("py", "v1", _build("1" * 64))[1] == []
+    catalog.add("py", "stable", _build("1" * 64))
+    assert catalog.add("py", "v1", _build("2" * 64))[1] == []  # "stable" keeps build 1
+    _, orphans = catalog.add("py", "v1", _build("3" * 64))
+    assert [t.digest for t in orphans] == ["2" * 64]
+    assert catalog.resolve("py:v1").digest == "3" * 64
+    assert catalog.resolve("py:stable").digest == "1" * 64
+
+
 @pytest.mark.parametrize("ref", ["Py", "py:", "py@abc", "py:v1@" + "1" * 64, ""])
 def test_negative_a_malformed_reference_is_invalid(
     pool: BtrfsPool, tmp_path: Path, ref: str
