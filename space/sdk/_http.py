@@ -27,7 +27,14 @@ from space.sdk.errors import (
     error_class,
 )
 
-__all__ = ["DEFAULT_API_URL", "ApiClient", "ConnectionConfig"]
+__all__ = [
+    "DEFAULT_API_URL",
+    "ApiClient",
+    "ConnectionConfig",
+    "client_config",
+    "json_object",
+    "listed",
+]
 
 DEFAULT_API_URL = "http://127.0.0.1:8080"
 #: Default bound on each ordinary request, in seconds.
@@ -170,6 +177,32 @@ class ApiClient:
                 yield response
             finally:
                 await response.aclose()
+
+
+def client_config(
+    api_url: str | None,
+    api_key: str | None,
+    request_timeout_s: float | None,
+    transport: httpx.AsyncBaseTransport | None,
+) -> ConnectionConfig:
+    """The connection of one SDK call: its arguments, else the environment's."""
+    return ConnectionConfig.resolve(
+        api_url, api_key, request_timeout_s=request_timeout_s, transport=transport
+    )
+
+
+def listed(body: Any, key: str, operation: str) -> list[Any]:
+    """``body[key]`` of a ``{key: [...]}`` answer; InternalError for any other shape."""
+    items = body.get(key) if isinstance(body, dict) else None
+    if not isinstance(items, list):
+        raise InternalError(f"malformed answer: no {key} list", operation=operation)
+    return items
+
+
+def json_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise InternalError("the API answered with something that is not a JSON object")
+    return body
 
 
 @contextmanager

@@ -13,9 +13,9 @@ import httpx
 
 from space.sdk._commands import AsyncCommands
 from space.sdk._files import AsyncFiles
-from space.sdk._http import ApiClient, ConnectionConfig
+from space.sdk._http import ApiClient, client_config, json_object, listed
 from space.sdk._models import PoolInfo, SandboxInfo, SnapshotInfo
-from space.sdk.errors import InternalError, InvalidArgument, NotFound
+from space.sdk.errors import InvalidArgument, NotFound
 
 __all__ = ["KEEP", "AsyncSandbox"]
 
@@ -102,7 +102,7 @@ class AsyncSandbox:
         body.update(timeout_s=timeout_s, env=dict(env or {}), metadata=dict(metadata or {}))
         if idle_timeout_s is not None:
             body["idle_timeout_s"] = idle_timeout_s
-        api = ApiClient(_config(api_url, api_key, request_timeout_s, _transport))
+        api = ApiClient(client_config(api_url, api_key, request_timeout_s, _transport))
         try:
             answer = await api.request_json(
                 "POST",
@@ -111,7 +111,7 @@ class AsyncSandbox:
                 json_body=body,
                 timeout_s=CREATE_TIMEOUT_S,
             )
-            return cls(SandboxInfo.from_wire(_object(answer)), api)
+            return cls(SandboxInfo.from_wire(json_object(answer)), api)
         except BaseException:
             await api.aclose()
             raise
@@ -127,7 +127,7 @@ class AsyncSandbox:
         _transport: httpx.AsyncBaseTransport | None = None,
     ) -> AsyncSandbox:
         """Attach to an existing sandbox. Raises NotFound if it does not exist."""
-        api = ApiClient(_config(api_url, api_key, request_timeout_s, _transport))
+        api = ApiClient(client_config(api_url, api_key, request_timeout_s, _transport))
         try:
             info = await _get_info(api, sandbox_id)
         except BaseException:
@@ -145,13 +145,13 @@ class AsyncSandbox:
         _transport: httpx.AsyncBaseTransport | None = None,
     ) -> builtins.list[SandboxInfo]:
         """Every sandbox of the key's tenant."""
-        api = ApiClient(_config(api_url, api_key, request_timeout_s, _transport))
+        api = ApiClient(client_config(api_url, api_key, request_timeout_s, _transport))
         try:
             body = await api.request_json("GET", "/v1/sandboxes", operation="sandbox.list")
         finally:
             await api.aclose()
-        sandboxes = _listed(body, "sandboxes", operation="sandbox.list")
-        return [SandboxInfo.from_wire(_object(s)) for s in sandboxes]
+        sandboxes = listed(body, "sandboxes", operation="sandbox.list")
+        return [SandboxInfo.from_wire(json_object(s)) for s in sandboxes]
 
     @classmethod
     async def list_snapshots(
@@ -171,7 +171,7 @@ class AsyncSandbox:
         path = "/v1/snapshots"
         if sandbox_id is not None:
             path = f"/v1/sandboxes/{_segment(sandbox_id, 'sandbox id')}/snapshots"
-        api = ApiClient(_config(api_url, api_key, request_timeout_s, _transport))
+        api = ApiClient(client_config(api_url, api_key, request_timeout_s, _transport))
         try:
             return await _get_snapshots(api, path, sandbox_id)
         finally:
@@ -186,18 +186,18 @@ class AsyncSandbox:
         request_timeout_s: float | None = None,
         _transport: httpx.AsyncBaseTransport | None = None,
     ) -> builtins.list[PoolInfo]:
-        """The warm pools of every node, by node id then template.
+        """The warm pools of ``base`` and the tenant's own templates on every node, by
+        node id then template (in the tenant's names).
 
-        Any valid key may read them (they hold no tenant data). A node that does not
-        answer is left out rather than failing the call. Raises AuthenticationError for
+        A node that does not answer is left out rather than failing the call. Raises AuthenticationError for
         a missing or unknown key. Read-only.
         """
-        api = ApiClient(_config(api_url, api_key, request_timeout_s, _transport))
+        api = ApiClient(client_config(api_url, api_key, request_timeout_s, _transport))
         try:
             body = await api.request_json("GET", "/v1/pools", operation="pool.list")
         finally:
             await api.aclose()
-        return [PoolInfo.from_wire(_object(p)) for p in _listed(body, "pools", "pool.list")]
+        return [PoolInfo.from_wire(json_object(p)) for p in listed(body, "pools", "pool.list")]
 
     @classmethod
     async def delete_snapshot(
@@ -215,7 +215,7 @@ class AsyncSandbox:
         restored from it are unaffected. Raises InvalidArgument for a malformed id.
         """
         snapshot_id = _snapshot_id(snapshot)
-        api = ApiClient(_config(api_url, api_key, request_timeout_s, _transport))
+        api = ApiClient(client_config(api_url, api_key, request_timeout_s, _transport))
         try:
             await api.request_json(
                 "DELETE", f"/v1/snapshots/{snapshot_id}", operation="snapshot.delete"
@@ -280,7 +280,7 @@ class AsyncSandbox:
             sandbox_id=self.sandbox_id,
             json_body=body,
         )
-        self._info = SandboxInfo.from_wire(_object(answer))
+        self._info = SandboxInfo.from_wire(json_object(answer))
         return self._info
 
     async def snapshot(self, name: str) -> SnapshotInfo:
@@ -300,7 +300,7 @@ class AsyncSandbox:
             json_body={"name": name},
             timeout_s=LIFECYCLE_TIMEOUT_S,
         )
-        return SnapshotInfo.from_wire(_object(answer))
+        return SnapshotInfo.from_wire(json_object(answer))
 
     async def snapshots(self) -> builtins.list[SnapshotInfo]:
         """The snapshots taken of this sandbox. NotFound once it is gone."""
@@ -324,7 +324,7 @@ class AsyncSandbox:
             json_body={"snapshot_id": _snapshot_id(snapshot)},
             timeout_s=LIFECYCLE_TIMEOUT_S,
         )
-        self._info = SandboxInfo.from_wire(_object(answer))
+        self._info = SandboxInfo.from_wire(json_object(answer))
         return self._info
 
     async def fork(self, n: int = 1) -> builtins.list[AsyncSandbox]:
@@ -344,8 +344,8 @@ class AsyncSandbox:
             json_body={"count": n},
             timeout_s=LIFECYCLE_TIMEOUT_S,
         )
-        children = _listed(answer, "sandboxes", operation="sandbox.fork")
-        infos = [SandboxInfo.from_wire(_object(child)) for child in children]
+        children = listed(answer, "sandboxes", operation="sandbox.fork")
+        infos = [SandboxInfo.from_wire(json_object(child)) for child in children]
         return [AsyncSandbox(info, ApiClient(self._api.config)) for info in infos]
 
     async def _transition(self, action: str) -> SandboxInfo:
@@ -356,7 +356,7 @@ class AsyncSandbox:
             sandbox_id=self.sandbox_id,
             timeout_s=LIFECYCLE_TIMEOUT_S,
         )
-        self._info = SandboxInfo.from_wire(_object(body))
+        self._info = SandboxInfo.from_wire(json_object(body))
         return self._info
 
     async def kill(self) -> bool:
@@ -394,22 +394,11 @@ class AsyncSandbox:
         await self.kill()
 
 
-def _config(
-    api_url: str | None,
-    api_key: str | None,
-    request_timeout_s: float | None,
-    transport: httpx.AsyncBaseTransport | None,
-) -> ConnectionConfig:
-    return ConnectionConfig.resolve(
-        api_url, api_key, request_timeout_s=request_timeout_s, transport=transport
-    )
-
-
 async def _get_info(api: ApiClient, sandbox_id: str) -> SandboxInfo:
     body = await api.request_json(
         "GET", f"/v1/sandboxes/{sandbox_id}", operation="sandbox.get_info", sandbox_id=sandbox_id
     )
-    return SandboxInfo.from_wire(_object(body))
+    return SandboxInfo.from_wire(json_object(body))
 
 
 async def _get_snapshots(
@@ -417,7 +406,7 @@ async def _get_snapshots(
 ) -> builtins.list[SnapshotInfo]:
     operation = "snapshot.list"
     body = await api.request_json("GET", path, operation=operation, sandbox_id=sandbox_id)
-    return [SnapshotInfo.from_wire(_object(s)) for s in _listed(body, "snapshots", operation)]
+    return [SnapshotInfo.from_wire(json_object(s)) for s in listed(body, "snapshots", operation)]
 
 
 def _create_body(
@@ -450,17 +439,3 @@ def _segment(value: str, what: str) -> str:
     if not isinstance(value, str) or not _ID.match(value):
         raise InvalidArgument(f"not a valid {what}: {value!r}")
     return value
-
-
-def _listed(body: Any, key: str, operation: str) -> builtins.list[Any]:
-    """``body[key]`` of a ``{key: [...]}`` answer; InternalError for any other shape."""
-    items = body.get(key) if isinstance(body, dict) else None
-    if not isinstance(items, builtins.list):
-        raise InternalError(f"malformed answer: no {key} list", operation=operation)
-    return items
-
-
-def _object(body: Any) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise InternalError("the API answered with something that is not a JSON object")
-    return body

@@ -14,7 +14,7 @@ from urllib.parse import quote
 import httpx
 
 from space.sdk._events import iter_events
-from space.sdk._http import ApiClient, ConnectionConfig
+from space.sdk._http import ApiClient, client_config, json_object, listed
 from space.sdk._models import TemplateInfo
 from space.sdk._pack import SPEC_NAME, plan_context, stream_context
 from space.sdk.errors import BuildError, InternalError, InvalidArgument
@@ -29,17 +29,6 @@ _REF = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}(:[a-z0-9][a-z0-9_.-]{0,63}|@[0-9a
 
 #: Receives each line of a build's log; its return value is ignored.
 LogCallback = Callable[[str], object]
-
-
-def _config(
-    api_url: str | None,
-    api_key: str | None,
-    request_timeout_s: float | None,
-    transport: httpx.AsyncBaseTransport | None,
-) -> ConnectionConfig:
-    return ConnectionConfig.resolve(
-        api_url, api_key, request_timeout_s=request_timeout_s, transport=transport
-    )
 
 
 class AsyncTemplate:
@@ -73,7 +62,7 @@ class AsyncTemplate:
         stops listening; the build carries on to its end on the server.
         """
         entries = await asyncio.to_thread(plan_context, Path(path), spec)
-        api = ApiClient(_config(api_url, api_key, request_timeout_s, _transport))
+        api = ApiClient(client_config(api_url, api_key, request_timeout_s, _transport))
         try:
             async with api.stream(
                 "POST",
@@ -97,15 +86,13 @@ class AsyncTemplate:
         _transport: httpx.AsyncBaseTransport | None = None,
     ) -> builtins.list[TemplateInfo]:
         """``base`` and the tenant's templates, one per name and tag, sorted. Read-only."""
-        api = ApiClient(_config(api_url, api_key, request_timeout_s, _transport))
+        api = ApiClient(client_config(api_url, api_key, request_timeout_s, _transport))
         try:
             body = await api.request_json("GET", "/v1/templates", operation="template.list")
         finally:
             await api.aclose()
-        items = body.get("templates") if isinstance(body, dict) else None
-        if not isinstance(items, builtins.list):
-            raise InternalError("malformed answer: no templates list", operation="template.list")
-        return [TemplateInfo.from_wire(item) for item in items if isinstance(item, dict)]
+        items = listed(body, "templates", operation="template.list")
+        return [TemplateInfo.from_wire(json_object(item)) for item in items]
 
     @classmethod
     async def delete(
@@ -128,7 +115,7 @@ class AsyncTemplate:
             raise InvalidArgument(
                 f"not a template reference: {text!r}", operation="template.delete"
             )
-        api = ApiClient(_config(api_url, api_key, request_timeout_s, _transport))
+        api = ApiClient(client_config(api_url, api_key, request_timeout_s, _transport))
         try:
             await api.request_json(
                 "DELETE", f"/v1/templates/{quote(text, safe=':@')}", operation="template.delete"
