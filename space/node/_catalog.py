@@ -16,7 +16,7 @@ from space.node._template import BASE, Shape, Template, image_mib
 from space.node.errors import Conflict, InvalidArgument, NotFound
 from space.node.state import _JsonDir
 from space.node.storage.btrfs import BtrfsPool
-from space.node.templates import TemplateRef, parse_ref
+from space.node.templates import parse_ref
 
 __all__ = ["Build", "Catalog"]
 
@@ -93,7 +93,7 @@ class Catalog:
 
         Raises InvalidArgument (not a reference) or NotFound.
         """
-        ref = _parse(text)
+        ref = parse_ref(text)
         if ref.name == BASE:
             if ref.tag in (None, self.base.tag) and ref.digest in (None, self.base.digest):
                 return self._with_ready(self.base)
@@ -157,7 +157,7 @@ class Catalog:
 
         Raises Conflict for ``base``, InvalidArgument, NotFound.
         """
-        ref = _parse(text)
+        ref = parse_ref(text)
         if ref.name == BASE:
             raise Conflict("the base template cannot be deleted")
         record = self._records.get(ref.name)
@@ -210,7 +210,3 @@ class Catalog:
         except (NotFound, InvalidArgument):
             return False
         return True
-
-
-def _parse(text: str) -> TemplateRef:
-    return parse_ref(text)  # TemplateRefError is an InvalidArgument

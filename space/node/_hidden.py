@@ -10,18 +10,19 @@ import asyncio
 import time
 
 from space.node._lifecycle import Registry
+from space.node._pool import POOL_PREFIX
 from space.node._sandbox import LiveSandbox
 from space.node._template import BASE, Shape, Template
 from space.node.channel import GuestChannel
 from space.node.errors import Unavailable
-from space.node.interface import ExecRequest, SandboxSpec, SandboxState
+from space.node.interface import ExecOutput, ExecRequest, SandboxSpec, SandboxState
 from space.node.state import SandboxRecord
 from space.node.storage.btrfs import TemplateVolume
 
 __all__ = ["HIDDEN_PREFIXES", "boot_hidden", "channel_of", "is_hidden", "start_command"]
 
 #: Ids of the node's own VMs: pool VMs (space.node._pool), build VMs, ready-state VMs.
-HIDDEN_PREFIXES = ("pool-", "build-", "ready-")
+HIDDEN_PREFIXES = (POOL_PREFIX, "build-", "ready-")
 #: How long a start command must keep running before its template counts as ready.
 START_GRACE_S = 1.0
 
@@ -105,7 +106,6 @@ async def _replay(channel: GuestChannel, process_id: str) -> str:
     chunks: list[bytes] = []
     stream = await channel.attach(process_id)
     async for event in stream:
-        data = getattr(event, "data", None)
-        if isinstance(data, bytes):
-            chunks.append(data)
+        if isinstance(event, ExecOutput):
+            chunks.append(event.data)
     return b"".join(chunks)[-2000:].decode("utf-8", "replace").strip()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from space.node.config import NodeConfig
@@ -111,9 +111,6 @@ class Template:
             start=self.start,
             ready=self.ready is not None,
         )
-
-    def tagged(self, tag: str) -> Template:
-        return replace(self, tag=tag)
 
 
 async def prepare_template(

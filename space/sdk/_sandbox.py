@@ -189,8 +189,8 @@ class AsyncSandbox:
         """The warm pools of ``base`` and the tenant's own templates on every node, by
         node id then template (in the tenant's names).
 
-        A node that does not answer is left out rather than failing the call. Raises AuthenticationError for
-        a missing or unknown key. Read-only.
+        A node that does not answer is left out rather than failing the call. Raises
+        AuthenticationError for a missing or unknown key. Read-only.
         """
         api = ApiClient(client_config(api_url, api_key, request_timeout_s, _transport))
         try:
