@@ -19,6 +19,7 @@ __all__ = [
     "BuildLog",
     "BuildStream",
     "BuildSucceeded",
+    "EgressEvent",
     "ExecEvent",
     "ExecExited",
     "ExecOutput",
@@ -64,6 +65,9 @@ class SandboxSpec:
     #: booting the template. template, cpus, memory_mib and disk_mib must equal the
     #: snapshot's (``SnapshotInfo``); the new sandbox gets a fresh identity.
     from_snapshot: str | None = None
+    #: Egress policy as JSON (space.node.egress_policy.EgressPolicy.parse); None or no
+    #: rules means no network at all, DNS included.
+    egress: dict[str, object] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +136,29 @@ class ExecExited:
 
 
 ExecEvent = ExecOutput | ExecExited
+
+
+@dataclass(frozen=True, slots=True)
+class EgressEvent:
+    """One decision of the node's egress gateway for a sandbox: a connection, an HTTP
+    request on it, or a DNS query. Secrets appear by name only, never by value."""
+
+    time: float
+    #: "dns", "tcp", "tls" or "http".
+    protocol: str
+    #: The name the sandbox asked for (DNS name, SNI or Host), if any.
+    host: str | None
+    #: The address the gateway connected to (or would have), if it got that far.
+    address: str | None
+    port: int | None
+    #: "allow" or "deny".
+    decision: str
+    #: Why, in a few words ("policy", "no rule for host", "blocked address: metadata").
+    reason: str
+    bytes_out: int = 0
+    bytes_in: int = 0
+    #: Names of the secrets injected into this request.
+    secrets: tuple[str, ...] = ()
 
 
 class ExecStream(Protocol):
@@ -306,6 +333,11 @@ class NodeService(Protocol):
     tag, ``base:latest`` included. delete_template takes ``name`` or ``name:tag`` (that
     tag) or ``name@digest`` (every tag of that build); sandboxes already created from it
     are unaffected. ``base`` cannot be deleted (Conflict); unknown refs raise NotFound.
+
+    set_egress replaces a sandbox's egress policy (in any state but deleted); it takes
+    effect for new connections and DNS queries within a second. A malformed policy
+    raises InvalidArgument and leaves the old one. None means no network. egress_log
+    returns the sandbox's most recent egress decisions, oldest first, at most ``limit``.
     """
 
     async def info(self) -> NodeInfo: ...
@@ -365,6 +397,10 @@ class NodeService(Protocol):
     async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None: ...
 
     async def rename(self, sandbox_id: str, src: str, dst: str, user: str = "user") -> FileStat: ...
+
+    async def set_egress(self, sandbox_id: str, policy: dict[str, object] | None) -> None: ...
+
+    async def egress_log(self, sandbox_id: str, *, limit: int = 100) -> list[EgressEvent]: ...
 
     async def build_template(self, context: AsyncIterable[bytes]) -> BuildStream: ...
 

@@ -17,6 +17,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "control": (
         "space.control",
         "space.node.interface",
+        "space.node.egress_policy",
         "space.node.errors",
         "space.node.remote",
         "space.node.wire",
