@@ -1,7 +1,7 @@
 """The ``space`` command line.
 
 Client commands (create, ls, rm, pause, hibernate, resume, snapshot, restore, fork,
-timeouts, exec, cp, pools, template, demo) go through the SDK; server commands
+timeouts, exec, cp, egress, pools, template, demo) go through the SDK; server commands
 (serve, node, keys, template build-base) import the node and control plane only when they run.
 Every failure is one ``error: ...`` line on stderr and a non-zero exit status.
 """
@@ -12,6 +12,7 @@ import click
 
 from space.cli._common import CliContext
 from space.cli._demo import demo
+from space.cli._egress import egress
 from space.cli._lifecycle import fork, hibernate, restore, snapshot, timeouts
 from space.cli._pools import pools
 from space.cli._sandboxes import cp, create, exec_, ls, pause, resume, rm
@@ -31,6 +32,6 @@ def main(ctx: click.Context) -> None:
 
 for _command in (
     *(serve, node, keys, template, create, ls, rm, pause, hibernate, resume),
-    *(snapshot, restore, fork, timeouts, exec_, cp, pools, demo),
+    *(snapshot, restore, fork, timeouts, exec_, cp, egress, pools, demo),
 ):
     main.add_command(_command)

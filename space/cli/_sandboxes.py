@@ -21,6 +21,7 @@ from space.cli._common import (
     fail,
     reports_errors,
 )
+from space.cli._egress import ALLOW_HELP, policy_of
 from space.sdk import CommandResult, Sandbox, SandboxInfo
 
 __all__ = ["cp", "create", "exec_", "ls", "pause", "resume", "rm"]
@@ -53,6 +54,7 @@ _REMOTE = re.compile(r"^(?P<id>[A-Za-z0-9][A-Za-z0-9_-]*):(?P<path>.+)$")
     metavar="SNAP_ID",
     help="Start from a snapshot (its template and sizes, memory and processes).",
 )
+@click.option("--allow", "rules", multiple=True, metavar="RULE", help=ALLOW_HELP)
 @api_options
 @reports_errors
 def create(
@@ -63,10 +65,16 @@ def create(
     timeout_s: int,
     idle_timeout_s: int | None,
     from_snapshot: str | None,
+    rules: tuple[str, ...],
     api_url: str | None,
     api_key: str | None,
 ) -> None:
-    """Create a sandbox and print its id."""
+    """Create a sandbox and print its id.
+
+    Without --allow it has no network (from a snapshot: the policy of the snapshot's
+    sandbox); ``space egress set`` changes that later.
+    """
+    policy = policy_of(rules) if rules else None
     if from_snapshot is not None:
         sizes = {"--template": template, "--cpus": cpus, "--memory-mib": memory_mib}
         _refuse_sizes({**sizes, "--disk-mib": disk_mib})
@@ -81,6 +89,7 @@ def create(
         timeout_s=timeout_s or None,
         idle_timeout_s=idle_timeout_s,
         from_snapshot=from_snapshot,
+        egress=policy,
         **connection(api_url, api_key),
     )
     progress(f"sandbox {sandbox.sandbox_id} is running")

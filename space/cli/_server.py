@@ -126,7 +126,9 @@ def node(
         local = await Node.start(config, progress=progress)
         try:
             app = create_node_app(local, token)
-            server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", http="httptools"))
+            server = uvicorn.Server(
+                uvicorn.Config(app, host=host, port=port, log_level="info", http="httptools")
+            )
             serving = asyncio.create_task(server.serve())
             # uvicorn offers a flag, not an event: poll it while the task lives.
             while not server.started and not serving.done():

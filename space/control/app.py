@@ -21,7 +21,15 @@ from space.control.deps import ControlContext, load_or_create_node_token
 from space.control.errors import install_error_handlers
 from space.control.nodes import LOCAL_URL, NodeRegistry
 from space.control.reconcile import reaper_loop, reconcile
-from space.control.routers import commands, files, pools, sandboxes, snapshots, templates
+from space.control.routers import (
+    commands,
+    egress,
+    files,
+    pools,
+    sandboxes,
+    snapshots,
+    templates,
+)
 from space.control.routers import nodes as node_routes
 from space.control.settings import ControlSettings
 from space.control.store import Database, repo
@@ -86,6 +94,6 @@ def create_app(
 
     app = FastAPI(title="SPACE", version="1", lifespan=lifespan)
     install_error_handlers(app)
-    for module in (sandboxes, snapshots, commands, files, pools, templates, node_routes):
+    for module in (sandboxes, snapshots, egress, commands, files, pools, templates, node_routes):
         app.include_router(module.router)
     return app

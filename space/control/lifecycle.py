@@ -12,9 +12,11 @@ import contextlib
 import logging
 import secrets
 from dataclasses import replace
+from typing import Any
 
 from sqlalchemy.orm import Session
 
+from space.control import egress
 from space.control.deps import ControlContext
 from space.control.errors import ApiError
 from space.control.scheduler import pick_node
@@ -83,6 +85,7 @@ def _new_record(
     body: SandboxCreate,
     source: SnapshotRecord | None,
     timeout_s: int | None,
+    policy: dict[str, Any] | None,
 ) -> SandboxRecord:
     now = ctx.clock()
     shape = source or body  # template and resources
@@ -102,6 +105,7 @@ def _new_record(
         expires_at=None if timeout_s is None else now + timeout_s,
         idle_timeout_s=body.idle_timeout_s,
         head_snapshot=None if source is None else source.id,
+        egress=policy,
     )
 
 
@@ -115,6 +119,7 @@ def _spec(record: SandboxRecord, from_snapshot: str | None = None) -> SandboxSpe
         disk_mib=record.disk_mib,
         env=record.env,
         from_snapshot=from_snapshot,
+        egress=record.egress,
     )
 
 
@@ -124,11 +129,14 @@ async def create_sandbox(
     """Record, place and start a sandbox (from a snapshot if asked); returns it running.
 
     A sandbox made from a snapshot goes to the snapshot's node and takes its template
-    and resources. Raises ApiError(not_found) for a snapshot that is not the tenant's,
+    and resources, and the egress policy its sandbox has now unless ``body`` gives one.
+    Raises ApiError(invalid_argument) for a malformed egress policy (nothing recorded),
+    ApiError(not_found) for a snapshot that is not the tenant's,
     ApiError(unavailable) with no node, or the node's NodeError (with the new sandbox's
     id in its details, the row then in state ``error``). Cancelled mid-way, the row
     stays ``creating`` until reconciliation.
     """
+    given = None if body.egress is None else egress.canonical(body.egress)
     source = await _source(ctx, tenant, body.from_snapshot)
     node_ref(tenant, body.template)  # refuse a name too long to scope before any row
     node_id = source.node_id if source is not None else await _place(ctx)
@@ -136,7 +144,8 @@ async def create_sandbox(
     node = ctx.nodes.get(node_id)
     if source is None:
         body = await _with_template_defaults(node, tenant, body)
-    record = _new_record(ctx, tenant, node_id, body, source, timeout_s)
+    policy = given if "egress" in body.model_fields_set else await _inherited(ctx, source)
+    record = _new_record(ctx, tenant, node_id, body, source, timeout_s, policy)
     await ctx.db.run(lambda s: repo.insert_sandbox(s, record))
     try:
         status = await node.create_sandbox(_spec(record, body.from_snapshot))
@@ -144,6 +153,16 @@ async def create_sandbox(
         await _creation_failed(ctx, record, exc)
         raise
     return await record_status(ctx, record, status)
+
+
+async def _inherited(ctx: ControlContext, source: SnapshotRecord | None) -> dict[str, Any] | None:
+    """The egress policy the snapshot's sandbox has now (its row outlives it); else none."""
+    if source is None:
+        return None
+    parent = await ctx.db.run(
+        lambda s: repo.find_sandbox(s, source.tenant_id, source.sandbox_id, include_deleted=True)
+    )
+    return None if parent is None else parent.egress
 
 
 async def _with_template_defaults(

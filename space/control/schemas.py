@@ -15,9 +15,10 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from space.control.store.repo import SandboxRecord
 from space.control.store.snapshots import SnapshotRecord
 from space.control.template_names import REF_PATTERN
-from space.node.interface import FileStat, PoolInfo, ProcessInfo, TemplateInfo
+from space.node.interface import EgressEvent, FileStat, PoolInfo, ProcessInfo, TemplateInfo
 
 __all__ = [
+    "EgressEventOut",
     "ExecBody",
     "FileStatOut",
     "ForkBody",
@@ -37,6 +38,7 @@ __all__ = [
     "TimeoutsBody",
     "UserName",
     "parse_mode",
+    "policy_out",
 ]
 
 MAX_PATH_BYTES = 4096
@@ -92,6 +94,9 @@ class SandboxCreate(_Body):
     metadata: _Env = Field(default_factory=dict)
     #: A snapshot of the tenant's to start from (its node, template and resources).
     from_snapshot: str | None = Field(None, pattern=_ID_PATTERN)
+    #: Egress policy (space.node.egress_policy); null: no network; omitted: none, or
+    #: with from_snapshot the policy of the snapshot's sandbox.
+    egress: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _resources_come_from_the_snapshot(self) -> SandboxCreate:
@@ -121,6 +126,11 @@ class ForkBody(_Body):
     count: int = Field(1, ge=1, le=16)
 
 
+def policy_out(policy: dict[str, Any] | None) -> dict[str, Any]:
+    """A stored egress policy as the API shows it: none is ``{"allow": []}``."""
+    return {"allow": []} if policy is None else policy
+
+
 def _iso(ts: float | None) -> str | None:
     return None if ts is None else datetime.fromtimestamp(ts, UTC).isoformat()
 
@@ -142,6 +152,8 @@ class SandboxOut(BaseModel):
     max_lifetime_s: int | None
     last_active_at: str | None
     head_snapshot: str | None
+    #: The egress policy; ``{"allow": []}`` is no network.
+    egress: dict[str, Any]
 
     @classmethod
     def of(cls, record: SandboxRecord) -> SandboxOut:
@@ -162,6 +174,7 @@ class SandboxOut(BaseModel):
             max_lifetime_s=record.max_lifetime_s,
             last_active_at=_iso(record.last_active_at),
             head_snapshot=record.head_snapshot,
+            egress=policy_out(record.egress),
         )
 
 
@@ -279,6 +292,38 @@ class ProcessOut(BaseModel):
             exit_code=info.exit_code,
             signal=info.signal,
             started_at=_iso(info.started_at) or "",
+        )
+
+
+class EgressEventOut(BaseModel):
+    """One egress decision (``GET .../egress/log``); secrets by name only."""
+
+    time: str
+    #: "dns", "tcp", "tls" or "http".
+    protocol: str
+    host: str | None
+    address: str | None
+    port: int | None
+    #: "allow" or "deny", and why.
+    decision: str
+    reason: str
+    bytes_out: int
+    bytes_in: int
+    secrets: list[str]
+
+    @classmethod
+    def of(cls, event: EgressEvent) -> EgressEventOut:
+        return cls(
+            time=_iso(event.time) or "",
+            protocol=event.protocol,
+            host=event.host,
+            address=event.address,
+            port=event.port,
+            decision=event.decision,
+            reason=event.reason,
+            bytes_out=event.bytes_out,
+            bytes_in=event.bytes_in,
+            secrets=list(event.secrets),
         )
 
 

@@ -33,7 +33,9 @@ async def run_control_plane(
     if node is not None:
         registry.register("local", node)
     app = create_app(settings, registry)
-    config = uvicorn.Config(app, host=host, port=port, lifespan="on", log_level="info", http="httptools")
+    config = uvicorn.Config(
+        app, host=host, port=port, lifespan="on", log_level="info", http="httptools"
+    )
     server = uvicorn.Server(config)
     with _listen(host, port) as sock:
         serving = asyncio.ensure_future(server.serve(sockets=[sock]))

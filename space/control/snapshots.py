@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from sqlalchemy.orm import Session
 
-from space.control import lifecycle
+from space.control import egress, lifecycle
 from space.control.deps import ControlContext
 from space.control.errors import ApiError
 from space.control.lifecycle import LIVE, check_state, new_sandbox_id, record_status
@@ -199,10 +199,10 @@ async def fork_sandbox(
 ) -> list[SandboxRecord]:
     """``count`` new running copies of a running, paused or hibernated sandbox.
 
-    The children share the parent's tenant, node, template, resources, env, metadata
-    and timeouts (their lifetime counted from their own creation); the parent keeps its
-    state. Raises ApiError(conflict) naming the parent's state, or the node's NodeError
-    (the children's rows are then deleted, on the node too).
+    The children share the parent's tenant, node, template, resources, env, metadata,
+    egress policy and timeouts (their lifetime counted from their own creation); the
+    parent keeps its state. Raises ApiError(conflict) naming the parent's state, or the
+    node's NodeError (the children's rows are then deleted, on the node too).
     """
     check_state("fork", parent, LIVE)
     children = [_child(ctx, parent) for _ in range(count)]
@@ -218,6 +218,7 @@ async def fork_sandbox(
     except NodeError:
         await _fork_failed(ctx, children)
         raise
+    await egress.push_to_children(ctx, children)
     by_id = {status.sandbox_id: status for status in statuses}
     return [await record_status(ctx, child, by_id[child.id]) for child in children]
 

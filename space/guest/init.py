@@ -1,8 +1,11 @@
-"""PID 1 of a SPACE guest: mount the basics, name the host, run and babysit spaced.
+"""PID 1 of a SPACE guest: mount the basics, name the host, set up the network, run
+and babysit spaced.
 
 Exec'd from the initramfs as ``python3 -B -m space.guest.init``. It must never exit (a
 PID 1 exit panics the kernel): it reaps every child (orphans are re-parented to it),
 restarts spaced with a backoff when it dies, and on SIGTERM/SIGINT syncs and powers off.
+The network (``space.net=``, see ``_network``) is configured before spaced starts,
+because the node may test connectivity right after spaced's HELLO.
 """
 
 from __future__ import annotations
@@ -10,19 +13,25 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import fcntl
 import os
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
 import types
 
 from ._identity import write_host_name
+from ._network import (
+    NetworkSetupError,
+    configure,
+    interface_up,
+    net_arg,
+    parse_net_arg,
+    wait_for_interface,
+)
 
-__all__ = ["backoff_s", "hostname_from_cmdline", "main"]
+__all__ = ["backoff_s", "hostname_from_cmdline", "main", "network_up"]
 
 _MOUNTS = (
     # (source, target, fstype, flags, data)
@@ -36,7 +45,8 @@ _MOUNTS = (
 )
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
 _RB_POWER_OFF = 0x4321FEDC
-_SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
+#: How long a NIC may take to appear after init starts (its driver probes asynchronously).
+_NIC_WAIT_S = 2.0
 #: Backoff between spaced restarts; reset once it has run this long.
 _BACKOFF_MAX_S = 5.0
 _HEALTHY_S = 30.0
@@ -82,10 +92,18 @@ def hostname_from_cmdline(cmdline: str) -> str | None:
     return None
 
 
-def set_hostname() -> None:
+def _kernel_cmdline() -> str:
     try:
         with open("/proc/cmdline", encoding="utf-8") as file:
-            name = hostname_from_cmdline(file.read())
+            return file.read()
+    except OSError as exc:
+        _log(f"cannot read /proc/cmdline: {exc}")
+        return ""
+
+
+def set_hostname(cmdline: str) -> None:
+    try:
+        name = hostname_from_cmdline(cmdline)
         if name is not None:
             socket.sethostname(name)
             write_host_name("/", name)
@@ -97,11 +115,34 @@ def loopback_up() -> None:
     """Bring ``lo`` up with SIOCSIFFLAGS (no /sbin/ip needed); failure is only logged."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            request = struct.pack("16sH14x", b"lo", 0)
-            flags = struct.unpack("16sH14x", fcntl.ioctl(sock, _SIOCGIFFLAGS, request))[1]
-            fcntl.ioctl(sock, _SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | _IFF_UP))
-    except OSError as exc:
+            interface_up(sock, "lo")
+    except (OSError, NetworkSetupError) as exc:
         _log(f"cannot bring lo up: {exc}")
+
+
+def network_up(cmdline: str) -> None:
+    """Configure the NIC from ``space.net=`` on ``cmdline``; without it, do nothing.
+
+    Never raises (PID 1 must not die): a bad value, a NIC that does not appear within
+    ``_NIC_WAIT_S`` or a failed step is logged and the guest boots without a network.
+    """
+    value = net_arg(cmdline)
+    if value is None:
+        return
+    config = parse_net_arg(cmdline)
+    if config is None:
+        _log(f"ignoring an invalid space.net={value!r}")
+        return
+    interface = wait_for_interface(timeout_s=_NIC_WAIT_S)
+    if interface is None:
+        _log(f"space.net= given but no network interface appeared within {_NIC_WAIT_S} s")
+        return
+    try:
+        configure(config, interface)
+    except Exception as exc:  # NetworkSetupError, or a bug: log it either way
+        _log(f"network setup failed: {exc}")
+        return
+    _log(f"{interface}: {config.address}/{config.prefix_len} via {config.gateway}")
 
 
 def backoff_s(failures: int) -> float:
@@ -165,8 +206,10 @@ def main() -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _power_off)
     mount_basics()
-    set_hostname()
+    cmdline = _kernel_cmdline()
+    set_hostname(cmdline)
     loopback_up()
+    network_up(cmdline)  # before spaced: the node may test connectivity after HELLO
     while True:  # never return: PID 1 exiting panics the kernel
         try:
             supervise()

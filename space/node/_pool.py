@@ -188,7 +188,9 @@ async def hand_over(node: Registry, pooled: LiveSandbox, sandbox: LiveSandbox) -
     await asyncio.to_thread(_rename, life.pool.sandbox_path(old), sandbox.volume)
     await asyncio.to_thread(_rename, pooled.config.console_log, sandbox.config.console_log)
     sandbox.record = replace(sandbox.record, run_dir=pooled.record.run_dir)
-    sandbox.config = replace(sandbox.config, run_dir=Path(pooled.record.run_dir))
+    sandbox.config = replace(
+        sandbox.config, run_dir=pooled.config.run_dir, netns=pooled.config.netns
+    )
     assert sandbox.vm is not None
     sandbox.vm.config = sandbox.config
     pending = Pending("identity", SandboxState.PAUSED, fresh=True)

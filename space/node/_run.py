@@ -14,8 +14,11 @@ __all__ = ["run"]
 _MAX_OUTPUT_BYTES = 64 * 1024
 
 
-async def run(*argv: str, timeout_s: float = 60.0, check: bool = True) -> str:
-    """Run ``argv`` (no shell), return its stdout decoded (at most 64 KiB kept).
+async def run(
+    *argv: str, timeout_s: float = 60.0, check: bool = True, stdin: str | None = None
+) -> str:
+    """Run ``argv`` (no shell) with ``stdin`` as its input (None: /dev/null), return its
+    stdout decoded (at most 64 KiB kept).
 
     Raises Unavailable if the program is missing or (with ``check``) exits non-zero,
     the message carrying its stderr; Timeout if it runs past ``timeout_s``, in which
@@ -24,7 +27,7 @@ async def run(*argv: str, timeout_s: float = 60.0, check: bool = True) -> str:
     try:
         proc = await asyncio.create_subprocess_exec(
             *argv,
-            stdin=asyncio.subprocess.DEVNULL,
+            stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
@@ -33,7 +36,7 @@ async def run(*argv: str, timeout_s: float = 60.0, check: bool = True) -> str:
         raise Unavailable(f"cannot run {argv[0]}: {exc}") from exc
     try:
         async with asyncio.timeout(timeout_s):
-            out, err = await proc.communicate()
+            out, err = await proc.communicate(None if stdin is None else stdin.encode())
     except TimeoutError:
         raise Timeout(f"{' '.join(argv)} did not finish within {timeout_s} s") from None
     finally:

@@ -18,14 +18,17 @@ from typing import TypeVar
 from space.node.channel import GuestChannel
 from space.node.errors import Conflict, NodeError, Timeout, Unavailable
 from space.node.interface import SandboxState
+from space.node.network import netns
 from space.node.state import Pending, SandboxRecord
 from space.node.vmm.accel import Accelerator
 from space.node.vmm.qemu import QemuVM, VmConfig, console_tail, trim_console
 
 __all__ = [
     "MEMORY_FILE",
+    "NIC_MARKER",
     "STATE_FILE",
     "LiveSandbox",
+    "has_nic",
     "hostname_for",
     "kill_strays",
     "not_allowed",
@@ -54,6 +57,13 @@ def hostname_for(sandbox_id: str) -> str:
 #: the saved device state (present while hibernated, and in snapshots).
 MEMORY_FILE = "memory.ram"
 STATE_FILE = "vmstate"
+#: Present in a volume whose VM has a NIC. A saved VM must be woken with the devices it
+#: was saved with, and volumes saved before sandboxes had networks have none.
+NIC_MARKER = "nic"
+
+
+def has_nic(volume: Path) -> bool:
+    return (volume / NIC_MARKER).exists()
 
 
 def vm_config_for(
@@ -68,11 +78,14 @@ def vm_config_for(
         kernel=volume / "kernel",
         initrd=volume / "initrd",
         rootfs=volume / "rootfs.img",
-        kernel_cmdline=f"{base_cmdline} space.hostname={hostname_for(spec.sandbox_id)}".strip(),
+        kernel_cmdline=(
+            f"{base_cmdline} space.hostname={hostname_for(spec.sandbox_id)} {netns.KERNEL_ARG}"
+        ).strip(),
         console_log=console_log,
         cpus=spec.cpus,
         memory_mib=spec.memory_mib,
         accel=accel,
+        netns=netns.netns_path(netns.netns_name(Path(record.run_dir))),
     )
 
 
@@ -104,8 +117,18 @@ class LiveSandbox:
         return self.vm is not None and self.vm.alive
 
     async def launch(self, *, qemu_binary: str, incoming: bool = False) -> QemuVM:
-        """Start this sandbox's QEMU (``incoming``: paused, waiting for a saved state)."""
+        """Start this sandbox's QEMU (``incoming``: paused, waiting for a saved state).
+
+        A VM booted afresh gets a NIC in its own network namespace (made here, closed
+        until the egress policy opens it); a saved VM gets one only if it had one.
+        """
         config = replace(self.config, incoming=incoming)
+        if not incoming:
+            (self.volume / NIC_MARKER).touch()
+        if config.netns is not None and has_nic(self.volume):
+            await netns.create(config.netns.name)
+        else:
+            config = replace(config, netns=None)
         self.vm = await QemuVM.launch(config, qemu_binary=qemu_binary)
         return self.vm
 

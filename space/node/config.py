@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 from space.node.errors import InvalidArgument
+from space.node.network.resolvers import parse_resolvers, system_resolvers
 
 __all__ = ["Accel", "NodeConfig", "resolve_node_id"]
 
@@ -70,6 +71,9 @@ class NodeConfig:
     #: Where template builds fetch packages from (apt one-line sources; the host
     #: fetches, the build VM has no network).
     apt_sources: tuple[str, ...] = DEFAULT_APT_SOURCES
+    #: DNS servers ("address" or "address:port", IPv4) the egress gateway resolves
+    #: allowed names with; empty means the host's /etc/resolv.conf nameservers.
+    egress_resolvers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         counts = {
@@ -83,6 +87,10 @@ class NodeConfig:
                 raise InvalidArgument(
                     f"{name} must be an integer of at least {least}, got {value!r}"
                 )
+        try:
+            parse_resolvers(self.egress_resolvers)
+        except ValueError as exc:
+            raise InvalidArgument(f"egress_resolvers: {exc}") from exc
         if not all(isinstance(line, str) and line.startswith("deb ") for line in self.apt_sources):
             raise InvalidArgument(
                 f"apt_sources must be one-line 'deb ...' sources: {self.apt_sources!r}"
@@ -95,6 +103,10 @@ class NodeConfig:
             return self.run_dir
         tag = hashlib.sha256(str(self.data_dir.resolve()).encode()).hexdigest()[:12]
         return Path("/run/space") / tag
+
+    @property
+    def effective_resolvers(self) -> list[str]:
+        return list(self.egress_resolvers) or system_resolvers()
 
     @property
     def effective_pool_path(self) -> Path:

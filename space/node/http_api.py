@@ -10,7 +10,10 @@ answers NodeInfo, the node's warm pools included. Snapshots live under ``/snapsh
 the sandbox (``/snapshots``, ``/restore``, ``/fork``). Templates live under ``/templates``:
 ``POST /templates/builds`` takes the build context (a tar, plain or gzip'd) as its raw
 body and answers the build's NDJSON events (its id in ``X-Build-Id``); ``GET`` lists,
-``DELETE /templates/{ref}`` deletes (``name``, ``name:tag``, ``name@digest``). Errors
+``DELETE /templates/{ref}`` deletes (``name``, ``name:tag``, ``name@digest``). A
+sandbox's egress policy is ``PUT /sandboxes/{id}/egress`` with ``{"policy": {...} |
+null}`` (204); ``GET /sandboxes/{id}/egress/log?limit=N`` (1 to MAX_EGRESS_LOG_EVENTS,
+default 100) answers ``{"events": [EgressEvent, ...]}``, oldest first. Errors
 answer ``{"error": {"code", "message", "details"}}`` with the status of
 ``STATUS_BY_CODE``. Every request needs ``Authorization: Bearer <node token>``.
 
@@ -26,7 +29,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, TypeVar
 
-from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
@@ -37,11 +40,13 @@ from space.node.interface import NodeService, SandboxSpec
 from space.node.wire import (
     BUILD_ID_HEADER,
     FILE_STAT_HEADER,
+    MAX_EGRESS_LOG_EVENTS,
     NDJSON,
     STATUS_BY_CODE,
     build_lines,
     decode,
     decode_child_ids,
+    decode_egress_policy,
     decode_exec_request,
     decode_snapshot_id,
     encode,
@@ -282,6 +287,21 @@ async def _rename(node: Node, sandbox_id: str, request: Request) -> Any:
     user = body.get("user", "user") if isinstance(body, dict) else "user"
     src, dst = _str_field(body, "src"), _str_field(body, "dst")
     return encode(await node.rename(sandbox_id, src, dst, str(user)))
+
+
+@_router.put("/sandboxes/{sandbox_id}/egress", status_code=204)
+async def _set_egress(node: Node, sandbox_id: str, request: Request) -> Response:
+    await node.set_egress(sandbox_id, decode_egress_policy(await request.json()))
+    return Response(status_code=204)
+
+
+@_router.get("/sandboxes/{sandbox_id}/egress/log")
+async def _egress_log(
+    node: Node,
+    sandbox_id: str,
+    limit: Annotated[int, Query(ge=1, le=MAX_EGRESS_LOG_EVENTS)] = 100,
+) -> Any:
+    return {"events": [encode(event) for event in await node.egress_log(sandbox_id, limit=limit)]}
 
 
 @_router.post("/templates/builds")

@@ -35,6 +35,7 @@ from space.node.errors import (
 )
 from space.node.http_api import PREFIX
 from space.node.interface import (
+    EgressEvent,
     ExecRequest,
     FileStat,
     NodeInfo,
@@ -320,6 +321,24 @@ class RemoteNode(NodeService):
             "POST", url, sandbox_id, json={"src": src, "dst": dst, "user": user}
         )
         return parse(FileStat, body, sandbox_id)
+
+    async def set_egress(self, sandbox_id: str, policy: dict[str, object] | None) -> None:
+        """Replace the sandbox's egress policy; the node validates it (InvalidArgument)."""
+        url = f"/sandboxes/{sandbox_id}/egress"
+        await self._json("PUT", url, sandbox_id, json={"policy": policy})
+
+    async def egress_log(self, sandbox_id: str, *, limit: int = 100) -> list[EgressEvent]:
+        """The latest ``limit`` egress decisions, oldest first (1 to MAX_EGRESS_LOG_EVENTS,
+        else InvalidArgument from the node); more than ``limit`` back is Unavailable."""
+        url = f"/sandboxes/{sandbox_id}/egress/log"
+        body = await self._json("GET", url, sandbox_id, params={"limit": limit})
+        events = parse(list[EgressEvent], member(body, "events", sandbox_id), sandbox_id)
+        if len(events) > limit:
+            raise Unavailable(
+                f"node answered {len(events)} egress events, asked for {limit}",
+                sandbox_id=sandbox_id,
+            )
+        return events
 
     async def build_template(self, context: AsyncIterable[bytes]) -> RemoteBuildStream:
         """Upload ``context`` (streamed, never held whole) and follow the build's events.

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from space.node._builds import Builds
 from space.node._catalog import Catalog
+from space.node._egress_ops import EgressOps, parse_policy
 from space.node._guest_ops import GuestOps
 from space.node._hidden import start_command
 from space.node._lifecycle import Lifecycle, Registry
@@ -34,6 +35,7 @@ from space.node._template import Template, prepare_template
 from space.node._template_ops import TemplateOps
 from space.node._validation import MAX_FORK_CHILDREN, check_compatible, check_id, check_spec
 from space.node.config import NodeConfig, resolve_node_id
+from space.node.egress.audit import AuditLog
 from space.node.errors import (
     Conflict,
     InvalidArgument,
@@ -47,6 +49,7 @@ from space.node.interface import (
     SandboxState,
     SandboxStatus,
 )
+from space.node.network.gateway_client import GatewayProcess
 from space.node.state import SandboxRecord, SnapshotStore, StateStore
 from space.node.storage.btrfs import BtrfsPool
 from space.node.vmm.accel import Accelerator, detect_accelerator
@@ -56,7 +59,7 @@ __all__ = ["Node"]
 log = logging.getLogger(__name__)
 
 
-class Node(GuestOps, SnapshotOps, TemplateOps):
+class Node(GuestOps, SnapshotOps, TemplateOps, EgressOps):
     """The sandboxes of one host. Start with ``await Node.start(config)``."""
 
     def __init__(
@@ -67,8 +70,11 @@ class Node(GuestOps, SnapshotOps, TemplateOps):
         pool: BtrfsPool,
         catalog: Catalog,
         accel: Accelerator,
+        gateway: GatewayProcess,
     ) -> None:
         self.config = config
+        self._gateway = gateway
+        self._audit = AuditLog(config.data_dir / "egress")
         self.node_id = node_id
         self.pool = pool
         self.accelerator: Accelerator = accel
@@ -106,7 +112,13 @@ class Node(GuestOps, SnapshotOps, TemplateOps):
         pool = await BtrfsPool.open(
             pool_path=config.pool_path, data_dir=config.data_dir, size_gib=config.pool_size_gib
         )
+        gateway: GatewayProcess | None = None
         try:
+            gateway = await GatewayProcess.start(
+                config.data_dir / "egress",
+                config.effective_resolvers,
+                config.data_dir / "egress.log",
+            )
             template = await prepare_template(pool, config, say)
             accel = await detect_accelerator(
                 config.accel,
@@ -120,12 +132,17 @@ class Node(GuestOps, SnapshotOps, TemplateOps):
             catalog = Catalog(template, pool, config.data_dir / "templates")
             for problem in catalog.load():
                 say(problem)
-            node = cls(config, node_id=node_id, pool=pool, catalog=catalog, accel=accel)
+            node = cls(
+                config, node_id=node_id, pool=pool, catalog=catalog, accel=accel, gateway=gateway
+            )
             await recover(node._registry(), say)
+            await node._network_at_start(say)
             await node._remove_untagged_templates(say)
             for built in catalog.builds():
                 await node._ready_at_start(built, say)
         except BaseException:
+            if gateway is not None:
+                await gateway.close()
             with contextlib.suppress(NodeError):
                 await pool.close(unmount=pool.fresh_mount)
             raise
@@ -144,6 +161,7 @@ class Node(GuestOps, SnapshotOps, TemplateOps):
         for sandbox in list(self._sandboxes.values()):
             await sandbox.disconnect()
         self._sandboxes.clear()
+        await self._gateway.close()
         with contextlib.suppress(OSError):
             self._run_root.rmdir()  # only once empty: VMs left running keep their dirs
         await self.pool.close(unmount=unmount_pool)
@@ -177,6 +195,7 @@ class Node(GuestOps, SnapshotOps, TemplateOps):
         sandbox remains.
         """
         template = check_spec(spec, self._catalog.resolve)
+        parse_policy(spec.egress, spec.sandbox_id)
         snapshot = self._compatible_snapshot(spec) if spec.from_snapshot else None
         lock = self._lock(spec.sandbox_id)
         async with lock:
@@ -211,6 +230,7 @@ class Node(GuestOps, SnapshotOps, TemplateOps):
                 else:
                     async with self._starts:
                         await self._boot(sandbox, template)
+                await self._apply_egress(sandbox)
             except BaseException as exc:
                 tail = sandbox.console_tail()
                 await asyncio.shield(self._destroy(sandbox))
@@ -354,6 +374,8 @@ class Node(GuestOps, SnapshotOps, TemplateOps):
             children = [self._child(parent, child) for child in ids]
             try:
                 await settled(self._life.fork(parent, children))
+                for child in children:
+                    await self._apply_egress(child)
             except BaseException:
                 for child in children:
                     await asyncio.shield(self._destroy(child))
@@ -426,6 +448,7 @@ class Node(GuestOps, SnapshotOps, TemplateOps):
             await sandbox.teardown()
         except NodeError as exc:
             log.error("sandbox %s: stopping its VM failed: %s", sid, exc)
+        await self._drop_network(sid, Path(sandbox.record.run_dir))
         await self._remove_leftovers(sid)
         shutil.rmtree(sandbox.record.run_dir, ignore_errors=True)  # a pool VM's keeps its name
         self._sandboxes.pop(sid, None)
@@ -436,6 +459,7 @@ class Node(GuestOps, SnapshotOps, TemplateOps):
             await self.pool.delete_sandbox_volume(sandbox_id)
         except NodeError as exc:
             log.error("sandbox %s: deleting its volume failed: %s", sandbox_id, exc)
+        await self._drop_network(sandbox_id, self._run_root / sandbox_id)
         shutil.rmtree(self._run_root / sandbox_id, ignore_errors=True)
         console = self._console_log(sandbox_id)
         for path in (console, console.with_suffix(".old")):

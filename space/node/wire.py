@@ -37,6 +37,7 @@ __all__ = [
     "BUILD_ID_HEADER",
     "FILE_STAT_HEADER",
     "MAX_BUILD_LOG_BYTES",
+    "MAX_EGRESS_LOG_EVENTS",
     "MAX_FORK_CHILDREN",
     "NDJSON",
     "STATUS_BY_CODE",
@@ -45,6 +46,7 @@ __all__ = [
     "decode",
     "decode_build_event",
     "decode_child_ids",
+    "decode_egress_policy",
     "decode_exec_request",
     "decode_snapshot_id",
     "decode_templates",
@@ -67,6 +69,8 @@ BUILD_ID_HEADER = "X-Build-Id"
 MAX_BUILD_LOG_BYTES = 64 * 1024
 #: Most children one fork request may make: each is a whole VM on a node of a few cores.
 MAX_FORK_CHILDREN = 16
+#: Most egress events one log request may ask for (the REST API's limit too).
+MAX_EGRESS_LOG_EVENTS = 1000
 
 #: The one error code → HTTP status table, shared by the REST API (docs/api.md,
 #: "Errors") and the node API, which answer with the same codes.
@@ -161,6 +165,20 @@ def decode_child_ids(body: object) -> list[str]:
     if len(set(ids)) != len(ids):
         raise InvalidArgument("child_ids must be distinct")
     return list(ids)
+
+
+def decode_egress_policy(body: object) -> dict[str, object] | None:
+    """The ``policy`` of a ``{"policy": {...} | null}`` body (``PUT .../egress``).
+
+    Raises InvalidArgument unless ``body`` is an object holding ``policy``, an object or
+    null; whether the policy itself is well-formed is the node's to say.
+    """
+    if not isinstance(body, dict) or "policy" not in body:
+        raise InvalidArgument('egress body must be {"policy": {...} or null}')
+    policy = body["policy"]
+    if policy is not None and not isinstance(policy, dict):
+        raise InvalidArgument("policy must be an object or null")
+    return policy
 
 
 def _line(obj: dict[str, Any]) -> bytes:

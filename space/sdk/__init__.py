@@ -1,5 +1,5 @@
-"""The SPACE Python SDK: sandboxes (sync and async), their commands, files and snapshots,
-and templates.
+"""The SPACE Python SDK: sandboxes (sync and async), their commands, files, snapshots
+and network, and templates.
 
     from space import Sandbox
 
@@ -17,6 +17,7 @@ from space.sdk._files import AsyncFiles, ByteStream
 from space.sdk._http import ConnectionConfig
 from space.sdk._models import (
     CommandResult,
+    EgressEvent,
     FileInfo,
     PoolInfo,
     ProcessInfo,
@@ -24,8 +25,9 @@ from space.sdk._models import (
     SnapshotInfo,
     TemplateInfo,
 )
+from space.sdk._network import AsyncNetwork, allow
 from space.sdk._sandbox import AsyncSandbox
-from space.sdk._sync import CommandHandle, Commands, Files, Sandbox, Template
+from space.sdk._sync import CommandHandle, Commands, Files, Network, Sandbox, Template
 from space.sdk._templates import AsyncTemplate
 from space.sdk.errors import (
     AuthenticationError,
@@ -46,6 +48,7 @@ __all__ = [
     "AsyncCommandHandle",
     "AsyncCommands",
     "AsyncFiles",
+    "AsyncNetwork",
     "AsyncSandbox",
     "AsyncTemplate",
     "AuthenticationError",
@@ -57,10 +60,12 @@ __all__ = [
     "Commands",
     "Conflict",
     "ConnectionConfig",
+    "EgressEvent",
     "FileInfo",
     "Files",
     "InternalError",
     "InvalidArgument",
+    "Network",
     "NotFound",
     "PermissionDenied",
     "PoolInfo",
@@ -74,4 +79,5 @@ __all__ = [
     "TemplateInfo",
     "Timeout",
     "Unavailable",
+    "allow",
 ]

@@ -11,6 +11,7 @@ from space.sdk.errors import InternalError
 
 __all__ = [
     "CommandResult",
+    "EgressEvent",
     "FileInfo",
     "PoolInfo",
     "ProcessInfo",
@@ -212,6 +213,52 @@ class TemplateInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class EgressEvent:
+    """One decision of a sandbox's egress gateway (``GET .../egress/log``).
+
+    ``protocol`` is ``dns``, ``tcp``, ``tls`` or ``http``; ``host`` the name the sandbox
+    asked for (DNS name, SNI or Host), ``address``/``port`` where the gateway connected
+    (or would have). ``decision`` is ``allow`` or ``deny`` and ``reason`` says why in a
+    few words. ``bytes_out``/``bytes_in`` count the connection's traffic; ``secrets``
+    names the secrets injected into the request (never their values).
+    """
+
+    time: datetime
+    protocol: str
+    host: str | None
+    address: str | None
+    port: int | None
+    decision: str
+    reason: str
+    bytes_out: int = 0
+    bytes_in: int = 0
+    secrets: tuple[str, ...] = ()
+
+    @property
+    def allowed(self) -> bool:
+        return self.decision == "allow"
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> EgressEvent:
+        """Parse an EgressEvent object; raises InternalError if it is malformed."""
+        try:
+            return cls(
+                time=_required_time(body, "time"),
+                protocol=_required_str(body, "protocol"),
+                host=_optional_str(body, "host"),
+                address=_optional_str(body, "address"),
+                port=_optional_int(body, "port"),
+                decision=_required_str(body, "decision"),
+                reason=_required_str(body, "reason"),
+                bytes_out=_required_int(body, "bytes_out"),
+                bytes_in=_required_int(body, "bytes_in"),
+                secrets=tuple(_names(body["secrets"])),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InternalError(f"malformed egress event in answer: {exc!r}") from None
+
+
+@dataclass(frozen=True, slots=True)
 class CommandResult:
     """How a command ended and what it printed.
 
@@ -333,6 +380,12 @@ def _required_int(body: Mapping[str, Any], key: str) -> int:
 
 def _optional_int(body: Mapping[str, Any], key: str) -> int | None:
     return None if body.get(key) is None else _required_int(body, key)
+
+
+def _names(value: object) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(n, str) for n in value):
+        raise TypeError(f"not a list of names: {value!r}")
+    return value
 
 
 def _optional_fraction(body: Mapping[str, Any], key: str) -> float | None:

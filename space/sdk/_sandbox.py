@@ -15,6 +15,7 @@ from space.sdk._commands import AsyncCommands
 from space.sdk._files import AsyncFiles
 from space.sdk._http import ApiClient, client_config, json_object, listed
 from space.sdk._models import PoolInfo, SandboxInfo, SnapshotInfo
+from space.sdk._network import AsyncNetwork
 from space.sdk.errors import InvalidArgument, NotFound
 
 __all__ = ["KEEP", "AsyncSandbox"]
@@ -56,6 +57,7 @@ class AsyncSandbox:
         self._api = api
         self.commands = AsyncCommands(api, info.sandbox_id)
         self.files = AsyncFiles(api, info.sandbox_id)
+        self.network = AsyncNetwork(api, info.sandbox_id)
 
     def __repr__(self) -> str:
         return f"<AsyncSandbox {self.sandbox_id} template={self._info.template}>"
@@ -77,6 +79,7 @@ class AsyncSandbox:
         from_snapshot: SnapshotInfo | str | None = None,
         env: Mapping[str, str] | None = None,
         metadata: Mapping[str, str] | None = None,
+        egress: Mapping[str, Any] | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
         request_timeout_s: float | None = None,
@@ -90,7 +93,9 @@ class AsyncSandbox:
         identity); the four then come from the snapshot and must stay None.
         ``timeout_s`` is its maximum lifetime from creation, ``idle_timeout_s`` how long
         it may go without activity (commands, file calls) before it hibernates (seconds;
-        None: no limit).
+        None: no limit). ``egress`` is its network policy (``allow(...)`` writes one;
+        see ``sandbox.network``); None gives no network, or with ``from_snapshot`` the
+        policy of the snapshot's sandbox.
 
         Raises InvalidArgument (limits in docs/api.md, or a size given with
         ``from_snapshot``; nothing is sent then), NotFound (template or snapshot),
@@ -102,6 +107,8 @@ class AsyncSandbox:
         body.update(timeout_s=timeout_s, env=dict(env or {}), metadata=dict(metadata or {}))
         if idle_timeout_s is not None:
             body["idle_timeout_s"] = idle_timeout_s
+        if egress is not None:
+            body["egress"] = dict(egress)
         api = ApiClient(client_config(api_url, api_key, request_timeout_s, _transport))
         try:
             answer = await api.request_json(

@@ -26,11 +26,12 @@ from space.sdk._commands import DEFAULT_COMMAND_TIMEOUT_S, AsyncCommandHandle, A
 from space.sdk._events import OutputCallback
 from space.sdk._files import AsyncFiles, ByteStream
 from space.sdk._models import CommandResult
+from space.sdk._network import AsyncNetwork
 from space.sdk._sandbox import AsyncSandbox
 from space.sdk._templates import AsyncTemplate
 from space.sdk.errors import InvalidArgument
 
-__all__ = ["CommandHandle", "Commands", "Files", "Sandbox", "Template"]
+__all__ = ["CommandHandle", "Commands", "Files", "Network", "Sandbox", "Template"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -248,6 +249,14 @@ class Files(_Facade[AsyncFiles]):
     upload_from = _blocking(AsyncFiles.upload_from)
 
 
+class Network(_Facade[AsyncNetwork]):
+    """``sandbox.network`` (sync). See AsyncNetwork."""
+
+    get_policy = _blocking(AsyncNetwork.get_policy)
+    set_policy = _blocking(AsyncNetwork.set_policy)
+    log = _blocking(AsyncNetwork.log)
+
+
 class Sandbox(_Facade[AsyncSandbox]):
     """A sandbox (sync). See AsyncSandbox; ``with Sandbox.create() as sbx`` kills on exit."""
 
@@ -255,6 +264,7 @@ class Sandbox(_Facade[AsyncSandbox]):
         super().__init__(inner)
         self.commands = Commands(inner.commands)
         self.files = Files(inner.files)
+        self.network = Network(inner.network)
 
     def __repr__(self) -> str:
         return f"<Sandbox {self.sandbox_id}>"

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import pytest
 
 from space.node.config import NodeConfig
+from space.node.network import netns
 from space.node.service import Node
 
 from .platform import qemu_pids
@@ -51,7 +52,27 @@ def release_data_dir(data_dir: Path) -> list[str]:
     for loop in loops_of(data_dir / "pool.img"):
         left.append(f"loop {loop}")
         subprocess.run(["losetup", "-d", loop], check=False)
+    for name in netns.node_netns(NodeConfig(data_dir=data_dir).effective_run_dir):
+        left.append(f"network namespace {name}")
+        subprocess.run(["ip", "netns", "delete", name], check=False)
+    for pid in gateway_pids(data_dir):
+        left.append(f"egress gateway pid {pid}")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     return left
+
+
+def gateway_pids(data_dir: Path) -> list[int]:
+    """Egress gateway processes serving ``data_dir`` (by their --audit-dir)."""
+    needle = f"{data_dir / 'egress'}".encode()
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError):
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+                if b"space.node.egress" in argv and needle in argv:
+                    pids.append(int(proc.name))
+    return pids
 
 
 @dataclass

@@ -39,6 +39,7 @@ from space.node.interface import (
     SandboxStatus,
     SnapshotInfo,
 )
+from tests.unit._fake_egress import FakeEgress
 from tests.unit._fake_templates import FakeTemplates
 
 CHUNK = 1024 * 1024
@@ -52,6 +53,8 @@ _LIFECYCLE = frozenset(
         "snapshot_sandbox",
         "restore_sandbox",
         "fork_sandbox",
+        "set_egress",
+        "egress_log",
     }
 )
 _RUNNING, _PAUSED, _HIBERNATED = SandboxState.RUNNING, SandboxState.PAUSED, SandboxState.HIBERNATED
@@ -132,16 +135,18 @@ class _Snapshot:
     contents: _Box
 
 
-class FakeNode(FakeTemplates):
+class FakeNode(FakeTemplates, FakeEgress):
     """An in-memory NodeService. ``calls`` records (method, sandbox_id) of every call.
 
     ``pools`` is what ``info`` reports as the node's warm pools (set it in a test).
     Templates (build, list, delete) come from FakeTemplates; creating a sandbox from a
-    template the node does not have is NotFound.
+    template the node does not have is NotFound. Egress (set_egress, egress_log) comes
+    from FakeEgress.
     """
 
     def __init__(self, node_id: str = "local") -> None:
-        super().__init__()
+        FakeTemplates.__init__(self)
+        FakeEgress.__init__(self)
         self.node_id = node_id
         self.boxes: dict[str, _Box] = {}
         self.calls: list[tuple[str, str]] = []
@@ -193,6 +198,7 @@ class FakeNode(FakeTemplates):
                 source = snap.contents
             status = replace(_status_of(spec), head_snapshot=spec.from_snapshot)
             self.boxes[spec.sandbox_id] = source.copy(status)
+            self.egress[spec.sandbox_id] = spec.egress
         return self.boxes[spec.sandbox_id].status
 
     async def delete_sandbox(self, sandbox_id: str) -> None:
@@ -298,6 +304,7 @@ class FakeNode(FakeTemplates):
         for child in child_ids:
             status = replace(box.status, sandbox_id=child, state=_RUNNING, created_at=time.time())
             self.boxes[child] = box.copy(status)
+            self.egress[child] = self.egress.get(sandbox_id)
         return [self.boxes[child].status for child in child_ids]
 
     async def get_sandbox(self, sandbox_id: str) -> SandboxStatus:

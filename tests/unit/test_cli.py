@@ -15,7 +15,7 @@ from space.cli import CliContext, _demo, _lifecycle, _pools, _server, main
 from tests.unit.test_sdk_fake_api import API_KEY, FakeApi
 
 COMMANDS = [
-    "cp", "create", "demo", "exec", "fork", "hibernate", "keys", "ls", "node", "pause",
+    "cp", "create", "demo", "egress", "exec", "fork", "hibernate", "keys", "ls", "node", "pause",
     "pools", "restore", "resume", "rm", "serve", "snapshot", "template", "timeouts",
 ]  # fmt: skip
 

@@ -26,6 +26,9 @@ MEASURED_ORDER = [
     "virtio_pci_modern_dev",
     "virtio_pci",
     "virtio_console",
+    "failover",
+    "net_failover",
+    "virtio_net",
     "virtio_blk",
 ]
 
@@ -40,6 +43,10 @@ kernel/drivers/virtio/virtio_pci_modern_dev.ko kernel/drivers/virtio/virtio.ko \
 kernel/drivers/virtio/virtio_ring.ko
 kernel/drivers/char/virtio_console.ko: kernel/drivers/virtio/virtio.ko \
 kernel/drivers/virtio/virtio_ring.ko
+kernel/drivers/net/virtio_net.ko: kernel/drivers/net/net_failover.ko \
+kernel/net/core/failover.ko kernel/drivers/virtio/virtio.ko kernel/drivers/virtio/virtio_ring.ko
+kernel/drivers/net/net_failover.ko: kernel/net/core/failover.ko
+kernel/net/core/failover.ko:
 kernel/drivers/block/virtio_blk.ko: kernel/drivers/virtio/virtio.ko \
 kernel/drivers/virtio/virtio_ring.ko
 kernel/arch/x86/crypto/crc32c-intel.ko:

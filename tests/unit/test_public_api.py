@@ -14,6 +14,7 @@ SDK_NAMES = {
     "InternalError", "InvalidArgument", "NotFound", "PermissionDenied", "PoolInfo",
     "ProcessInfo", "ResourceExhausted", "Sandbox", "SandboxInfo", "SnapshotInfo", "SpaceError",
     "Timeout", "Unavailable",
+    "AsyncNetwork", "EgressEvent", "Network", "allow",
 }  # fmt: skip
 
 TOP_NAMES = {

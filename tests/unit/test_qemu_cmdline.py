@@ -133,7 +133,9 @@ def test_sandbox_kernel_cmdline_adds_a_hostname_derived_from_the_id() -> None:
         accel="tcg",
         console_log=Path("/data/c.log"),
     )
-    assert cfg.kernel_cmdline == "console=ttyS0 quiet space.hostname=team-a-sb-42"
+    assert cfg.kernel_cmdline == (
+        "console=ttyS0 quiet space.hostname=team-a-sb-42 space.net=192.0.2.2/30,192.0.2.1"
+    )
     assert (cfg.cpus, cfg.memory_mib) == (2, 384)
     # The VM boots from its own volume's copies, never the template's files.
     assert cfg.rootfs == Path("/pool/sandboxes/Team_A.sb-42/rootfs.img")

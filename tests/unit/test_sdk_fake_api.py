@@ -25,6 +25,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from tests.unit._fake_api_egress import create_policy, egress_routes
+
 API_KEY = "sk-test-key"
 #: What a snapshot fixes about a sandbox (create from_snapshot must leave them out).
 SIZES = ("template", "cpus", "memory_mib", "disk_mib")
@@ -62,6 +64,8 @@ class FakeApi:
     bodies: list[tuple[str, str, Any]] = field(default_factory=list)
     exec_bodies: list[dict[str, Any]] = field(default_factory=list)
     upload_chunks: list[int] = field(default_factory=list)
+    #: What ``GET .../egress/log`` answers per sandbox (wire dicts; default: canned).
+    egress_events: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     #: (status, code, message) answered to the next request instead of the real answer.
     fail_next: tuple[int, str, str] | None = None
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
@@ -101,6 +105,7 @@ class FakeApi:
             Route("/v1/pools", self._pools, methods=["GET"]),
             Route("/v1/templates", self._build_template, methods=["POST"]),
             Route("/v1/templates/{ref}", self._delete_template, methods=["DELETE"]),
+            *egress_routes(self, base),
         ]
         app = Starlette(routes=routes)
 
@@ -174,6 +179,9 @@ class FakeApi:
             if source not in self.snapshots:
                 return _missing()
             body = {**body, **{key: self.snapshots[source][key] for key in SIZES}}
+        egress = create_policy(self, body)
+        if isinstance(egress, str):
+            return _error(422, "invalid_argument", egress)
         sid = f"sbx{next(self._ids):04d}"
         self.sandboxes[sid] = {
             "id": sid,
@@ -191,6 +199,7 @@ class FakeApi:
             "max_lifetime_s": body.get("timeout_s", 300),
             "last_active_at": "2026-11-30T12:00:00Z",
             "head_snapshot": source,
+            "egress": egress,
         }
         return JSONResponse(self.sandboxes[sid], status_code=201)
 

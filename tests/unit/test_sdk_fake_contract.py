@@ -43,7 +43,7 @@ async def test_fake_api_creates_sandbox_with_201_and_the_documented_fields(fake:
     assert set(answer.json()) == {
         "id", "template", "state", "cpus", "memory_mib", "disk_mib",
         "env", "metadata", "created_at", "expires_at", "node_id",
-        "idle_timeout_s", "max_lifetime_s", "last_active_at", "head_snapshot",
+        "idle_timeout_s", "max_lifetime_s", "last_active_at", "head_snapshot", "egress",
     }  # fmt: skip
 
 

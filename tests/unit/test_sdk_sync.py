@@ -12,10 +12,12 @@ from space.sdk import (
     AsyncCommandHandle,
     AsyncCommands,
     AsyncFiles,
+    AsyncNetwork,
     AsyncSandbox,
     CommandHandle,
     Commands,
     Files,
+    Network,
     Sandbox,
 )
 from space.sdk.errors import CommandExitError, InvalidArgument, NotFound
@@ -100,6 +102,7 @@ PAIRS = [
     (AsyncCommands, Commands),
     (AsyncFiles, Files),
     (AsyncCommandHandle, CommandHandle),
+    (AsyncNetwork, Network),
 ]
 
 

@@ -96,6 +96,9 @@ class SandboxRow(Base):
     last_active_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     #: The snapshot it last came from or took (as its node reports it).
     head_snapshot: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    #: Its egress policy (EgressPolicy.to_json, canonical), the desired state pushed to
+    #: its node; None means no network at all.
+    egress: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
 class SnapshotRow(Base):

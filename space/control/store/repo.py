@@ -28,6 +28,7 @@ __all__ = [
     "mark_deleted",
     "on_node",
     "set_desired_deleted",
+    "set_egress",
     "set_state",
     "set_status",
     "set_timeouts",
@@ -61,6 +62,8 @@ class SandboxRecord:
     idle_timeout_s: int | None = None
     last_active_at: float | None = None
     head_snapshot: str | None = None
+    #: The egress policy (canonical JSON); None: no network.
+    egress: dict[str, Any] | None = None
 
     @property
     def max_lifetime_s(self) -> int | None:
@@ -88,6 +91,7 @@ def _record(row: SandboxRow) -> SandboxRecord:
         idle_timeout_s=row.idle_timeout_s,
         last_active_at=row.last_active_at,
         head_snapshot=row.head_snapshot,
+        egress=None if row.egress is None else dict(row.egress),
     )
 
 
@@ -110,6 +114,7 @@ def insert_sandbox(session: Session, record: SandboxRecord) -> None:
             idle_timeout_s=record.idle_timeout_s,
             last_active_at=record.last_active_at,
             head_snapshot=record.head_snapshot,
+            egress=record.egress,
         )
     )
 
@@ -171,6 +176,11 @@ def set_timeouts(
         .where(SandboxRow.id == sandbox_id)
         .values(idle_timeout_s=idle_timeout_s, expires_at=expires_at)
     )
+
+
+def set_egress(session: Session, sandbox_id: str, policy: dict[str, Any] | None) -> None:
+    """Record a sandbox's egress policy (its desired state; None: no network)."""
+    session.execute(update(SandboxRow).where(SandboxRow.id == sandbox_id).values(egress=policy))
 
 
 def set_desired_deleted(session: Session, sandbox_id: str) -> None:

@@ -43,6 +43,9 @@ BOOT_MODULES = (
     "virtio_pci_modern_dev",
     "virtio_pci",
     "virtio_console",
+    # The sandbox's NIC (virtio-net-pci). Its dependencies net_failover and failover come
+    # from modules.dep; a guest without a NIC loads it anyway and simply has no eth0.
+    "virtio_net",
     "virtio_blk",
     # ext4 is built into Debian's cloud kernel; if a kernel ships it as a module it is
     # loaded (with its dependencies and the checksum driver it asks for) from here.

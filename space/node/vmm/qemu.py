@@ -50,6 +50,11 @@ class VmConfig:
     memory_file: Path | None = None
     #: Start paused, waiting for ``load_state`` (QEMU's ``-incoming defer``).
     incoming: bool = False
+    #: The network namespace QEMU runs in, with a tap named ``tap`` for the guest's
+    #: one NIC (None: no NIC at all). The MAC is fixed: every namespace is alike.
+    netns: Path | None = None
+    tap: str = "tap0"
+    mac: str = "52:54:00:00:00:02"
     cpus: int = 1
     memory_mib: int = 256
     accel: Accelerator = "tcg"
@@ -109,6 +114,15 @@ def build_command(cfg: VmConfig, *, qemu_binary: str = "qemu-system-x86_64") -> 
         "-pidfile", str(cfg.pid_file),
         "-sandbox", _SECCOMP,
     ]  # fmt: skip
+    if cfg.netns is not None:
+        # romfile= skips the NIC's PXE option ROM: the kernel is booted directly.
+        argv += [
+            "-netdev", f"tap,id=net0,ifname={cfg.tap},script=no,downscript=no",
+            "-device", f"virtio-net-pci,netdev=net0,mac={cfg.mac},romfile=",
+        ]  # fmt: skip
+        # nsenter execs QEMU in place: the pid stays QEMU's, and the tap it opens (and
+        # every socket it could ever make) belongs to the sandbox's namespace.
+        argv = ["nsenter", f"--net={cfg.netns}", "--", *argv]
     return [*argv, "-incoming", "defer"] if cfg.incoming else argv
 
 

@@ -1,0 +1,187 @@
+"""The node's egress gateway: listeners inside every sandbox's namespace, one process.
+
+For each attached sandbox the gateway binds, inside that sandbox's network namespace,
+a TCP listener that nftables redirects every guest connection to, and a DNS responder
+on UDP 53. Both are served here, in the host's namespace, where the gateway itself
+connects out. A sandbox's identity is the listener its traffic arrived on, so no
+packet a guest forges can make it pass for another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from ipaddress import IPv4Address, IPv6Address
+from pathlib import Path
+from typing import cast
+
+from space.node.egress import dns
+from space.node.egress.audit import AuditLog
+from space.node.egress.connection import Tracker, serve
+from space.node.egress.fakeip import FakeIps
+from space.node.egress.netns_socket import bind_in_netns
+from space.node.egress.resolver import Resolver
+from space.node.egress_policy import EgressPolicy
+from space.node.errors import InvalidArgument
+from space.node.interface import EgressEvent
+from space.node.network.netns import DNS_PORT, GATEWAY_ADDRESS, PROXY_PORT
+
+__all__ = ["Gateway", "GatewayError", "LocalAddresses"]
+
+log = logging.getLogger(__name__)
+
+#: Connections one sandbox may hold open through the gateway at once.
+MAX_CONNECTIONS = 512
+
+
+class GatewayError(Exception):
+    """A request to the gateway failed (unknown sandbox, namespace gone, bad policy)."""
+
+
+class LocalAddresses:
+    """The host's own IPv4 addresses (from the kernel's local routes), refreshed every
+    few seconds: a sandbox must never reach the node itself through an allowed name."""
+
+    def __init__(self, refresh_s: float = 5.0, path: Path = Path("/proc/net/fib_trie")):
+        self._refresh_s, self._path = refresh_s, path
+        self._at, self._addresses = -refresh_s, frozenset[IPv4Address]()
+
+    def __call__(self, address: IPv4Address | IPv6Address) -> bool:
+        now = time.monotonic()
+        if now - self._at >= self._refresh_s:
+            self._addresses, self._at = self._read(), now
+        return address in self._addresses
+
+    def _read(self) -> frozenset[IPv4Address]:
+        found, last = set(), None
+        with contextlib.suppress(OSError):
+            for line in self._path.read_text().splitlines():
+                text = line.strip()
+                if text.startswith(("|--", "+--")):
+                    last = text[3:].strip().split("/")[0]
+                elif text.startswith("/32 host LOCAL") and last:
+                    with contextlib.suppress(ValueError):
+                        found.add(IPv4Address(last))
+        return frozenset(found)
+
+
+@dataclass(eq=False)
+class _Attached:
+    netns: Path
+    tracker: Tracker
+    fake: FakeIps
+    server: asyncio.Server
+    dns: asyncio.DatagramTransport
+
+
+class Gateway:
+    """Attach, re-policy and detach sandboxes; everything else happens on its own."""
+
+    def __init__(self, audit: AuditLog, resolver: Resolver) -> None:
+        self._audit = audit
+        self._resolver = resolver
+        self._local = LocalAddresses()
+        self._attached: dict[str, _Attached] = {}
+
+    async def attach(self, sandbox_id: str, netns: Path, policy: object) -> None:
+        """Listen in ``netns`` for the sandbox under ``policy`` (JSON); idempotent (a
+        second attach with the same namespace only sets the policy).
+
+        Raises GatewayError (bad policy, namespace missing, ports taken)."""
+        parsed = _parse(policy)
+        current = self._attached.get(sandbox_id)
+        if current is not None and current.netns == netns:
+            current.tracker.set_policy(parsed)
+            return
+        await self.detach(sandbox_id)
+        self._attached[sandbox_id] = await self._listen(sandbox_id, netns, parsed)
+
+    def set_policy(self, sandbox_id: str, policy: object) -> None:
+        """Use ``policy`` for new connections and DNS now; cut connections it no longer
+        allows. GatewayError if the sandbox is not attached or the policy is bad."""
+        parsed = _parse(policy)
+        attached = self._attached.get(sandbox_id)
+        if attached is None:
+            raise GatewayError(f"sandbox {sandbox_id} is not attached")
+        attached.tracker.set_policy(parsed)
+
+    async def detach(self, sandbox_id: str) -> None:
+        """Close the sandbox's listeners and cut its connections; idempotent."""
+        attached = self._attached.pop(sandbox_id, None)
+        if attached is None:
+            return
+        attached.server.close()
+        attached.dns.close()
+        for task in list(attached.tracker.live):
+            task.cancel()
+        with contextlib.suppress(Exception):
+            await attached.server.wait_closed()
+
+    async def close(self) -> None:
+        for sandbox_id in list(self._attached):
+            await self.detach(sandbox_id)
+
+    async def _listen(self, sandbox_id: str, netns: Path, policy: EgressPolicy) -> _Attached:
+        fake = FakeIps()
+        tracker = Tracker(
+            sandbox_id=sandbox_id,
+            policy=policy,
+            name_for=lambda a: fake.name_for(a) if isinstance(a, IPv4Address) else None,
+            is_synthetic=FakeIps.contains,
+            resolver=self._resolver,
+            is_local=self._local,
+            audit=lambda event: self._audit.write(sandbox_id, event),
+        )
+        try:
+            tcp = bind_in_netns(netns, socket.SOCK_STREAM, (GATEWAY_ADDRESS, PROXY_PORT))
+            udp = bind_in_netns(netns, socket.SOCK_DGRAM, (GATEWAY_ADDRESS, DNS_PORT))
+        except OSError as exc:
+            raise GatewayError(f"cannot listen in {netns}: {exc}") from exc
+
+        async def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            if len(tracker.live) >= MAX_CONNECTIONS:
+                writer.transport.abort()
+                return
+            await serve(tracker, reader, writer)
+
+        loop = asyncio.get_running_loop()
+        server = await asyncio.start_server(accepted, sock=tcp)
+        transport, _ = await loop.create_datagram_endpoint(
+            lambda: _DnsResponder(tracker, fake, self._audit), sock=udp
+        )
+        return _Attached(netns, tracker, fake, server, transport)
+
+
+def _parse(policy: object) -> EgressPolicy:
+    try:
+        return EgressPolicy.parse(policy if policy is not None else {})
+    except InvalidArgument as exc:
+        raise GatewayError(exc.message) from exc
+
+
+class _DnsResponder(asyncio.DatagramProtocol):
+    def __init__(self, tracker: Tracker, fake: FakeIps, audit: AuditLog) -> None:
+        self._tracker, self._fake, self._audit = tracker, fake, audit
+        self._transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # asyncio's own datagram transport does not subclass DatagramTransport.
+        self._transport = cast(asyncio.DatagramTransport, transport)
+
+    def datagram_received(self, data: bytes, addr: tuple[str | object, ...]) -> None:
+        try:
+            reply, event = dns.answer(data, self._tracker.policy, self._fake)
+        except Exception:  # the responder must outlive any query
+            log.exception("DNS answer failed for sandbox %s", self._tracker.sandbox_id)
+            return
+        if reply is not None and self._transport is not None:
+            self._transport.sendto(reply, addr)
+        if event is not None:
+            self._write(event)
+
+    def _write(self, event: EgressEvent) -> None:
+        self._audit.write(self._tracker.sandbox_id, event)

@@ -1,0 +1,177 @@
+"""A sandbox's own network namespace: a tap for its VM, nftables, and nothing else.
+
+Every sandbox VM's QEMU runs inside a namespace that holds only ``lo`` and ``tap0``.
+There is no veth, no route and no address of the host in it, so the guest has no
+path to the host's services, other sandboxes, the control plane or metadata addresses:
+the only sockets it can reach are the egress gateway's, which the gateway opens *inside*
+the namespace (space.node.egress). nftables in the namespace sends every TCP
+connection and DNS query of the guest to those sockets and drops everything else;
+while the sandbox has no egress policy it drops (resets) everything, DNS included.
+
+All namespaces use the same addresses (the guest is always 192.0.2.2), so a VM's memory
+image, whose network setup is part of its RAM, runs in any namespace: ready states,
+warm-pool VMs, snapshots and forks need no re-addressing.
+
+Names are ``sp<node tag>-<vm tag>``: the node tag (from the run directory root) lets a
+node find its own stray namespaces after a crash without touching another node's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+from space.node._run import run
+
+__all__ = [
+    "GATEWAY_ADDRESS",
+    "GUEST_ADDRESS",
+    "GUEST_MAC",
+    "KERNEL_ARG",
+    "NETNS_DIR",
+    "PROXY_PORT",
+    "TAP",
+    "create",
+    "delete",
+    "exists",
+    "netns_name",
+    "netns_path",
+    "node_netns",
+    "set_open",
+]
+
+log = logging.getLogger(__name__)
+
+NETNS_DIR = Path("/run/netns")
+TAP = "tap0"
+#: TEST-NET-1 (RFC 5737): never routed anywhere, so it cannot shadow a destination.
+GUEST_ADDRESS = "192.0.2.2"
+GATEWAY_ADDRESS = "192.0.2.1"
+PREFIX_LEN = 30
+GUEST_MAC = "52:54:00:00:00:02"
+#: The gateway's transparent TCP listener inside each namespace.
+PROXY_PORT = 15001
+DNS_PORT = 53
+#: What the guest's init reads to configure its NIC (space.guest._network).
+KERNEL_ARG = f"space.net={GUEST_ADDRESS}/{PREFIX_LEN},{GATEWAY_ADDRESS}"
+
+_TABLE = "space"
+
+
+def _tag(text: str, length: int) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:length]
+
+
+def node_prefix(run_root: Path) -> str:
+    """The name prefix of every namespace a node with this run root makes."""
+    return f"sp{_tag(str(run_root), 6)}-"
+
+
+def netns_name(run_dir: Path) -> str:
+    """The namespace of the VM whose sockets live in ``run_dir`` (15 characters)."""
+    return f"{node_prefix(run_dir.parent)}{_tag(run_dir.name, 6)}"
+
+
+def netns_path(name: str) -> Path:
+    return NETNS_DIR / name
+
+
+def exists(name: str) -> bool:
+    return netns_path(name).exists()
+
+
+def node_netns(run_root: Path) -> list[str]:
+    """Names of the namespaces this node made (by prefix)."""
+    prefix = node_prefix(run_root)
+    try:
+        return sorted(p.name for p in NETNS_DIR.iterdir() if p.name.startswith(prefix))
+    except FileNotFoundError:
+        return []
+
+
+async def create(name: str) -> None:
+    """Make the namespace with its tap and a closed ruleset; a no-op if it exists.
+
+    Raises Unavailable (the failing command's message) and leaves nothing behind.
+    """
+    if exists(name):
+        return
+    await run("ip", "netns", "add", name)
+    try:
+        for command in (
+            ("link", "set", "lo", "up"),
+            ("tuntap", "add", "dev", TAP, "mode", "tap"),
+            ("addr", "add", f"{GATEWAY_ADDRESS}/{PREFIX_LEN}", "dev", TAP),
+            ("link", "set", TAP, "up"),
+        ):
+            await run("ip", "-n", name, *command)
+        await _in_netns(name, "sysctl", "-q", "-w", f"net.ipv6.conf.{TAP}.disable_ipv6=1")
+        await set_open(name, False)
+    except BaseException:
+        await delete(name)
+        raise
+
+
+async def delete(name: str) -> None:
+    """Remove the namespace (its tap and rules go with it); idempotent."""
+    if exists(name):
+        await run("ip", "netns", "delete", name, check=False)
+    if exists(name):  # a bind mount left by a failed ``ip netns add``
+        os.unlink(netns_path(name))
+
+
+async def set_open(name: str, is_open: bool) -> None:
+    """Send the guest's TCP and DNS to the gateway (open), or reset everything (closed).
+
+    Atomic: nft applies the whole ruleset in one transaction.
+    """
+    await _in_netns(name, "nft", "-f", "-", stdin=ruleset(is_open))
+
+
+def ruleset(is_open: bool) -> str:
+    """The namespace's nftables ruleset (inet: IPv4 and IPv6 alike)."""
+    redirect = (
+        f'iifname "{TAP}" meta l4proto {{ tcp, udp }} th dport {DNS_PORT} '
+        f"redirect to :{DNS_PORT}\n"
+        f'    iifname "{TAP}" meta l4proto tcp redirect to :{PROXY_PORT}'
+        if is_open
+        else ""
+    )
+    accept = (
+        f'iifname "{TAP}" ip daddr {GATEWAY_ADDRESS} tcp dport {{ {DNS_PORT}, {PROXY_PORT} }} '
+        f"accept\n"
+        f'    iifname "{TAP}" ip daddr {GATEWAY_ADDRESS} udp dport {DNS_PORT} accept'
+        if is_open
+        else ""
+    )
+    return f"""\
+table inet {_TABLE}
+delete table inet {_TABLE}
+table inet {_TABLE} {{
+  chain prerouting {{
+    type nat hook prerouting priority dstnat; policy accept;
+    {redirect}
+  }}
+  chain input {{
+    type filter hook input priority filter; policy drop;
+    iif "lo" accept
+    {accept}
+    iifname "{TAP}" meta l4proto tcp reject with tcp reset
+    iifname "{TAP}" reject with icmpx admin-prohibited
+  }}
+  chain forward {{
+    type filter hook forward priority filter; policy drop;
+  }}
+  chain output {{
+    type filter hook output priority filter; policy drop;
+    oif "lo" accept
+    ct state established,related accept
+  }}
+}}
+"""
+
+
+async def _in_netns(name: str, *argv: str, stdin: str | None = None) -> None:
+    await run("nsenter", f"--net={netns_path(name)}", "--", *argv, stdin=stdin)

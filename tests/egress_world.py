@@ -1,0 +1,292 @@
+"""A small "internet" for egress tests, in a network namespace the test creates.
+
+The namespace hangs off the host by one veth pair. Its addresses are TEST-NET-2
+(198.51.100.0/24): these machines reach their package mirror in TEST-NET-3 and sit in
+TEST-NET-1 themselves, so neither may be shadowed. Servers run as threads of the test
+process, their sockets bound inside the namespace (or on the host's side, for the
+canaries that must never be reached):
+
+| address          | where           | what                                            |
+|------------------|-----------------|-------------------------------------------------|
+| 198.51.100.1      | host's veth end | canary HTTP :8080 (the node itself)             |
+| 198.51.100.2      | namespace       | DNS :53, HTTP :80 and :8080, TLS :443, UDP :9999 |
+| 198.51.100.3      | namespace       | HTTP :80 ("other", a host no policy names)      |
+| 10.99.0.2        | namespace       | canary HTTP :80 (a private address)             |
+| 127.0.0.1        | host loopback   | canary HTTP on a free port                      |
+
+The DNS server answers from ``World.records`` (a name maps to a list of addresses, or
+to a list of such lists served in turn: DNS rebinding) and remembers every name it was
+asked. Every server remembers who talked to it and the Host it was sent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import ipaddress
+import os
+import secrets
+import socket
+import ssl
+import subprocess
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from mitmproxy import dns
+from mitmproxy.net.dns import response_codes, types
+
+from space.node.egress.netns_socket import bind_in_netns
+
+__all__ = ["Hit", "World", "egress_world"]
+
+UPSTREAM = "198.51.100.2"
+OTHER = "198.51.100.3"
+HOST_SIDE = "198.51.100.1"
+PRIVATE = "10.99.0.2"
+
+
+@dataclass(frozen=True)
+class Hit:
+    server: str
+    peer: str
+    host: str | None
+    data: bytes = b""
+
+
+@dataclass
+class World:
+    netns: Path
+    records: dict[str, list[str] | list[list[str]]] = field(default_factory=dict)
+    asked: list[tuple[str, int]] = field(default_factory=list)
+    hits: list[Hit] = field(default_factory=list)
+    loopback_port: int = 0
+    _turns: dict[str, int] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _sockets: list[socket.socket] = field(default_factory=list)
+
+    @property
+    def resolver(self) -> str:
+        return f"{UPSTREAM}:53"
+
+    def hits_of(self, server: str) -> list[Hit]:
+        return [hit for hit in list(self.hits) if hit.server == server]
+
+    def answer_for(self, name: str) -> list[str] | None:
+        entry = self.records.get(name)
+        if not entry:
+            return None
+        if all(isinstance(item, str) for item in entry):
+            return [str(item) for item in entry]
+        turn = self._turns.get(name, 0)
+        self._turns[name] = turn + 1
+        chosen = entry[turn % len(entry)]
+        return [chosen] if isinstance(chosen, str) else list(chosen)
+
+
+def _run(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True)
+
+
+@contextlib.contextmanager
+def egress_world() -> Iterator[World]:
+    """Make the namespace and servers; on exit stop them and delete the namespace (its
+    veth end on the host goes with it), even if the test failed."""
+    tag = secrets.token_hex(3)
+    name, host_veth = f"spt-{tag}", f"spt{tag}"
+    _run("ip", "netns", "add", name)
+    try:
+        _run("ip", "link", "add", host_veth, "type", "veth", "peer", "name", "u0", "netns", name)
+        _run("ip", "addr", "add", f"{HOST_SIDE}/24", "dev", host_veth)
+        _run("ip", "addr", "add", "10.99.0.1/24", "dev", host_veth)
+        _run("ip", "link", "set", host_veth, "up")
+        for address in (f"{UPSTREAM}/24", f"{OTHER}/24", f"{PRIVATE}/24"):
+            _run("ip", "-n", name, "addr", "add", address, "dev", "u0")
+        _run("ip", "-n", name, "link", "set", "u0", "up")
+        _run("ip", "-n", name, "link", "set", "lo", "up")
+        world = World(Path("/run/netns") / name)
+        try:
+            _start_servers(world)
+            yield world
+        finally:
+            world._stop.set()
+            for sock in world._sockets:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], check=False)
+        subprocess.run(["ip", "link", "delete", host_veth], check=False, capture_output=True)
+
+
+def _start_servers(world: World) -> None:
+    inside = world.netns
+    tls = _tls_context()
+    servers = [
+        ("upstream", bind_in_netns(inside, socket.SOCK_STREAM, (UPSTREAM, 80)), None),
+        ("upstream:8080", bind_in_netns(inside, socket.SOCK_STREAM, (UPSTREAM, 8080)), None),
+        ("tls", bind_in_netns(inside, socket.SOCK_STREAM, (UPSTREAM, 443)), tls),
+        ("other", bind_in_netns(inside, socket.SOCK_STREAM, (OTHER, 80)), None),
+        ("private", bind_in_netns(inside, socket.SOCK_STREAM, (PRIVATE, 80)), None),
+        ("host", _listen((HOST_SIDE, 8080)), None),
+        ("loopback", _listen(("127.0.0.1", 0)), None),
+    ]
+    world.loopback_port = servers[-1][1].getsockname()[1]
+    for label, sock, context in servers:
+        world._sockets.append(sock)
+        _thread(_serve_http, world, label, sock, context)
+    dns_sock = bind_in_netns(inside, socket.SOCK_DGRAM, (UPSTREAM, 53))
+    udp_sock = bind_in_netns(inside, socket.SOCK_DGRAM, (UPSTREAM, 9999))
+    world._sockets += [dns_sock, udp_sock]
+    _thread(_serve_dns, world, dns_sock)
+    _thread(_serve_udp, world, udp_sock)
+
+
+def _listen(address: tuple[str, int]) -> socket.socket:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(address)
+    sock.listen(64)
+    return sock
+
+
+def _thread(target: object, *args: object) -> None:
+    threading.Thread(target=target, args=args, daemon=True).start()  # type: ignore[arg-type]
+
+
+def _serve_http(
+    world: World, label: str, sock: socket.socket, context: ssl.SSLContext | None
+) -> None:
+    sock.setblocking(True)
+    while not world._stop.is_set():
+        try:
+            conn, peer = sock.accept()
+        except OSError:
+            return
+        _thread(_answer_http, world, label, conn, peer[0], context)
+
+
+def _answer_http(
+    world: World, label: str, conn: socket.socket, peer: str, context: ssl.SSLContext | None
+) -> None:
+    with contextlib.suppress(OSError, ssl.SSLError), conn:
+        conn.settimeout(10)
+        stream: socket.socket = context.wrap_socket(conn, server_side=True) if context else conn
+        _answer_on(world, label, stream, peer)
+
+
+def _answer_on(world: World, label: str, stream: socket.socket, peer: str) -> None:
+    with stream:
+        head = b""
+        while b"\r\n\r\n" not in head and len(head) < 65536:
+            chunk = stream.recv(4096)
+            if not chunk:
+                break
+            head += chunk
+        host = next(
+            (
+                line[5:].strip().decode(errors="replace")
+                for line in head.split(b"\r\n")
+                if line[:5].lower() == b"host:"
+            ),
+            None,
+        )
+        world.hits.append(Hit(label, peer, host, head[:200]))
+        size = _requested_size(head)
+        body = f"{label} host={host}\n".encode() if size is None else b"x" * size
+        stream.sendall(
+            b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
+        )
+        stream.sendall(body)
+
+
+def _requested_size(head: bytes) -> int | None:
+    """``GET /bytes/<n>`` asks for n bytes of body (the throughput benchmark)."""
+    first = head.split(b"\r\n", 1)[0].split()
+    if len(first) >= 2 and first[1].startswith(b"/bytes/") and first[1][7:].isdigit():
+        return min(int(first[1][7:]), 1 << 31)
+    return None
+
+
+def _serve_dns(world: World, sock: socket.socket) -> None:
+    sock.setblocking(True)
+    while not world._stop.is_set():
+        try:
+            data, peer = sock.recvfrom(4096)
+        except OSError:
+            return
+        if peer is None:  # shut down
+            return
+        with contextlib.suppress(Exception):
+            query = dns.Message.unpack(data)
+            question = query.questions[0]
+            world.asked.append((question.name, question.type))
+            addresses = world.answer_for(question.name.lower().rstrip("."))
+            if addresses is None:
+                reply = query.fail(response_codes.NXDOMAIN)
+            elif question.type != types.A:
+                reply = query.succeed([])
+            else:
+                reply = query.succeed(
+                    [
+                        dns.ResourceRecord.A(question.name, ipaddress.IPv4Address(a), ttl=1)
+                        for a in addresses
+                    ]
+                )
+            sock.sendto(reply.packed, peer)
+
+
+def _serve_udp(world: World, sock: socket.socket) -> None:
+    sock.setblocking(True)
+    while not world._stop.is_set():
+        try:
+            data, peer = sock.recvfrom(4096)
+        except OSError:
+            return
+        if peer is None:  # shut down
+            return
+        world.hits.append(Hit("udp", peer[0], None, data[:200]))
+        with contextlib.suppress(OSError):
+            sock.sendto(data, peer)
+
+
+def _tls_context() -> ssl.SSLContext:
+    """A server context with a self-signed certificate for the test names."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "allowed.test")])
+    now = datetime.datetime.now(datetime.UTC)
+    names = [x509.DNSName(n) for n in ("allowed.test", "tls.allowed.test", "other.test")]
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    directory = Path(os.environ.get("TMPDIR", "/tmp")) / f"space-egress-tls-{secrets.token_hex(4)}"
+    directory.mkdir(mode=0o700)
+    try:
+        (directory / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        (directory / "key.pem").write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(directory / "cert.pem", directory / "key.pem")
+    finally:
+        for child in directory.iterdir():
+            child.unlink()
+        directory.rmdir()
+    return context
