@@ -21,9 +21,10 @@ from space.node._sandbox import LiveSandbox, has_nic
 from space.node.egress.audit import AuditLog
 from space.node.egress_policy import EgressPolicy
 from space.node.errors import InvalidArgument, NodeError, Unavailable
-from space.node.interface import EgressEvent, SandboxState
+from space.node.interface import EgressEvent, SandboxState, SecretGrant
 from space.node.network import netns
 from space.node.network.gateway_client import GatewayProcess
+from space.node.secret_grants import check_grants
 from space.node.state import StateStore
 
 __all__ = ["EgressOps", "parse_policy"]
@@ -67,6 +68,18 @@ class EgressOps(ABC):
             sandbox.record = replace(sandbox.record, spec=spec)
             self._store.save(sandbox.record)
             await self._apply_egress(sandbox)
+
+    async def set_secrets(self, sandbox_id: str, grants: list[SecretGrant]) -> None:
+        """Replace the secrets the gateway may inject for the sandbox (held in memory
+        by the gateway only). Raises NotFound, InvalidArgument (a grant; the old ones
+        stay), Unavailable."""
+        try:
+            check_grants(grants)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"secrets: {exc.message}", sandbox_id=sandbox_id) from exc
+        async with self._lock(sandbox_id):
+            self._get(sandbox_id)
+            await self._gateway.set_secrets(sandbox_id, grants)
 
     async def egress_log(self, sandbox_id: str, *, limit: int = 100) -> list[EgressEvent]:
         """The sandbox's latest ``limit`` (1..1000) egress decisions, oldest first."""

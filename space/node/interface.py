@@ -34,6 +34,7 @@ __all__ = [
     "SandboxSpec",
     "SandboxState",
     "SandboxStatus",
+    "SecretGrant",
     "SnapshotInfo",
     "TemplateInfo",
 ]
@@ -159,6 +160,33 @@ class EgressEvent:
     bytes_in: int = 0
     #: Names of the secrets injected into this request.
     secrets: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SecretGrant:
+    """One secret a sandbox may use, as the egress gateway applies it. The value never
+    enters the guest, the node's disk or a log: the guest holds ``placeholder`` (in
+    its environment as ``env``), and the gateway puts ``value`` in its place only on
+    requests to a host matching one of ``hosts`` (domain patterns, as in egress rules).
+
+    ``injection`` "placeholder": every occurrence of the placeholder in the request's
+    header values and URL is replaced. "header": header ``header`` is set to
+    ``format`` with ``{value}`` replaced, on every request to those hosts.
+    """
+
+    name: str
+    value: str
+    placeholder: str
+    hosts: tuple[str, ...]
+    env: str | None = None
+    injection: Literal["placeholder", "header"] = "placeholder"
+    header: str | None = None
+    format: str = "{value}"
+
+    def __repr__(self) -> str:  # never the value, wherever a grant is printed
+        return (
+            f"SecretGrant(name={self.name!r}, hosts={self.hosts!r}, injection={self.injection!r})"
+        )
 
 
 class ExecStream(Protocol):
@@ -299,6 +327,9 @@ class NodeInfo:
     templates: list[str]
     sandboxes: int
     pools: list[PoolInfo] = field(default_factory=list)
+    #: Changes each time the node agent starts: what it holds in memory only (secret
+    #: grants) must be sent again.
+    boot_id: str = ""
 
 
 class NodeService(Protocol):
@@ -338,6 +369,10 @@ class NodeService(Protocol):
     effect for new connections and DNS queries within a second. A malformed policy
     raises InvalidArgument and leaves the old one. None means no network. egress_log
     returns the sandbox's most recent egress decisions, oldest first, at most ``limit``.
+    set_secrets replaces the secrets the sandbox's gateway may inject; the node keeps
+    them in memory only (never on disk), so the control plane sends them again after
+    a node restart (``info().boot_id`` changes). The placeholders are the guest's to
+    see; they reach its environment through the spec's ``env``.
     """
 
     async def info(self) -> NodeInfo: ...
@@ -401,6 +436,8 @@ class NodeService(Protocol):
     async def set_egress(self, sandbox_id: str, policy: dict[str, object] | None) -> None: ...
 
     async def egress_log(self, sandbox_id: str, *, limit: int = 100) -> list[EgressEvent]: ...
+
+    async def set_secrets(self, sandbox_id: str, grants: list[SecretGrant]) -> None: ...
 
     async def build_template(self, context: AsyncIterable[bytes]) -> BuildStream: ...
 

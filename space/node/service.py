@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import shutil
 import time
 import weakref
@@ -75,6 +76,7 @@ class Node(GuestOps, SnapshotOps, TemplateOps, EgressOps):
         self.config = config
         self._gateway = gateway
         self._audit = AuditLog(config.data_dir / "egress")
+        self._boot_id = secrets.token_hex(8)
         self.node_id = node_id
         self.pool = pool
         self.accelerator: Accelerator = accel
@@ -181,6 +183,7 @@ class Node(GuestOps, SnapshotOps, TemplateOps, EgressOps):
             templates=sorted({template.name for template in self._catalog.tagged()}),
             sandboxes=len(self._sandboxes),
             pools=[warm.info() for warm in self._pools.values()],
+            boot_id=self._boot_id,
         )
 
     # lifecycle

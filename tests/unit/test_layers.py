@@ -18,6 +18,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "space.control",
         "space.node.interface",
         "space.node.egress_policy",
+        "space.node.secret_grants",
         "space.node.errors",
         "space.node.remote",
         "space.node.wire",

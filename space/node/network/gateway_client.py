@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from space.node.errors import InvalidArgument, Unavailable
+from space.node.interface import SecretGrant
 
 __all__ = ["GatewayProcess"]
 
@@ -35,6 +36,7 @@ class GatewayProcess:
     def __init__(self, audit_dir: Path, resolvers: list[str], log_file: Path) -> None:
         self._audit_dir, self._resolvers, self._log_file = audit_dir, resolvers, log_file
         self._attached: dict[str, tuple[Path, object]] = {}
+        self._secrets: dict[str, list[dict[str, object]]] = {}
         self._proc: asyncio.subprocess.Process | None = None
         self._stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._lock = asyncio.Lock()
@@ -54,9 +56,17 @@ class GatewayProcess:
         )
         self._attached[sandbox_id] = (netns, policy)
 
+    async def set_secrets(self, sandbox_id: str, grants: list[SecretGrant]) -> None:
+        """Replace the sandbox's secret grants (kept in this process's memory too, to
+        tell a restarted gateway; never written anywhere)."""
+        wire = [_grant_json(grant) for grant in grants]
+        await self._call({"op": "secrets", "sandbox": sandbox_id, "grants": wire})
+        self._secrets[sandbox_id] = wire
+
     async def detach(self, sandbox_id: str) -> None:
         """Stop serving the sandbox; idempotent."""
         self._attached.pop(sandbox_id, None)
+        self._secrets.pop(sandbox_id, None)
         await self._call({"op": "detach", "sandbox": sandbox_id})
 
     async def close(self) -> None:
@@ -154,3 +164,15 @@ class GatewayProcess:
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
+
+
+def _grant_json(grant: SecretGrant) -> dict[str, object]:
+    return {
+        "name": grant.name,
+        "value": grant.value,
+        "placeholder": grant.placeholder,
+        "hosts": list(grant.hosts),
+        "injection": grant.injection,
+        "header": grant.header,
+        "format": grant.format,
+    }
