@@ -17,20 +17,29 @@ canaries that must never be reached):
 The DNS server answers from ``World.records`` (a name maps to a list of addresses, or
 to a list of such lists served in turn: DNS rebinding) and remembers every name it was
 asked. Every server remembers who talked to it and the Host it was sent.
+
+With ``watch_strays=True`` a packet socket on the namespace's link also records, as hits
+of "stray", every packet that arrives from anywhere but the host's own veth addresses:
+whatever a sandbox forges or sends outside the gateway (UDP, ICMP, raw IP, a spoofed
+source) shows up there if it ever gets out.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import datetime
 import ipaddress
 import os
 import secrets
+import shutil
 import socket
 import ssl
 import subprocess
+import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,6 +58,12 @@ UPSTREAM = "198.51.100.2"
 OTHER = "198.51.100.3"
 HOST_SIDE = "198.51.100.1"
 PRIVATE = "10.99.0.2"
+#: The host's end of the veth also holds this, the source of its packets to PRIVATE.
+HOST_PRIVATE_SIDE = "10.99.0.1"
+_LINK = "u0"
+_ETH_P_ALL, _ETH_P_IP, _ETH_P_IPV6 = 0x0003, 0x0800, 0x86DD
+_PACKET_OUTGOING = 4
+_CLONE_NEWNET = 0x40000000
 
 
 @dataclass(frozen=True)
@@ -66,6 +81,9 @@ class World:
     asked: list[tuple[str, int]] = field(default_factory=list)
     hits: list[Hit] = field(default_factory=list)
     loopback_port: int = 0
+    #: The TLS server's self-signed certificate: the node's upstream trust store.
+    upstream_ca: Path = Path()
+    directory: Path = Path()
     _turns: dict[str, int] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
     _sockets: list[socket.socket] = field(default_factory=list)
@@ -94,24 +112,29 @@ def _run(*argv: str) -> None:
 
 
 @contextlib.contextmanager
-def egress_world() -> Iterator[World]:
+def egress_world(*, watch_strays: bool = False) -> Iterator[World]:
     """Make the namespace and servers; on exit stop them and delete the namespace (its
-    veth end on the host goes with it), even if the test failed."""
+    veth end on the host goes with it), even if the test failed. ``watch_strays`` also
+    records stray packets (see the module docstring): off by default, as it reads every
+    packet of the link in Python."""
     tag = secrets.token_hex(3)
     name, host_veth = f"spt-{tag}", f"spt{tag}"
     _run("ip", "netns", "add", name)
     try:
-        _run("ip", "link", "add", host_veth, "type", "veth", "peer", "name", "u0", "netns", name)
+        _run("ip", "link", "add", host_veth, "type", "veth", "peer", "name", _LINK, "netns", name)
         _run("ip", "addr", "add", f"{HOST_SIDE}/24", "dev", host_veth)
-        _run("ip", "addr", "add", "10.99.0.1/24", "dev", host_veth)
+        _run("ip", "addr", "add", f"{HOST_PRIVATE_SIDE}/24", "dev", host_veth)
         _run("ip", "link", "set", host_veth, "up")
         for address in (f"{UPSTREAM}/24", f"{OTHER}/24", f"{PRIVATE}/24"):
-            _run("ip", "-n", name, "addr", "add", address, "dev", "u0")
-        _run("ip", "-n", name, "link", "set", "u0", "up")
+            _run("ip", "-n", name, "addr", "add", address, "dev", _LINK)
+        _run("ip", "-n", name, "link", "set", _LINK, "up")
         _run("ip", "-n", name, "link", "set", "lo", "up")
-        world = World(Path("/run/netns") / name)
+        directory = Path(tempfile.mkdtemp(prefix="space-egress-world-"))
+        world = World(Path("/run/netns") / name, directory=directory)
         try:
             _start_servers(world)
+            if watch_strays:
+                _watch_strays(world)
             yield world
         finally:
             world._stop.set()
@@ -119,6 +142,7 @@ def egress_world() -> Iterator[World]:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
                 sock.close()
+            shutil.rmtree(directory, ignore_errors=True)
     finally:
         subprocess.run(["ip", "netns", "delete", name], check=False)
         subprocess.run(["ip", "link", "delete", host_veth], check=False, capture_output=True)
@@ -126,7 +150,7 @@ def egress_world() -> Iterator[World]:
 
 def _start_servers(world: World) -> None:
     inside = world.netns
-    tls = _tls_context()
+    tls = _tls_context(world)
     servers = [
         ("upstream", bind_in_netns(inside, socket.SOCK_STREAM, (UPSTREAM, 80)), None),
         ("upstream:8080", bind_in_netns(inside, socket.SOCK_STREAM, (UPSTREAM, 8080)), None),
@@ -199,6 +223,8 @@ def _answer_on(world: World, label: str, stream: socket.socket, peer: str) -> No
         world.hits.append(Hit(label, peer, host, head[:200]))
         size = _requested_size(head)
         body = f"{label} host={host}\n".encode() if size is None else b"x" * size
+        if head.split(b" ", 2)[1:2] == [b"/echo"]:
+            body += head
         stream.sendall(
             b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
         )
@@ -255,8 +281,78 @@ def _serve_udp(world: World, sock: socket.socket) -> None:
             sock.sendto(data, peer)
 
 
-def _tls_context() -> ssl.SSLContext:
-    """A server context with a self-signed certificate for the test names."""
+def _watch_strays(world: World) -> None:
+    sock = _made_in_netns(world.netns, _packet_socket)
+    sock.settimeout(0.5)  # a closed packet socket does not wake recvfrom: poll _stop
+    world._sockets.append(sock)
+    _thread(_serve_strays, world, sock)
+
+
+def _packet_socket() -> socket.socket:
+    """Every packet of the link, from its network header on (SOCK_DGRAM)."""
+    sock = socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM, socket.htons(_ETH_P_ALL))
+    sock.bind((_LINK, _ETH_P_ALL))
+    return sock
+
+
+def _serve_strays(world: World, sock: socket.socket) -> None:
+    while not world._stop.is_set():
+        try:
+            data, (_, protocol, kind, *_) = sock.recvfrom(65536)
+        except TimeoutError:
+            continue
+        except OSError:
+            return
+        source = _stray_source(data, protocol) if kind != _PACKET_OUTGOING else None
+        if source is not None:
+            world.hits.append(Hit("stray", source, None, data[:200]))
+
+
+def _stray_source(data: bytes, protocol: int) -> str | None:
+    """The source of a packet that the host did not send, or None."""
+    if protocol == _ETH_P_IP and len(data) >= 20:
+        source = str(ipaddress.IPv4Address(data[12:16]))
+        return None if source in (HOST_SIDE, HOST_PRIVATE_SIDE) else source
+    if protocol == _ETH_P_IPV6 and len(data) >= 40:
+        address = ipaddress.IPv6Address(data[8:24])
+        # The host's link-local chatter (neighbour discovery, MLD) is no stray.
+        return None if address.is_link_local or address.is_unspecified else str(address)
+    return None
+
+
+def _made_in_netns(netns: Path, make: Callable[[], socket.socket]) -> socket.socket:
+    """``make()`` run on a thread inside ``netns`` (a socket stays in the namespace it
+    was made in), as space.node.egress.netns_socket does for its AF_INET sockets."""
+    result: list[socket.socket | BaseException] = []
+
+    def enter_and_make() -> None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        target = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if libc.setns(target, _CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), "setns")
+            try:
+                result.append(make())
+            finally:
+                libc.setns(home, _CLONE_NEWNET)
+        except BaseException as exc:
+            result.append(exc)
+        finally:
+            os.close(target)
+            os.close(home)
+
+    thread = threading.Thread(target=enter_and_make)
+    thread.start()
+    thread.join()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
+
+
+def _tls_context(world: World) -> ssl.SSLContext:
+    """A server context with a self-signed certificate for the test names (also kept
+    as ``world.upstream_ca``, for the node to verify the server with)."""
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "allowed.test")])
     now = datetime.datetime.now(datetime.UTC)
@@ -272,8 +368,9 @@ def _tls_context() -> ssl.SSLContext:
         .add_extension(x509.SubjectAlternativeName(names), critical=False)
         .sign(key, hashes.SHA256())
     )
-    directory = Path(os.environ.get("TMPDIR", "/tmp")) / f"space-egress-tls-{secrets.token_hex(4)}"
-    directory.mkdir(mode=0o700)
+    directory = world.directory
+    (directory / "upstream-ca.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    world.upstream_ca = directory / "upstream-ca.pem"
     try:
         (directory / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         (directory / "key.pem").write_bytes(
@@ -286,7 +383,6 @@ def _tls_context() -> ssl.SSLContext:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(directory / "cert.pem", directory / "key.pem")
     finally:
-        for child in directory.iterdir():
-            child.unlink()
-        directory.rmdir()
+        (directory / "cert.pem").unlink()
+        (directory / "key.pem").unlink()
     return context

@@ -1,8 +1,9 @@
 """The ``space`` command line.
 
 Client commands (create, ls, rm, pause, hibernate, resume, snapshot, restore, fork,
-timeouts, exec, cp, egress, pools, template, demo) go through the SDK; server commands
-(serve, node, keys, template build-base) import the node and control plane only when they run.
+timeouts, exec, cp, egress, secret, pools, template, demo) go through the SDK; server
+commands (serve, node, keys, template build-base, secret rotate-master) import the node
+and control plane only when they run.
 Every failure is one ``error: ...`` line on stderr and a non-zero exit status.
 """
 
@@ -16,6 +17,7 @@ from space.cli._egress import egress
 from space.cli._lifecycle import fork, hibernate, restore, snapshot, timeouts
 from space.cli._pools import pools
 from space.cli._sandboxes import cp, create, exec_, ls, pause, resume, rm
+from space.cli._secrets import secret
 from space.cli._server import keys, node, serve
 from space.cli._templates import template
 
@@ -32,6 +34,6 @@ def main(ctx: click.Context) -> None:
 
 for _command in (
     *(serve, node, keys, template, create, ls, rm, pause, hibernate, resume),
-    *(snapshot, restore, fork, timeouts, exec_, cp, egress, pools, demo),
+    *(snapshot, restore, fork, timeouts, exec_, cp, egress, secret, pools, demo),
 ):
     main.add_command(_command)

@@ -55,6 +55,13 @@ _REMOTE = re.compile(r"^(?P<id>[A-Za-z0-9][A-Za-z0-9_-]*):(?P<path>.+)$")
     help="Start from a snapshot (its template and sizes, memory and processes).",
 )
 @click.option("--allow", "rules", multiple=True, metavar="RULE", help=ALLOW_HELP)
+@click.option(
+    "--secret",
+    "secrets",
+    multiple=True,
+    metavar="NAME",
+    help="Let it use this secret (space secret set): a placeholder in its env. Repeatable.",
+)
 @api_options
 @reports_errors
 def create(
@@ -66,6 +73,7 @@ def create(
     idle_timeout_s: int | None,
     from_snapshot: str | None,
     rules: tuple[str, ...],
+    secrets: tuple[str, ...],
     api_url: str | None,
     api_key: str | None,
 ) -> None:
@@ -90,6 +98,7 @@ def create(
         idle_timeout_s=idle_timeout_s,
         from_snapshot=from_snapshot,
         egress=policy,
+        secrets=list(secrets) if secrets else None,
         **connection(api_url, api_key),
     )
     progress(f"sandbox {sandbox.sandbox_id} is running")

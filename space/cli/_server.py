@@ -21,11 +21,11 @@ import click
 from space.cli._common import ProgressPrinter, fail
 from space.sdk.errors import SpaceError
 
-__all__ = ["keys", "node", "serve", "server_errors"]
+__all__ = ["DATA_DIR_OPTION", "keys", "node", "serve", "server_errors"]
 
 DEFAULT_DATA_DIR = Path("/var/lib/space")
 
-_data_dir_option = click.option(
+DATA_DIR_OPTION = click.option(
     "--data-dir",
     type=click.Path(file_okay=False, path_type=Path),
     default=DEFAULT_DATA_DIR,
@@ -34,7 +34,7 @@ _data_dir_option = click.option(
 
 
 @click.command()
-@_data_dir_option
+@DATA_DIR_OPTION
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8080, show_default=True, type=int)
 @click.option("--accel", type=click.Choice(["auto", "kvm", "tcg"]), default="auto")
@@ -61,11 +61,15 @@ def serve(
     """Run the control plane and one node in this process (the embedded default)."""
     if warm_min > warm_max:
         fail(f"--warm-min ({warm_min}) must not exceed --warm-max ({warm_max})", 2)
+    from space.control.secrets import load_keyring
     from space.control.server import run_control_plane
     from space.control.settings import ControlSettings
     from space.node.config import NodeConfig
     from space.node.service import Node
 
+    settings = ControlSettings(data_dir=data_dir)
+    with server_errors():
+        load_keyring(settings, create=True)  # an unsafe key file stops us before any VM
     progress = ProgressPrinter()
 
     async def run() -> None:
@@ -80,7 +84,7 @@ def serve(
         local = await Node.start(config, progress=progress)
         try:
             progress(f"node {local.node_id} ready; API on http://{host}:{port}")
-            await run_control_plane(ControlSettings(data_dir=data_dir), local, host=host, port=port)
+            await run_control_plane(settings, local, host=host, port=port)
         finally:
             # A loop-file pool is unmounted only when asked and no VM still uses it.
             idle = release_pool and not await local.list_sandboxes()
@@ -95,7 +99,7 @@ def serve(
 @click.option("--token-file", required=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--listen", default="0.0.0.0:8081", show_default=True, help="HOST:PORT to serve.")
 @click.option("--advertise-url", default=None, help="The URL the control plane calls.")
-@_data_dir_option
+@DATA_DIR_OPTION
 @click.option("--accel", type=click.Choice(["auto", "kvm", "tcg"]), default="auto")
 @click.option("--pool-path", type=click.Path(path_type=Path), default=None, help="A btrfs mount.")
 def node(
@@ -151,7 +155,7 @@ def keys() -> None:
 
 @keys.command(name="create")
 @click.option("--tenant", required=True, help="The tenant the key belongs to.")
-@_data_dir_option
+@DATA_DIR_OPTION
 def keys_create(tenant: str, data_dir: Path) -> None:
     """Create an API key for TENANT and print it (shown only this once)."""
     from space.control.keys import create_key
@@ -189,13 +193,17 @@ def _run_until_signal(main: Coroutine[Any, Any, None]) -> None:
 
 @contextlib.contextmanager
 def server_errors() -> Iterator[None]:
-    """Node, control-plane and OS errors as one ``error: ...`` line and exit code 1."""
+    """Node, control-plane, secret store and OS errors as one ``error: ...`` line and
+    exit code 1."""
+    from space.control.secrets import SecretStoreError
     from space.node.errors import NodeError
 
     try:
         yield
     except (NodeError, SpaceError) as exc:
         fail(f"{exc.code}: {exc}")
+    except SecretStoreError as exc:
+        fail(f"secret store: {exc}")
     except OSError as exc:
         fail(f"{exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}")
 

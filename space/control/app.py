@@ -1,15 +1,18 @@
 """The control plane's FastAPI application.
 
 ``create_app`` wires the routers, the error handlers and a lifespan that, in order:
-applies the database migrations, makes the node token file if missing, records the
-registered nodes (and re-attaches remote ones from earlier runs), reconciles every
-node with the database, and runs the reaper until shutdown.
+applies the database migrations, loads the master keys (making the key file if
+missing, refusing to start on an unsafe one) and re-wraps data keys wrapped by an older
+master key, makes the node token file if missing, records the registered nodes (and
+re-attaches remote ones from earlier runs), reconciles every node with the database,
+sends secret grants to nodes that restarted, and runs the reaper until shutdown.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -17,6 +20,7 @@ import anyio.to_thread
 from fastapi import FastAPI
 from sqlalchemy.orm import Session
 
+from space.control import broker
 from space.control.deps import ControlContext, load_or_create_node_token
 from space.control.errors import install_error_handlers
 from space.control.nodes import LOCAL_URL, NodeRegistry
@@ -27,14 +31,27 @@ from space.control.routers import (
     files,
     pools,
     sandboxes,
+    secrets,
     snapshots,
     templates,
 )
 from space.control.routers import nodes as node_routes
+from space.control.secrets import load_keyring, rotate
 from space.control.settings import ControlSettings
 from space.control.store import Database, repo
 
 __all__ = ["create_app"]
+
+log = logging.getLogger(__name__)
+
+
+async def _prepare_keyring(settings: ControlSettings, db: Database) -> None:
+    """Load the master keys (MasterKeyError stops the start) and re-wrap what an older
+    master key wraps, so that it can be dropped from the ring."""
+    keyring = await anyio.to_thread.run_sync(lambda: load_keyring(settings, create=True))
+    count = await db.run(lambda session: rotate(session, keyring, strict=False))
+    if count:
+        log.info("re-wrapped %d data keys under master key %s", count, keyring.current.key_id)
 
 
 async def _record_nodes(ctx: ControlContext) -> None:
@@ -58,10 +75,12 @@ async def _running(
     db = Database(settings.database_url)
     try:
         await anyio.to_thread.run_sync(db.upgrade)
+        await _prepare_keyring(settings, db)
         token = load_or_create_node_token(settings.token_file)
         ctx = ControlContext(settings=settings, db=db, nodes=nodes, clock=clock, node_token=token)
         await _record_nodes(ctx)
         await reconcile(ctx)
+        await broker.sync_restarted_nodes(ctx)
         reaper = asyncio.create_task(reaper_loop(ctx, settings.reaper_interval_s))
         try:
             yield ctx
@@ -94,6 +113,7 @@ def create_app(
 
     app = FastAPI(title="SPACE", version="1", lifespan=lifespan)
     install_error_handlers(app)
-    for module in (sandboxes, snapshots, egress, commands, files, pools, templates, node_routes):
+    for module in (sandboxes, snapshots, egress, secrets, commands, files, pools, templates):
         app.include_router(module.router)
+    app.include_router(node_routes.router)
     return app

@@ -16,14 +16,14 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from space.control import egress
+from space.control import broker, egress
 from space.control.deps import ControlContext
 from space.control.errors import ApiError
 from space.control.scheduler import pick_node
 from space.control.schemas import SandboxCreate
 from space.control.store import repo
 from space.control.store import snapshots as snaps
-from space.control.store.repo import SandboxRecord
+from space.control.store.repo import SandboxRecord, SecretBinding
 from space.control.store.snapshots import SnapshotRecord
 from space.control.template_names import node_ref, parse_ref
 from space.node.errors import NodeError, NotFound
@@ -86,6 +86,7 @@ def _new_record(
     source: SnapshotRecord | None,
     timeout_s: int | None,
     policy: dict[str, Any] | None,
+    bindings: tuple[SecretBinding, ...],
 ) -> SandboxRecord:
     now = ctx.clock()
     shape = source or body  # template and resources
@@ -106,6 +107,7 @@ def _new_record(
         idle_timeout_s=body.idle_timeout_s,
         head_snapshot=None if source is None else source.id,
         egress=policy,
+        secrets=bindings,
     )
 
 
@@ -117,7 +119,8 @@ def _spec(record: SandboxRecord, from_snapshot: str | None = None) -> SandboxSpe
         cpus=record.cpus,
         memory_mib=record.memory_mib,
         disk_mib=record.disk_mib,
-        env=record.env,
+        # Every exec sees the placeholders; the values stay with the node's gateway.
+        env={**record.env, **broker.placeholder_env(record.secrets)},
         from_snapshot=from_snapshot,
         egress=record.egress,
     )
@@ -129,40 +132,73 @@ async def create_sandbox(
     """Record, place and start a sandbox (from a snapshot if asked); returns it running.
 
     A sandbox made from a snapshot goes to the snapshot's node and takes its template
-    and resources, and the egress policy its sandbox has now unless ``body`` gives one.
-    Raises ApiError(invalid_argument) for a malformed egress policy (nothing recorded),
-    ApiError(not_found) for a snapshot that is not the tenant's,
-    ApiError(unavailable) with no node, or the node's NodeError (with the new sandbox's
-    id in its details, the row then in state ``error``). Cancelled mid-way, the row
-    stays ``creating`` until reconciliation.
+    and resources, and the egress policy and secret bindings its sandbox has now unless
+    ``body`` gives them. Once the node runs it, its secret grants are sent.
+    Raises ApiError(invalid_argument) for a malformed egress policy or an unknown
+    secret (nothing recorded), ApiError(not_found) for a snapshot that is not the
+    tenant's, ApiError(unavailable) with no node, or the node's NodeError (with the
+    new sandbox's id in its details, the row then in state ``error``); a failure to
+    send its grants also leaves the row in ``error`` and deletes it on the node.
+    Cancelled mid-way, the row stays ``creating`` until reconciliation.
     """
     given = None if body.egress is None else egress.canonical(body.egress)
     source = await _source(ctx, tenant, body.from_snapshot)
     node_ref(tenant, body.template)  # refuse a name too long to scope before any row
+    parent = await _source_sandbox(ctx, source)
+    bindings = await _bindings(ctx, tenant, body, parent)
     node_id = source.node_id if source is not None else await _place(ctx)
     timeout_s = body.timeout_s if timeout_given else ctx.settings.default_timeout_s
     node = ctx.nodes.get(node_id)
     if source is None:
         body = await _with_template_defaults(node, tenant, body)
-    policy = given if "egress" in body.model_fields_set else await _inherited(ctx, source)
-    record = _new_record(ctx, tenant, node_id, body, source, timeout_s, policy)
+    inherited = None if parent is None else parent.egress
+    policy = given if "egress" in body.model_fields_set else inherited
+    record = _new_record(ctx, tenant, node_id, body, source, timeout_s, policy, bindings)
     await ctx.db.run(lambda s: repo.insert_sandbox(s, record))
     try:
         status = await node.create_sandbox(_spec(record, body.from_snapshot))
     except NodeError as exc:
         await _creation_failed(ctx, record, exc)
         raise
-    return await record_status(ctx, record, status)
+    record = await record_status(ctx, record, status)
+    if record.secrets:
+        await _send_grants(ctx, record)
+    return record
 
 
-async def _inherited(ctx: ControlContext, source: SnapshotRecord | None) -> dict[str, Any] | None:
-    """The egress policy the snapshot's sandbox has now (its row outlives it); else none."""
+async def _bindings(
+    ctx: ControlContext, tenant: str, body: SandboxCreate, parent: SandboxRecord | None
+) -> tuple[SecretBinding, ...]:
+    """The new sandbox's secret bindings: the body's, else (from a snapshot) those of the
+    snapshot's sandbox. Raises ApiError(invalid_argument) as broker.bind."""
+    inherited = () if parent is None else parent.secrets
+    given = "secrets" in body.model_fields_set or parent is None
+    return await broker.bind(ctx, tenant, body.secrets if given else None, inherited, body.env)
+
+
+async def _send_grants(ctx: ControlContext, record: SandboxRecord) -> None:
+    """Push a new sandbox's grants; if that fails, it is an error (deleted on its node):
+    a sandbox running without the secrets it was made with would fail obscurely."""
+    try:
+        await broker.push(ctx, record)
+    except NodeError as exc:
+        await _creation_failed(ctx, record, exc)
+        raise
+    except ApiError as exc:
+        exc.details.setdefault("sandbox_id", record.id)
+        await _failed(ctx, record, f"{exc.code}: {exc.message}")
+        raise
+
+
+async def _source_sandbox(
+    ctx: ControlContext, source: SnapshotRecord | None
+) -> SandboxRecord | None:
+    """The snapshot's sandbox as it is now (its row outlives it); None without one."""
     if source is None:
         return None
-    parent = await ctx.db.run(
+    return await ctx.db.run(
         lambda s: repo.find_sandbox(s, source.tenant_id, source.sandbox_id, include_deleted=True)
     )
-    return None if parent is None else parent.egress
 
 
 async def _with_template_defaults(
@@ -184,7 +220,10 @@ async def _with_template_defaults(
 
 async def _creation_failed(ctx: ControlContext, record: SandboxRecord, exc: NodeError) -> None:
     exc.sandbox_id = exc.sandbox_id or record.id
-    error = f"{exc.code}: {exc.message}"
+    await _failed(ctx, record, f"{exc.code}: {exc.message}")
+
+
+async def _failed(ctx: ControlContext, record: SandboxRecord, error: str) -> None:
     await ctx.db.run(lambda s: repo.set_state(s, record.id, SandboxState.ERROR.value, error=error))
     # The node may have left a half-made VM behind; the row stays for the tenant to see.
     with contextlib.suppress(NodeError):

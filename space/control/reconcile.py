@@ -1,11 +1,13 @@
 """Driving observed state towards desired state: the reaper and startup reconciliation.
 
 The reaper deletes sandboxes whose lifetime ended and hibernates those idle for their
-``idle_timeout_s``, by the app's injected clock. Reconciliation compares every
-registered node's sandboxes and snapshots with the database: rows the node no longer
-knows become ``error`` (or ``deleted`` if deletion was wanted), pending snapshot rows
-are published if the node finished them and dropped if not, and sandboxes or
-snapshots no row claims are deleted on the node, so nothing leaks across restarts.
+``idle_timeout_s``, by the app's injected clock, and sends secret grants again to
+nodes that restarted (space.control.broker: a node holds them in memory only).
+Reconciliation compares every registered node's sandboxes and snapshots with the
+database: rows the node no longer knows become ``error`` (or ``deleted`` if deletion
+was wanted), pending snapshot rows are published if the node finished them and
+dropped if not, and sandboxes or snapshots no row claims are deleted on the node, so
+nothing leaks across restarts.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import contextlib
 import logging
 from dataclasses import replace
 
+from space.control import broker
 from space.control.deps import ControlContext
 from space.control.errors import ApiError
 from space.control.lifecycle import delete_sandbox, hibernate_sandbox
@@ -78,9 +81,11 @@ async def hibernate_idle(ctx: ControlContext) -> list[str]:
 
 
 async def reap(ctx: ControlContext) -> None:
-    """One reaper round: delete expired sandboxes, then hibernate idle ones."""
+    """One reaper round: delete expired sandboxes, hibernate idle ones, then send their
+    grants to nodes whose boot id changed."""
     await reap_expired(ctx)
     await hibernate_idle(ctx)
+    await broker.sync_restarted_nodes(ctx)
 
 
 async def reaper_loop(ctx: ControlContext, interval_s: float) -> None:

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from space.control.store.repo import SandboxRecord
+from space.control.store.secrets import SecretRecord
 from space.control.store.snapshots import SnapshotRecord
 from space.control.template_names import REF_PATTERN
 from space.node.interface import EgressEvent, FileStat, PoolInfo, ProcessInfo, TemplateInfo
@@ -32,6 +33,10 @@ __all__ = [
     "RestoreBody",
     "SandboxCreate",
     "SandboxOut",
+    "SandboxSecretOut",
+    "SecretName",
+    "SecretOut",
+    "SecretPut",
     "SnapshotCreate",
     "SnapshotOut",
     "TemplateOut",
@@ -74,6 +79,10 @@ _Text = Annotated[str, Field(max_length=_MAX_TEXT), AfterValidator(_no_nul)]
 _Env = Annotated[
     dict[Annotated[str, Field(min_length=1, max_length=256)], _Text], Field(max_length=256)
 ]
+#: A secret's name (as space.node.secret_grants.check_secret_name has it).
+SecretName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")]
+#: Most secrets one sandbox may use (space.node.secret_grants.MAX_GRANTS).
+MAX_SANDBOX_SECRETS = 64
 
 
 class _Body(BaseModel):
@@ -97,6 +106,11 @@ class SandboxCreate(_Body):
     #: Egress policy (space.node.egress_policy); null: no network; omitted: none, or
     #: with from_snapshot the policy of the snapshot's sandbox.
     egress: dict[str, Any] | None = None
+    #: Names of the tenant's secrets the sandbox may use (placeholders in its env);
+    #: omitted with from_snapshot: those of the snapshot's sandbox.
+    secrets: Annotated[list[SecretName], Field(max_length=MAX_SANDBOX_SECRETS)] = Field(
+        default_factory=list
+    )
 
     @model_validator(mode="after")
     def _resources_come_from_the_snapshot(self) -> SandboxCreate:
@@ -135,6 +149,14 @@ def _iso(ts: float | None) -> str | None:
     return None if ts is None else datetime.fromtimestamp(ts, UTC).isoformat()
 
 
+class SandboxSecretOut(BaseModel):
+    """A sandbox's use of a secret: the placeholder its environment holds as ``env``."""
+
+    name: str
+    env: str
+    placeholder: str
+
+
 class SandboxOut(BaseModel):
     id: str
     template: str
@@ -154,6 +176,8 @@ class SandboxOut(BaseModel):
     head_snapshot: str | None
     #: The egress policy; ``{"allow": []}`` is no network.
     egress: dict[str, Any]
+    #: The secrets it may use, with their placeholders (never values).
+    secrets: list[SandboxSecretOut]
 
     @classmethod
     def of(cls, record: SandboxRecord) -> SandboxOut:
@@ -175,6 +199,58 @@ class SandboxOut(BaseModel):
             last_active_at=_iso(record.last_active_at),
             head_snapshot=record.head_snapshot,
             egress=policy_out(record.egress),
+            secrets=[
+                SandboxSecretOut(name=b.name, env=b.env, placeholder=b.placeholder)
+                for b in record.secrets
+            ],
+        )
+
+
+class SecretPut(_Body):
+    """``PUT /v1/secrets/{name}``: types here, rules in space.control.broker (the node's
+    own checks, space.node.secret_grants), so no message can echo the value."""
+
+    value: str
+    hosts: list[str]
+    #: The placeholder's environment variable; null or omitted: the secret's name.
+    env: str | None = None
+    injection: Literal["placeholder", "header"] = "placeholder"
+    #: For injection "header": the header set to ``format`` with ``{value}`` replaced.
+    header: str | None = None
+    format: str = "{value}"
+
+    def __repr__(self) -> str:  # never the value
+        return f"SecretPut(hosts={self.hosts!r}, env={self.env!r}, injection={self.injection!r})"
+
+    __str__ = __repr__
+
+
+class SecretOut(BaseModel):
+    """A secret's metadata; the value is never answered."""
+
+    name: str
+    hosts: list[str]
+    env: str
+    injection: str
+    header: str | None
+    format: str
+    created_at: str
+    updated_at: str
+    #: The master key that wraps its data key.
+    key_id: str
+
+    @classmethod
+    def of(cls, record: SecretRecord) -> SecretOut:
+        return cls(
+            name=record.name,
+            hosts=list(record.hosts),
+            env=record.env,
+            injection=record.injection,
+            header=record.header,
+            format=record.format,
+            created_at=_iso(record.created_at) or "",
+            updated_at=_iso(record.updated_at) or "",
+            key_id=record.sealed.key_id,
         )
 
 

@@ -18,6 +18,9 @@ class ControlSettings:
     present to register and that the control plane presents to them (created 0600 on
     first start). ``default_timeout_s`` is a sandbox's lifetime when the request does not
     say; ``reaper_interval_s`` is how often expired sandboxes are looked for.
+    ``master_key_file`` holds the master keys that wrap secrets' data keys (one base64
+    key per line, the first current; space.control.secrets) unless SPACE_MASTER_KEY is
+    set; it defaults to ``<data_dir>/master.key``, made 0600 on first start.
     """
 
     data_dir: Path
@@ -25,6 +28,7 @@ class ControlSettings:
     node_token_path: Path | None = None
     default_timeout_s: int = 300
     reaper_interval_s: float = 5.0
+    master_key_file: Path | None = None
 
     def __post_init__(self) -> None:
         # Frozen: fill the data_dir-derived defaults once, here.
@@ -32,8 +36,15 @@ class ControlSettings:
             object.__setattr__(self, "database_url", f"sqlite:///{self.data_dir / 'space.db'}")
         if self.node_token_path is None:
             object.__setattr__(self, "node_token_path", self.data_dir / "node-token")
+        if self.master_key_file is None:
+            object.__setattr__(self, "master_key_file", self.data_dir / "master.key")
 
     @property
     def token_file(self) -> Path:
         """The node token's path (``node_token_path`` with its default resolved)."""
         return self.node_token_path or self.data_dir / "node-token"
+
+    @property
+    def key_file(self) -> Path:
+        """The master key file's path (``master_key_file`` with its default resolved)."""
+        return self.master_key_file or self.data_dir / "master.key"

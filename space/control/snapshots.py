@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from sqlalchemy.orm import Session
 
-from space.control import egress, lifecycle
+from space.control import broker, egress, lifecycle
 from space.control.deps import ControlContext
 from space.control.errors import ApiError
 from space.control.lifecycle import LIVE, check_state, new_sandbox_id, record_status
@@ -200,8 +200,9 @@ async def fork_sandbox(
     """``count`` new running copies of a running, paused or hibernated sandbox.
 
     The children share the parent's tenant, node, template, resources, env, metadata,
-    egress policy and timeouts (their lifetime counted from their own creation); the
-    parent keeps its state. Raises ApiError(conflict) naming the parent's state, or the
+    egress policy, secret bindings (placeholders included: their memory holds them) and
+    timeouts (their lifetime counted from their own creation); the parent keeps its
+    state. Raises ApiError(conflict) naming the parent's state, or the
     node's NodeError (the children's rows are then deleted, on the node too).
     """
     check_state("fork", parent, LIVE)
@@ -219,6 +220,7 @@ async def fork_sandbox(
         await _fork_failed(ctx, children)
         raise
     await egress.push_to_children(ctx, children)
+    await broker.push_to_children(ctx, children)
     by_id = {status.sandbox_id: status for status in statuses}
     return [await record_status(ctx, child, by_id[child.id]) for child in children]
 

@@ -22,8 +22,9 @@ from space.node.egress.audit import AuditLog
 from space.node.egress_policy import EgressPolicy
 from space.node.errors import InvalidArgument, NodeError, Unavailable
 from space.node.interface import EgressEvent, SandboxState, SecretGrant
-from space.node.network import netns
+from space.node.network import ca, netns
 from space.node.network.gateway_client import GatewayProcess
+from space.node.network.trust import install_ca
 from space.node.secret_grants import check_grants
 from space.node.state import StateStore
 
@@ -50,6 +51,7 @@ class EgressOps(ABC):
     _gateway: GatewayProcess
     _audit: AuditLog
     _run_root: Path
+    _ca_dir: Path
 
     @abstractmethod
     def _lock(self, sandbox_id: str) -> asyncio.Lock: ...
@@ -99,9 +101,26 @@ class EgressOps(ABC):
         await netns.create(name)  # gone after a host reboot; a no-op otherwise
         if policy.closed:
             await netns.set_open(name, False)
-        await self._gateway.attach(sandbox.sandbox_id, netns.netns_path(name), policy.to_json())
+        ca_file = ca.ensure_ca(self._ca_dir, sandbox.sandbox_id)
+        path = netns.netns_path(name)
+        await self._gateway.attach(sandbox.sandbox_id, path, policy.to_json(), ca_file)
         if not policy.closed:
+            await self._trust(sandbox, ca_file)
             await netns.set_open(name, True)
+
+    async def _trust(self, sandbox: LiveSandbox, ca_file: Path) -> None:
+        """Install the sandbox's CA in its guest, once per guest filesystem (a restore
+        or a fork brings another one: those start with ``trusted_ca`` None)."""
+        pem = ca.certificate_pem(ca_file)
+        if sandbox.trusted_ca == pem or sandbox.record.state != SandboxState.RUNNING:
+            return
+        channel = sandbox.channel
+        if channel is None or channel.closed:
+            raise Unavailable(
+                "no guest channel to install the egress CA", sandbox_id=sandbox.sandbox_id
+            )
+        await install_ca(channel, pem, ca.subject_hash(pem))
+        sandbox.trusted_ca = pem
 
     async def _drop_network(self, sandbox_id: str, run_dir: Path) -> None:
         """Detach the gateway and delete the namespace and audit log; logs failures."""
@@ -109,6 +128,7 @@ class EgressOps(ABC):
             if not is_hidden(sandbox_id):
                 await self._gateway.detach(sandbox_id)
             await netns.delete(netns.netns_name(run_dir))
+            ca.remove_ca(self._ca_dir, sandbox_id)
         except (NodeError, OSError) as exc:
             log.error("sandbox %s: removing its network failed: %s", sandbox_id, exc)
         await asyncio.to_thread(self._audit.remove, sandbox_id)

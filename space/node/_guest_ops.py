@@ -25,6 +25,7 @@ from space.node.interface import (
     ProcessInfo,
     SandboxState,
 )
+from space.node.network.trust import TRUST_ENV
 
 __all__ = ["GuestOps"]
 
@@ -45,7 +46,7 @@ class GuestOps(ABC):
 
     async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecStream:
         record = self._get(sandbox_id).record
-        env = {**record.template_env, **record.spec.env, **request.env}
+        env = {**TRUST_ENV, **record.template_env, **record.spec.env, **request.env}
         request = replace(request, env=env, cwd=request.cwd or record.workdir)
         return await (await self._channel(sandbox_id)).exec(request)
 

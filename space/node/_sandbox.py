@@ -99,6 +99,8 @@ class LiveSandbox:
     vm: QemuVM | None = None
     channel: GuestChannel | None = None
     watcher: asyncio.Task[None] | None = None
+    #: The egress CA certificate (PEM) installed in this guest's filesystem, if any.
+    trusted_ca: bytes | None = None
 
     @property
     def sandbox_id(self) -> str:

@@ -74,6 +74,9 @@ class NodeConfig:
     #: DNS servers ("address" or "address:port", IPv4) the egress gateway resolves
     #: allowed names with; empty means the host's /etc/resolv.conf nameservers.
     egress_resolvers: tuple[str, ...] = ()
+    #: CA bundle the egress gateway verifies upstream TLS servers with; None means the
+    #: host's (/etc/ssl/certs/ca-certificates.crt). Upstream TLS is always verified.
+    egress_upstream_ca: Path | None = None
 
     def __post_init__(self) -> None:
         counts = {
@@ -103,6 +106,10 @@ class NodeConfig:
             return self.run_dir
         tag = hashlib.sha256(str(self.data_dir.resolve()).encode()).hexdigest()[:12]
         return Path("/run/space") / tag
+
+    @property
+    def effective_upstream_ca(self) -> Path:
+        return self.egress_upstream_ca or Path("/etc/ssl/certs/ca-certificates.crt")
 
     @property
     def effective_resolvers(self) -> list[str]:

@@ -13,7 +13,9 @@ body and answers the build's NDJSON events (its id in ``X-Build-Id``); ``GET`` l
 ``DELETE /templates/{ref}`` deletes (``name``, ``name:tag``, ``name@digest``). A
 sandbox's egress policy is ``PUT /sandboxes/{id}/egress`` with ``{"policy": {...} |
 null}`` (204); ``GET /sandboxes/{id}/egress/log?limit=N`` (1 to MAX_EGRESS_LOG_EVENTS,
-default 100) answers ``{"events": [EgressEvent, ...]}``, oldest first. Errors
+default 100) answers ``{"events": [EgressEvent, ...]}``, oldest first. Its secret
+grants are ``PUT /sandboxes/{id}/secrets`` with ``{"grants": [SecretGrant, ...]}``
+(204); that body holds secret values, so no body is ever logged here. Errors
 answer ``{"error": {"code", "message", "details"}}`` with the status of
 ``STATUS_BY_CODE``. Every request needs ``Authorization: Bearer <node token>``.
 
@@ -48,6 +50,7 @@ from space.node.wire import (
     decode_child_ids,
     decode_egress_policy,
     decode_exec_request,
+    decode_grants,
     decode_snapshot_id,
     encode,
     encode_templates,
@@ -292,6 +295,13 @@ async def _rename(node: Node, sandbox_id: str, request: Request) -> Any:
 @_router.put("/sandboxes/{sandbox_id}/egress", status_code=204)
 async def _set_egress(node: Node, sandbox_id: str, request: Request) -> Response:
     await node.set_egress(sandbox_id, decode_egress_policy(await request.json()))
+    return Response(status_code=204)
+
+
+@_router.put("/sandboxes/{sandbox_id}/secrets", status_code=204)
+async def _set_secrets(node: Node, sandbox_id: str, request: Request) -> Response:
+    # The body holds values: decode_grants' and the node's errors never quote them.
+    await node.set_secrets(sandbox_id, decode_grants(await request.json()))
     return Response(status_code=204)
 
 

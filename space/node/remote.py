@@ -43,6 +43,7 @@ from space.node.interface import (
     ProcessInfo,
     SandboxSpec,
     SandboxStatus,
+    SecretGrant,
     SnapshotInfo,
     TemplateInfo,
 )
@@ -53,6 +54,7 @@ from space.node.wire import (
     decode_templates,
     encode,
     encode_exec_request,
+    encode_grants,
 )
 
 __all__ = ["RemoteNode", "error_from_response"]
@@ -326,6 +328,13 @@ class RemoteNode(NodeService):
         """Replace the sandbox's egress policy; the node validates it (InvalidArgument)."""
         url = f"/sandboxes/{sandbox_id}/egress"
         await self._json("PUT", url, sandbox_id, json={"policy": policy})
+
+    async def set_secrets(self, sandbox_id: str, grants: list[SecretGrant]) -> None:
+        """Replace the secrets the sandbox's gateway may inject; the node checks them
+        (InvalidArgument naming the grant, never its value). The body holds the values:
+        it goes to the node only, and nothing here logs it."""
+        url = f"/sandboxes/{sandbox_id}/secrets"
+        await self._json("PUT", url, sandbox_id, json=encode_grants(grants))
 
     async def egress_log(self, sandbox_id: str, *, limit: int = 100) -> list[EgressEvent]:
         """The latest ``limit`` egress decisions, oldest first (1 to MAX_EGRESS_LOG_EVENTS,

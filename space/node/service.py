@@ -75,7 +75,8 @@ class Node(GuestOps, SnapshotOps, TemplateOps, EgressOps):
     ) -> None:
         self.config = config
         self._gateway = gateway
-        self._audit = AuditLog(config.data_dir / "egress")
+        self._audit = AuditLog(config.data_dir / "egress" / "audit")
+        self._ca_dir = config.data_dir / "egress" / "ca"
         self._boot_id = secrets.token_hex(8)
         self.node_id = node_id
         self.pool = pool
@@ -119,7 +120,7 @@ class Node(GuestOps, SnapshotOps, TemplateOps, EgressOps):
             gateway = await GatewayProcess.start(
                 config.data_dir / "egress",
                 config.effective_resolvers,
-                config.data_dir / "egress.log",
+                config.effective_upstream_ca,
             )
             template = await prepare_template(pool, config, say)
             accel = await detect_accelerator(
@@ -351,6 +352,8 @@ class Node(GuestOps, SnapshotOps, TemplateOps, EgressOps):
             if sandbox.record.state == SandboxState.CREATING:
                 raise not_allowed("restore", sandbox)
             await settled(self._life.restore(sandbox, snapshot))
+            sandbox.trusted_ca = None  # the guest's files are the snapshot's now
+            await self._apply_egress(sandbox)
             return sandbox.record.status()
 
     async def fork_sandbox(self, sandbox_id: str, child_ids: list[str]) -> list[SandboxStatus]:

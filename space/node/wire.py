@@ -30,6 +30,7 @@ from space.node.interface import (
     ExecOutput,
     ExecRequest,
     ExecStream,
+    SecretGrant,
     TemplateInfo,
 )
 
@@ -48,10 +49,12 @@ __all__ = [
     "decode_child_ids",
     "decode_egress_policy",
     "decode_exec_request",
+    "decode_grants",
     "decode_snapshot_id",
     "decode_templates",
     "encode",
     "encode_exec_request",
+    "encode_grants",
     "encode_templates",
     "error_line",
     "event_line",
@@ -179,6 +182,71 @@ def decode_egress_policy(body: object) -> dict[str, object] | None:
     if policy is not None and not isinstance(policy, dict):
         raise InvalidArgument("policy must be an object or null")
     return policy
+
+
+_GRANT_KEYS = frozenset(
+    {"name", "value", "placeholder", "hosts", "env", "injection", "header", "format"}
+)
+_GRANT_OPTIONAL = {"env": None, "injection": "placeholder", "header": None, "format": "{value}"}
+
+
+def encode_grants(grants: list[SecretGrant]) -> dict[str, Any]:
+    """The ``PUT .../secrets`` body: ``{"grants": [{name, value, placeholder, hosts, env,
+    injection, header, format}, ...]}``. It holds values: never log it."""
+    return {"grants": [_grant_json(grant) for grant in grants]}
+
+
+def _grant_json(grant: SecretGrant) -> dict[str, Any]:
+    return {
+        "name": grant.name,
+        "value": grant.value,
+        "placeholder": grant.placeholder,
+        "hosts": list(grant.hosts),
+        "env": grant.env,
+        "injection": grant.injection,
+        "header": grant.header,
+        "format": grant.format,
+    }
+
+
+def decode_grants(body: object) -> list[SecretGrant]:
+    """The grants of a ``{"grants": [...]}`` body, types checked (their rules are
+    space.node.secret_grants.check_grants').
+
+    Raises InvalidArgument naming the grant's position and field, never a value (a
+    validation library's message would quote its input).
+    """
+    grants = body.get("grants") if isinstance(body, dict) else None
+    if not isinstance(grants, list):
+        raise InvalidArgument('secrets body must be {"grants": [...]}')
+    return [_grant(item, f"grants[{i}]") for i, item in enumerate(grants)]
+
+
+def _grant(item: object, where: str) -> SecretGrant:
+    if not isinstance(item, dict) or not _GRANT_KEYS.issuperset(item):
+        raise InvalidArgument(f"{where} must be an object with keys {sorted(_GRANT_KEYS)}")
+    fields = {**_GRANT_OPTIONAL, **item}
+    for key in ("name", "value", "placeholder", "injection", "format"):
+        if not isinstance(fields.get(key), str):
+            raise InvalidArgument(f"{where}.{key} must be a string")
+    for key in ("env", "header"):
+        if fields[key] is not None and not isinstance(fields[key], str):
+            raise InvalidArgument(f"{where}.{key} must be a string or null")
+    hosts = fields.get("hosts")
+    if not isinstance(hosts, list) or not all(isinstance(host, str) for host in hosts):
+        raise InvalidArgument(f"{where}.hosts must be a list of strings")
+    if fields["injection"] not in ("placeholder", "header"):
+        raise InvalidArgument(f"{where}.injection must be 'placeholder' or 'header'")
+    return SecretGrant(
+        name=fields["name"],
+        value=fields["value"],
+        placeholder=fields["placeholder"],
+        hosts=tuple(hosts),
+        env=fields["env"],
+        injection=fields["injection"],
+        header=fields["header"],
+        format=fields["format"],
+    )
 
 
 def _line(obj: dict[str, Any]) -> bytes:

@@ -1,5 +1,5 @@
 """The SPACE Python SDK: sandboxes (sync and async), their commands, files, snapshots
-and network, and templates.
+and network, templates, and secrets.
 
     from space import Sandbox
 
@@ -22,12 +22,15 @@ from space.sdk._models import (
     PoolInfo,
     ProcessInfo,
     SandboxInfo,
+    SecretBinding,
+    SecretInfo,
     SnapshotInfo,
     TemplateInfo,
 )
 from space.sdk._network import AsyncNetwork, allow
 from space.sdk._sandbox import AsyncSandbox
-from space.sdk._sync import CommandHandle, Commands, Files, Network, Sandbox, Template
+from space.sdk._secrets import AsyncSecrets
+from space.sdk._sync import CommandHandle, Commands, Files, Network, Sandbox, Secrets, Template
 from space.sdk._templates import AsyncTemplate
 from space.sdk.errors import (
     AuthenticationError,
@@ -50,6 +53,7 @@ __all__ = [
     "AsyncFiles",
     "AsyncNetwork",
     "AsyncSandbox",
+    "AsyncSecrets",
     "AsyncTemplate",
     "AuthenticationError",
     "BuildError",
@@ -73,6 +77,9 @@ __all__ = [
     "ResourceExhausted",
     "Sandbox",
     "SandboxInfo",
+    "SecretBinding",
+    "SecretInfo",
+    "Secrets",
     "SnapshotInfo",
     "SpaceError",
     "Template",

@@ -16,9 +16,29 @@ __all__ = [
     "PoolInfo",
     "ProcessInfo",
     "SandboxInfo",
+    "SecretBinding",
+    "SecretInfo",
     "SnapshotInfo",
     "TemplateInfo",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class SecretBinding:
+    """A sandbox's use of a secret: its environment holds ``placeholder`` as ``env``, and
+    the gateway puts the value in its place on requests to the secret's hosts."""
+
+    name: str
+    env: str
+    placeholder: str
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> SecretBinding:
+        return cls(
+            name=_required_str(body, "name"),
+            env=_required_str(body, "env"),
+            placeholder=_required_str(body, "placeholder"),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +68,7 @@ class SandboxInfo:
     max_lifetime_s: int | None = None
     last_active_at: datetime | None = None
     head_snapshot: str | None = None
+    secrets: tuple[SecretBinding, ...] = ()
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> SandboxInfo:
@@ -69,9 +90,49 @@ class SandboxInfo:
                 max_lifetime_s=_optional_int(body, "max_lifetime_s"),
                 last_active_at=_parse_time(body.get("last_active_at")),
                 head_snapshot=_optional_str(body, "head_snapshot"),
+                secrets=tuple(SecretBinding.from_wire(b) for b in body.get("secrets") or ()),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InternalError(f"malformed sandbox in answer: {exc!r}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class SecretInfo:
+    """A secret's metadata (``GET /v1/secrets``); its value is never sent back.
+
+    Sandboxes bound to it hold a placeholder in environment variable ``env``; the
+    gateway sends the value, in place of the placeholder (``injection`` "placeholder")
+    or as header ``header`` written ``format`` ("header"), only to ``hosts``.
+    ``key_id`` names the master key that wraps it at rest.
+    """
+
+    name: str
+    hosts: tuple[str, ...]
+    env: str
+    injection: str
+    header: str | None
+    format: str
+    created_at: datetime
+    updated_at: datetime
+    key_id: str
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> SecretInfo:
+        """Parse a Secret object; raises InternalError if it is malformed."""
+        try:
+            return cls(
+                name=_required_str(body, "name"),
+                hosts=tuple(str(host) for host in body["hosts"]),
+                env=_required_str(body, "env"),
+                injection=_required_str(body, "injection"),
+                header=_optional_str(body, "header"),
+                format=_required_str(body, "format"),
+                created_at=_required_time(body, "created_at"),
+                updated_at=_required_time(body, "updated_at"),
+                key_id=_required_str(body, "key_id"),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InternalError(f"malformed secret in answer: {exc!r}") from None
 
 
 @dataclass(frozen=True, slots=True)

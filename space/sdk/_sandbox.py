@@ -5,7 +5,7 @@ from __future__ import annotations
 import builtins
 import enum
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, Final
 
@@ -80,6 +80,7 @@ class AsyncSandbox:
         env: Mapping[str, str] | None = None,
         metadata: Mapping[str, str] | None = None,
         egress: Mapping[str, Any] | None = None,
+        secrets: Sequence[str] | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
         request_timeout_s: float | None = None,
@@ -95,10 +96,14 @@ class AsyncSandbox:
         it may go without activity (commands, file calls) before it hibernates (seconds;
         None: no limit). ``egress`` is its network policy (``allow(...)`` writes one;
         see ``sandbox.network``); None gives no network, or with ``from_snapshot`` the
-        policy of the snapshot's sandbox.
+        policy of the snapshot's sandbox. ``secrets`` names the tenant's secrets (see
+        ``Secrets``) it may use: its environment holds a placeholder for each, which its
+        egress gateway swaps for the value on requests to the secret's hosts; None gives
+        none, or with ``from_snapshot`` those of the snapshot's sandbox.
 
-        Raises InvalidArgument (limits in docs/api.md, or a size given with
-        ``from_snapshot``; nothing is sent then), NotFound (template or snapshot),
+        Raises InvalidArgument (limits in docs/api.md, a size given with
+        ``from_snapshot``, a ``secrets`` that is a string: nothing is sent then; an
+        unknown secret, named by the server), NotFound (template or snapshot),
         ResourceExhausted (quota, no capacity), AuthenticationError, Unavailable,
         Timeout (after 180 s). A cancellation mid-way may leave a sandbox behind that
         ``list()`` shows.
@@ -109,6 +114,8 @@ class AsyncSandbox:
             body["idle_timeout_s"] = idle_timeout_s
         if egress is not None:
             body["egress"] = dict(egress)
+        if secrets is not None:
+            body["secrets"] = _secret_names(secrets)
         api = ApiClient(client_config(api_url, api_key, request_timeout_s, _transport))
         try:
             answer = await api.request_json(
@@ -434,6 +441,15 @@ def _create_body(
             )
         body["from_snapshot"] = _snapshot_id(from_snapshot)
     return body
+
+
+def _secret_names(secrets: Sequence[str]) -> builtins.list[str]:
+    # A string is a sequence of one-letter names: surely a mistake.
+    if isinstance(secrets, str):
+        raise InvalidArgument(
+            "secrets is a list of names, not a string", operation="sandbox.create"
+        )
+    return [str(name) for name in secrets]
 
 
 def _snapshot_id(snapshot: SnapshotInfo | str) -> str:

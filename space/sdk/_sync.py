@@ -28,10 +28,11 @@ from space.sdk._files import AsyncFiles, ByteStream
 from space.sdk._models import CommandResult
 from space.sdk._network import AsyncNetwork
 from space.sdk._sandbox import AsyncSandbox
+from space.sdk._secrets import AsyncSecrets
 from space.sdk._templates import AsyncTemplate
 from space.sdk.errors import InvalidArgument
 
-__all__ = ["CommandHandle", "Commands", "Files", "Network", "Sandbox", "Template"]
+__all__ = ["CommandHandle", "Commands", "Files", "Network", "Sandbox", "Secrets", "Template"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -310,6 +311,15 @@ class Template:
     build = staticmethod(_blocking_static(AsyncTemplate.build))
     list = staticmethod(_blocking_static(AsyncTemplate.list))
     delete = staticmethod(_blocking_static(AsyncTemplate.delete))
+
+
+class Secrets:
+    """The tenant's secrets (sync). See AsyncSecrets."""
+
+    set = staticmethod(_blocking_static(AsyncSecrets.set))
+    list = staticmethod(_blocking_static(AsyncSecrets.list))
+    get = staticmethod(_blocking_static(AsyncSecrets.get))
+    delete = staticmethod(_blocking_static(AsyncSecrets.delete))
 
 
 def _iterate(stream: ByteStream) -> Iterator[bytes]:

@@ -45,6 +45,15 @@ def tls(
         return _read_all(sock)
 
 
+def https(url: str, headers: dict[str, str] | None = None) -> str:
+    """A verified HTTPS request with the guest's own trust store (urllib)."""
+    import urllib.request
+
+    request = urllib.request.Request(url, headers=headers or {})
+    with urllib.request.urlopen(request, timeout=TIMEOUT_S) as answer:
+        return str(answer.read().decode(errors="replace"))
+
+
 def tcp(address: str, port: int, data: str = "hello") -> str:
     with socket.create_connection((address, port), timeout=TIMEOUT_S) as sock:
         sock.sendall(data.encode())
@@ -100,6 +109,40 @@ def dns(name: str, qtype: int = 1, server: str = "192.0.2.1", port: int = 53) ->
         reply = sock.recvfrom(4096)[0]
     flags, _, answers = struct.unpack("!2xHHH", reply[:8])
     return {"rcode": flags & 0xF, "answers": answers, "reply": reply.hex()}
+
+
+def find(needle_hex: str) -> list[str]:
+    """Every place in the guest that holds the bytes ``needle_hex`` spells: files (but
+    the kernel's own trees), and every process's environment and command line. (In
+    hex, so this probe's own command line does not hold them.)"""
+    import os
+
+    found = []
+    data = bytes.fromhex(needle_hex)
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        for part in ("environ", "cmdline"):
+            try:
+                with open(f"/proc/{pid}/{part}", "rb") as file:
+                    if data in file.read():
+                        found.append(f"/proc/{pid}/{part}")
+            except OSError:
+                pass
+    for root, dirs, files in os.walk("/"):
+        if root == "/":
+            dirs[:] = [d for d in dirs if d not in ("proc", "sys", "dev")]
+        for name in files:
+            path = os.path.join(root, name)
+            try:
+                if os.path.islink(path) or os.path.getsize(path) > 4 << 20:
+                    continue
+                with open(path, "rb") as file:
+                    if data in file.read():
+                        found.append(path)
+            except OSError:
+                pass
+    if found:
+        raise RuntimeError(f"found in {found}")
+    return found
 
 
 def resolve(name: str) -> str:

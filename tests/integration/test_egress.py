@@ -1,109 +1,31 @@
 """Egress from a real guest through the node's gateway, into a namespace the test made.
 
-One node and one sandbox serve the whole module (tests/egress_world.py has the map of
-the little internet). Every refusal is checked twice where it can be: the guest got
-no answer, and the server it aimed at saw nothing.
+One node and one sandbox serve the whole module (tests/egress_guest.py has the policy
+and the records, tests/egress_world.py the map of the little internet). Every refusal
+is checked twice where it can be: the guest got no answer, and the server it aimed at
+saw nothing.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
-from dataclasses import replace
-from pathlib import Path
-from typing import Any
 
 import pytest
 
 from space.node.config import NodeConfig
-from space.node.interface import ExecExited, ExecOutput, ExecRequest, SandboxSpec
-from space.node.service import Node
+from space.node.interface import SecretGrant
 
-from ..egress_world import HOST_SIDE, OTHER, PRIVATE, UPSTREAM, World, egress_world
-from .conftest import NodeHarness, started_node
+from ..egress_guest import POLICY, SANDBOX, Guest, booted_guest
+from ..egress_world import OTHER, UPSTREAM
 
 pytestmark = pytest.mark.vm
-
-SANDBOX = "egress-1"
-PROBE = Path(__file__).with_name("egress_probe.py")
-
-POLICY: dict[str, object] = {
-    "allow": [
-        {"domain": "allowed.test", "ports": [80, 443, 8080]},
-        {"domain": "*.allowed.test", "ports": [80, 443]},
-        {"domain": "rebind.test", "ports": [80]},
-        {"domain": "private.test"},
-        {"domain": "loop.test"},
-        {"domain": "meta.test"},
-        {"domain": "host.test", "ports": [8080]},
-        {"cidr": f"{UPSTREAM}/32", "ports": [8080]},
-    ]
-}
-
-RECORDS: dict[str, list[str] | list[list[str]]] = {
-    "allowed.test": [UPSTREAM],
-    "a.allowed.test": [UPSTREAM],
-    "tls.allowed.test": [UPSTREAM],
-    "other.test": [OTHER],
-    "rebind.test": [[UPSTREAM], [PRIVATE], ["127.0.0.1"]],
-    "private.test": [PRIVATE],
-    "loop.test": ["127.0.0.1"],
-    "meta.test": ["169.254.169.254"],
-    "host.test": [HOST_SIDE],
-}
-
-
-class Guest:
-    """The module's sandbox, seen from inside: ``probe`` runs egress_probe.py in it."""
-
-    def __init__(self, harness: NodeHarness, world: World) -> None:
-        self.h, self.world = harness, world
-
-    @property
-    def node(self) -> Node:
-        return self.h.node
-
-    def probe(self, kind: str, **args: Any) -> dict[str, Any]:
-        request = ExecRequest(
-            argv=["python3", "/tmp/probe.py", json.dumps({"kind": kind, **args})],
-            user="root",
-            timeout_s=60,
-        )
-        out = self.h.run(_output(self.node, request))
-        return dict(json.loads(out.strip().splitlines()[-1]))
-
-    def audit(self) -> list[Any]:
-        return self.h.run(self.node.egress_log(SANDBOX, limit=1000))
-
-
-async def _output(node: Node, request: ExecRequest) -> str:
-    stream = await node.exec(SANDBOX, request)
-    out = b""
-    async for event in stream:
-        if isinstance(event, ExecOutput) and event.stream == "stdout":
-            out += event.data
-        elif isinstance(event, ExecExited):
-            assert event.exit_code == 0, out
-    return out.decode()
 
 
 @pytest.fixture(scope="module")
 def guest(node_config: NodeConfig) -> Iterator[Guest]:
-    with egress_world() as world:
-        world.records.update(RECORDS)
-        config = replace(node_config, egress_resolvers=(world.resolver,))
-        with started_node(config) as harness:
-            spec = SandboxSpec(sandbox_id=SANDBOX, egress=POLICY)
-            harness.run(harness.node.create_sandbox(spec))
-            harness.run(
-                harness.node.write_file(SANDBOX, "/tmp/probe.py", _chunks(PROBE.read_bytes()))
-            )
-            yield Guest(harness, world)
-
-
-async def _chunks(data: bytes) -> Any:
-    yield data
+    with booted_guest(node_config) as booted:
+        yield booted
 
 
 def test_an_allowed_domain_is_reached_by_name_over_http(guest: Guest) -> None:
@@ -204,3 +126,35 @@ def test_a_live_policy_change_takes_effect_within_a_second(guest: Guest) -> None
     finally:
         guest.h.run(guest.node.set_egress(SANDBOX, POLICY))
     assert guest.probe("http", host="allowed.test")["ok"]
+
+
+VALUE = "sk-live-" + "7f3a9c" * 6
+PLACEHOLDER = "space_ph_" + "5e" * 16
+
+
+def test_https_to_an_allowed_name_is_verified_with_the_sandbox_ca(guest: Guest) -> None:
+    result = guest.probe("https", url="https://tls.allowed.test/")
+    assert result["ok"], result
+    assert "tls host=tls.allowed.test" in result["detail"]
+
+
+def test_a_secret_reaches_only_its_bound_host_and_never_comes_back(guest: Guest) -> None:
+    grant = SecretGrant(
+        name="API_KEY", value=VALUE, placeholder=PLACEHOLDER, hosts=("tls.allowed.test",)
+    )
+    guest.h.run(guest.node.set_secrets(SANDBOX, [grant]))
+    auth = {"Authorization": f"Bearer {PLACEHOLDER}"}
+    echoed = guest.probe("https", url="https://tls.allowed.test/echo", headers=auth)
+    assert echoed["ok"], echoed
+    assert PLACEHOLDER in echoed["detail"] and VALUE not in echoed["detail"]
+    assert any(VALUE in hit.data.decode() for hit in guest.world.hits_of("tls"))
+    elsewhere = guest.probe("http", host="allowed.test", path="/echo", header_host=None)
+    assert elsewhere["ok"]
+    sent = guest.probe("https", url="https://allowed.test/echo", headers=auth)
+    assert sent["ok"], sent
+    unbound = [h for h in guest.world.hits_of("tls") if h.host == "allowed.test"]
+    assert unbound and PLACEHOLDER in unbound[-1].data.decode()
+    assert VALUE not in unbound[-1].data.decode()
+    used = [e for e in guest.audit() if e.secrets]
+    assert used and used[-1].secrets == ("API_KEY",) and used[-1].host == "tls.allowed.test"
+    assert guest.probe("find", needle_hex=VALUE.encode().hex())["ok"]

@@ -37,8 +37,10 @@ from space.node.interface import (
     SandboxSpec,
     SandboxState,
     SandboxStatus,
+    SecretGrant,
     SnapshotInfo,
 )
+from space.node.secret_grants import check_grants
 from tests.unit._fake_egress import FakeEgress
 from tests.unit._fake_templates import FakeTemplates
 
@@ -55,6 +57,7 @@ _LIFECYCLE = frozenset(
         "fork_sandbox",
         "set_egress",
         "egress_log",
+        "set_secrets",
     }
 )
 _RUNNING, _PAUSED, _HIBERNATED = SandboxState.RUNNING, SandboxState.PAUSED, SandboxState.HIBERNATED
@@ -141,7 +144,9 @@ class FakeNode(FakeTemplates, FakeEgress):
     ``pools`` is what ``info`` reports as the node's warm pools (set it in a test).
     Templates (build, list, delete) come from FakeTemplates; creating a sandbox from a
     template the node does not have is NotFound. Egress (set_egress, egress_log) comes
-    from FakeEgress.
+    from FakeEgress. ``grants`` holds each sandbox's secret grants as last set (checked
+    as the node checks them), ``grant_pushes`` every set_secrets call in order; ``info``
+    reports ``boot_id`` (change it to play a restarted node agent).
     """
 
     def __init__(self, node_id: str = "local") -> None:
@@ -156,6 +161,9 @@ class FakeNode(FakeTemplates, FakeEgress):
         self.streams: list[FakeExecStream] = []
         self.snapshots: dict[str, _Snapshot] = {}
         self.pools: list[PoolInfo] = []
+        self.boot_id = "boot-1"
+        self.grants: dict[str, list[SecretGrant]] = {}
+        self.grant_pushes: list[tuple[str, list[SecretGrant]]] = []
 
     def _box(self, method: str, sandbox_id: str) -> _Box:
         self.calls.append((method, sandbox_id))
@@ -182,7 +190,15 @@ class FakeNode(FakeTemplates, FakeEgress):
         } | {sn: snap.info for sn, snap in self.snapshots.items()}
 
     async def info(self) -> NodeInfo:
-        return NodeInfo(self.node_id, "tcg", ["base"], len(self.boxes), list(self.pools))
+        return NodeInfo(
+            self.node_id, "tcg", ["base"], len(self.boxes), list(self.pools), self.boot_id
+        )
+
+    async def set_secrets(self, sandbox_id: str, grants: list[SecretGrant]) -> None:
+        self._box("set_secrets", sandbox_id)
+        check_grants(grants)  # InvalidArgument, the old grants kept
+        self.grants[sandbox_id] = list(grants)
+        self.grant_pushes.append((sandbox_id, list(grants)))
 
     async def create_sandbox(self, spec: SandboxSpec) -> SandboxStatus:
         self.calls.append(("create_sandbox", spec.sandbox_id))

@@ -16,7 +16,7 @@ from tests.unit.test_sdk_fake_api import API_KEY, FakeApi
 
 COMMANDS = [
     "cp", "create", "demo", "egress", "exec", "fork", "hibernate", "keys", "ls", "node", "pause",
-    "pools", "restore", "resume", "rm", "serve", "snapshot", "template", "timeouts",
+    "pools", "restore", "resume", "rm", "secret", "serve", "snapshot", "template", "timeouts",
 ]  # fmt: skip
 
 

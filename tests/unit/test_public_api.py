@@ -15,6 +15,7 @@ SDK_NAMES = {
     "ProcessInfo", "ResourceExhausted", "Sandbox", "SandboxInfo", "SnapshotInfo", "SpaceError",
     "Timeout", "Unavailable",
     "AsyncNetwork", "EgressEvent", "Network", "allow",
+    "AsyncSecrets", "SecretBinding", "SecretInfo", "Secrets",
 }  # fmt: skip
 
 TOP_NAMES = {

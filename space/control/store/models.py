@@ -15,15 +15,18 @@ from sqlalchemy import (
     BigInteger,
     Float,
     ForeignKey,
+    ForeignKeyConstraint,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
+    PrimaryKeyConstraint,
     String,
     Text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-__all__ = ["ApiKeyRow", "Base", "NodeRow", "SandboxRow", "SnapshotRow", "TenantRow"]
+__all__ = ["ApiKeyRow", "Base", "NodeRow", "SandboxRow", "SecretRow", "SnapshotRow", "TenantRow"]
 
 # Deterministic constraint names, so later migrations can refer to them on any backend.
 _NAMING = {
@@ -66,6 +69,9 @@ class NodeRow(Base):
     #: The node agent's base URL, or "local" for the node embedded in the process.
     url: Mapped[str] = mapped_column(String(2048))
     last_seen: Mapped[float | None] = mapped_column(Float, nullable=True)
+    #: The node agent's boot id when every sandbox's secret grants were last sent to
+    #: it (it holds them in memory only): another boot id means send them again.
+    boot_id: Mapped[str | None] = mapped_column(String(256), nullable=True)
 
 
 class SandboxRow(Base):
@@ -99,6 +105,39 @@ class SandboxRow(Base):
     #: Its egress policy (EgressPolicy.to_json, canonical), the desired state pushed to
     #: its node; None means no network at all.
     egress: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    #: Its secret bindings, ``[{"name", "placeholder", "env"}]`` (placeholders are not
+    #: secret: the guest sees them); None: none.
+    secrets: Mapped[list[dict[str, str]] | None] = mapped_column(JSON, nullable=True)
+
+
+class SecretRow(Base):
+    """A tenant's secret, its value sealed (space.control.secrets): ``ciphertext`` is
+    AES-256-GCM under a data key of its own, with ``nonce``; ``wrapped_key`` is that data
+    key sealed under master key ``key_id`` (its own nonce first). Both are bound to
+    (tenant_id, name), so a sealed value moved to another row does not open."""
+
+    __tablename__ = "secrets"
+    __table_args__ = (
+        PrimaryKeyConstraint("tenant_id", "name"),
+        ForeignKeyConstraint(["tenant_id"], ["tenants.id"]),
+    )
+
+    tenant_id: Mapped[str] = mapped_column(String(64))
+    name: Mapped[str] = mapped_column(String(64))
+    #: Domain patterns of the hosts the value may be sent to.
+    hosts: Mapped[list[str]] = mapped_column(JSON)
+    #: The environment variable holding the placeholder in its sandboxes.
+    env: Mapped[str] = mapped_column(String(64))
+    #: "placeholder" or "header"; ``header`` and ``format`` for "header".
+    injection: Mapped[str] = mapped_column(String(16))
+    header: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    format: Mapped[str] = mapped_column(Text)
+    key_id: Mapped[str] = mapped_column(String(64))
+    wrapped_key: Mapped[bytes] = mapped_column(LargeBinary)
+    nonce: Mapped[bytes] = mapped_column(LargeBinary)
+    ciphertext: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
 
 
 class SnapshotRow(Base):

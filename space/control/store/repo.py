@@ -18,7 +18,9 @@ __all__ = [
     "DELETED",
     "RUNNING",
     "SandboxRecord",
+    "SecretBinding",
     "active_counts",
+    "bound_to",
     "expired",
     "find_sandbox",
     "idle",
@@ -26,9 +28,11 @@ __all__ = [
     "list_nodes",
     "list_sandboxes",
     "mark_deleted",
+    "node_boot_id",
     "on_node",
     "set_desired_deleted",
     "set_egress",
+    "set_node_boot_id",
     "set_state",
     "set_status",
     "set_timeouts",
@@ -40,6 +44,25 @@ RUNNING = "running"
 DELETED = "deleted"
 #: States the reaper hibernates once idle (a hibernated one is idle already).
 _IDLE_STATES = ("running", "paused")
+#: States whose sandbox has a VM (or its saved state) and so a gateway with grants.
+_GRANTED_STATES = ("running", "paused", "hibernated")
+
+
+@dataclass(frozen=True, slots=True)
+class SecretBinding:
+    """A sandbox's use of one of its tenant's secrets: the guest holds ``placeholder`` in
+    environment variable ``env`` (both fixed when the sandbox was made)."""
+
+    name: str
+    placeholder: str
+    env: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"name": self.name, "placeholder": self.placeholder, "env": self.env}
+
+
+def _bindings(data: list[dict[str, str]] | None) -> tuple[SecretBinding, ...]:
+    return tuple(SecretBinding(b["name"], b["placeholder"], b["env"]) for b in data or ())
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +87,8 @@ class SandboxRecord:
     head_snapshot: str | None = None
     #: The egress policy (canonical JSON); None: no network.
     egress: dict[str, Any] | None = None
+    #: Its secret bindings (placeholders in its environment).
+    secrets: tuple[SecretBinding, ...] = ()
 
     @property
     def max_lifetime_s(self) -> int | None:
@@ -92,6 +117,7 @@ def _record(row: SandboxRow) -> SandboxRecord:
         last_active_at=row.last_active_at,
         head_snapshot=row.head_snapshot,
         egress=None if row.egress is None else dict(row.egress),
+        secrets=_bindings(row.secrets),
     )
 
 
@@ -115,6 +141,7 @@ def insert_sandbox(session: Session, record: SandboxRecord) -> None:
             last_active_at=record.last_active_at,
             head_snapshot=record.head_snapshot,
             egress=record.egress,
+            secrets=[binding.to_json() for binding in record.secrets] or None,
         )
     )
 
@@ -229,6 +256,17 @@ def on_node(session: Session, node_id: str) -> list[SandboxRecord]:
     return [_record(row) for row in session.scalars(query)]
 
 
+def bound_to(session: Session, tenant_id: str, name: str) -> list[SandboxRecord]:
+    """The tenant's sandboxes with a VM (running, paused, hibernated) bound to secret
+    ``name``. Bindings are JSON: filtered here, portably, not in SQL."""
+    query = select(SandboxRow).where(
+        SandboxRow.tenant_id == tenant_id,
+        SandboxRow.state.in_(_GRANTED_STATES),
+    )
+    records = [_record(row) for row in session.scalars(query)]
+    return [r for r in records if any(b.name == name for b in r.secrets)]
+
+
 def active_counts(session: Session) -> dict[str, int]:
     """Sandboxes per node that are not deleted (placement's load measure)."""
     query = (
@@ -251,3 +289,14 @@ def upsert_node(session: Session, node_id: str, url: str, now: float) -> None:
 def list_nodes(session: Session) -> dict[str, str]:
     """Registered nodes: id → URL ("local" for an embedded node)."""
     return {row.id: row.url for row in session.scalars(select(NodeRow))}
+
+
+def node_boot_id(session: Session, node_id: str) -> str | None:
+    """The boot id the node had when its sandboxes' grants were last all sent; None if
+    never (or forgotten, so that they are sent again)."""
+    row = session.get(NodeRow, node_id)
+    return None if row is None else row.boot_id
+
+
+def set_node_boot_id(session: Session, node_id: str, boot_id: str | None) -> None:
+    session.execute(update(NodeRow).where(NodeRow.id == node_id).values(boot_id=boot_id))

@@ -2,9 +2,10 @@
 
 The node passes one end of a socketpair as ``--control-fd`` and speaks JSON lines on
 it, one request per line, each answered in order: ``{"id": 1, "op": "attach",
-"sandbox": ..., "netns": ..., "policy": {...}}``, ``"policy"`` (sandbox, policy),
-``"detach"`` (sandbox) and ``"ping"``; answers are ``{"id": 1, "ok": true}`` or
-``{"id": 1, "error": "..."}``. The gateway exits when the node closes its end or dies.
+"sandbox": ..., "netns": ..., "policy": {...}, "ca": path}``, ``"policy"`` (sandbox,
+policy), ``"secrets"`` (sandbox, grants), ``"detach"`` (sandbox) and ``"ping"``;
+answers are ``{"id": 1, "ok": true}`` or ``{"id": 1, "error": "..."}`` (an error never
+quotes a secret). The gateway exits when the node closes its end or dies.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from space.node.egress.audit import AuditLog
 from space.node.egress.gateway import Gateway, GatewayError
+from space.node.egress.intercept import Interceptor
 from space.node.egress.resolver import Resolver
 from space.node.network.resolvers import parse_resolvers
 
@@ -38,11 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--control-fd", type=int, required=True)
     parser.add_argument("--audit-dir", type=Path, required=True)
     parser.add_argument("--resolver", action="append", default=[])
+    parser.add_argument("--confdir", type=Path, required=True)
+    parser.add_argument("--upstream-ca", type=Path)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s egress %(levelname)s %(message)s")
     _die_with_parent()
-    resolver = Resolver(parse_resolvers(args.resolver))
-    asyncio.run(_serve(args.control_fd, Gateway(AuditLog(args.audit_dir), resolver)))
+    asyncio.run(_serve(args))
     return 0
 
 
@@ -53,8 +56,11 @@ def _die_with_parent() -> None:
         sys.exit(1)
 
 
-async def _serve(fd: int, gateway: Gateway) -> None:
-    sock = socket.socket(fileno=fd)
+async def _serve(args: argparse.Namespace) -> None:
+    resolver = Resolver(parse_resolvers(args.resolver))
+    interceptor = Interceptor(args.confdir, args.upstream_ca)
+    gateway = Gateway(AuditLog(args.audit_dir), resolver, interceptor)
+    sock = socket.socket(fileno=args.control_fd)
     reader, writer = await asyncio.open_connection(sock=sock, limit=_MAX_LINE)
     try:
         while line := await reader.readline():
@@ -92,7 +98,15 @@ async def _dispatch(gateway: Gateway, request: dict[str, object]) -> None:
         return
     sandbox = str(request["sandbox"])
     if op == "attach":
-        await gateway.attach(sandbox, Path(str(request["netns"])), request.get("policy"))
+        ca = request.get("ca")
+        await gateway.attach(
+            sandbox,
+            Path(str(request["netns"])),
+            request.get("policy"),
+            Path(str(ca)) if ca else None,
+        )
+    elif op == "secrets":
+        gateway.set_secrets(sandbox, request.get("grants"))
     elif op == "policy":
         gateway.set_policy(sandbox, request.get("policy"))
     elif op == "detach":

@@ -25,7 +25,7 @@ import ipaddress
 import socket
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv6Address
 
@@ -33,7 +33,7 @@ from space.node.egress.netns_socket import original_destination
 from space.node.egress.resolver import ResolveError, Resolver
 from space.node.egress.sniff import Head, sniff
 from space.node.egress_policy import EgressPolicy, blocked_category
-from space.node.interface import EgressEvent
+from space.node.interface import EgressEvent, SecretGrant
 
 __all__ = ["Refused", "Route", "Tracker", "route", "serve"]
 
@@ -41,6 +41,11 @@ _CONNECT_TIMEOUT_S = 10.0
 _CHUNK = 64 * 1024
 
 IPAddress = IPv4Address | IPv6Address
+Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+#: (tracker, route, first bytes, guest streams, original destination) -> carried to the end.
+Intercept = Callable[["Tracker", "Route", bytes, Streams, tuple[str, int]], Awaitable[None]]
+#: How long the guest may stay silent before the server is assumed to speak first.
+_CLIENT_FIRST_S = 0.5
 
 
 class Refused(Exception):
@@ -78,6 +83,10 @@ class Tracker:
     resolver: Resolver
     is_local: Callable[[IPAddress], bool]
     audit: Callable[[EgressEvent], None]
+    #: Carries a TLS or HTTP connection routed by name (space.node.egress.intercept);
+    #: None: such connections are refused (the sandbox has no CA yet).
+    intercept: Intercept | None = None
+    grants: list[SecretGrant] = field(default_factory=list)
     live: dict[asyncio.Task[None], Route] = field(default_factory=dict)
 
     def set_policy(self, policy: EgressPolicy) -> None:
@@ -148,56 +157,101 @@ async def serve(
     tracker: Tracker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
 ) -> None:
     """Carry one accepted connection of the sandbox to its end (never raises)."""
-    started, port = time.time(), None
+    started, port, protocol = time.time(), None, "tcp"
     try:
         text, port = original_destination(writer.get_extra_info("socket"))
         routed = await route(tracker, ipaddress.ip_address(text), port)
+        head, first = await _read_head(reader, routed)
+        if head is not None:
+            protocol = head.kind if head.kind in ("tls", "http") else "tcp"
+            check_head(head, routed)
+        if protocol != "tcp":
+            await _intercepted(tracker, routed, first, (reader, writer), (text, port))
+            return
         async with asyncio.timeout(_CONNECT_TIMEOUT_S):
             upstream = await asyncio.open_connection(str(routed.address), routed.port)
     except Refused as refusal:
-        _refuse(tracker, writer, refusal, port, started)
+        _refuse(tracker, writer, refusal, port, started, protocol)
         return
     except (OSError, TimeoutError) as exc:
-        _refuse(tracker, writer, Refused(f"connect failed: {exc}"), port, started)
+        _refuse(tracker, writer, Refused(f"connect failed: {exc}"), port, started, protocol)
         return
+    await _tracked(
+        tracker, routed, _carry(tracker, routed, first, (reader, writer), upstream, started)
+    )
+
+
+async def _intercepted(
+    tracker: Tracker, routed: Route, first: bytes, guest: Streams, original: tuple[str, int]
+) -> None:
+    if tracker.intercept is None:
+        raise Refused("TLS and HTTP need the sandbox's CA, which it has not got", host=routed.name)
+    await _tracked(tracker, routed, tracker.intercept(tracker, routed, first, guest, original))
+
+
+async def _tracked(tracker: Tracker, routed: Route, work: Awaitable[None]) -> None:
+    """Run ``work`` as a live connection of the sandbox (cut if the policy drops it)."""
     task = asyncio.current_task()
     assert task is not None
     tracker.live[task] = routed
     try:
-        await _carry(tracker, routed, (reader, writer), upstream, started)
+        await work
+    except asyncio.CancelledError:
+        tracker.audit(_event(routed, "tcp", "allow", "cut: policy changed", [0, 0], time.time()))
     finally:
         tracker.live.pop(task, None)
 
 
-Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+async def _read_head(reader: asyncio.StreamReader, routed: Route) -> tuple[Head | None, bytes]:
+    """The guest's first message, whole, on a connection routed by name. None if the
+    guest is silent for a moment (the server speaks first) or routed by CIDR (no name
+    to check it against). Bounded in size by sniff, and in time only until the first
+    byte: a guest may wait for the server's greeting."""
+    if routed.name is None:
+        return None, b""
+    data = b""
+    try:
+        async with asyncio.timeout(_CLIENT_FIRST_S):
+            data = await reader.read(_CHUNK)
+    except TimeoutError:
+        return None, b""
+    while (head := sniff(data)) is None:
+        chunk = await reader.read(_CHUNK)
+        if not chunk:
+            return Head("other"), data
+        data += chunk
+    return head, data
 
 
 async def _carry(
-    tracker: Tracker, routed: Route, guest: Streams, upstream: Streams, started: float
+    tracker: Tracker,
+    routed: Route,
+    first: bytes,
+    guest: Streams,
+    upstream: Streams,
+    started: float,
 ) -> None:
-    """Relay both ways; the guest's first message is checked before any of it is sent
-    (the server's side flows from the start, for protocols where the server speaks
-    first)."""
-    counts = [0, 0]
-    protocol = ["tcp"]
+    """Relay both ways. The server's side flows from the start; a name-routed guest that
+    was silent at first must not then start TLS or HTTP (those are intercepted, and a
+    late start would dodge that)."""
+    counts = [len(first), 0]
     reason = "policy"
+    upstream[1].write(first)
     try:
         await asyncio.gather(
-            _pump_guest(routed, guest[0], upstream[1], counts, protocol),
+            _pump_guest(routed, guest[0], upstream[1], counts, late=not first),
             _pump(upstream[0], guest[1], counts, 1),
         )
     except Refused as refusal:
         upstream[1].transport.abort()
-        _refuse(tracker, guest[1], refusal, routed.port, started, protocol[0])
+        _refuse(tracker, guest[1], refusal, routed.port, started)
         return
-    except asyncio.CancelledError:
-        reason = "cut: policy changed"
     except OSError as exc:
         reason = f"ended: {type(exc).__name__}"
     finally:
         upstream[1].transport.abort()
         guest[1].transport.abort()
-    tracker.audit(_event(routed, protocol[0], "allow", reason, counts, started))
+    tracker.audit(_event(routed, "tcp", "allow", reason, counts, started))
 
 
 async def _pump_guest(
@@ -205,27 +259,25 @@ async def _pump_guest(
     source: asyncio.StreamReader,
     sink: asyncio.StreamWriter,
     counts: list[int],
-    protocol: list[str],
+    *,
+    late: bool,
 ) -> None:
-    if routed.name is not None:
-        head, first = await _read_head(source)
-        protocol[0] = head.kind if head.kind in ("tls", "http") else "tcp"
-        check_head(head, routed)
-        sink.write(first)
-        counts[0] += len(first)
+    if late and routed.name is not None:
+        data = b""
+        while (head := sniff(data)) is None:
+            chunk = await source.read(_CHUNK)
+            if not chunk:
+                break
+            data += chunk
+        if head is not None and head.kind != "other":
+            raise Refused(f"{head.kind} after a silent start", host=routed.name)
+        sink.write(data)
+        counts[0] += len(data)
+        if not data:
+            with contextlib.suppress(OSError):
+                sink.write_eof()
+            return
     await _pump(source, sink, counts, 0)
-
-
-async def _read_head(reader: asyncio.StreamReader) -> tuple[Head, bytes]:
-    """The guest's first message, whole (bounded in size by sniff, not in time: the
-    guest may wait for the server to speak first)."""
-    data = b""
-    while (head := sniff(data)) is None:
-        chunk = await reader.read(_CHUNK)
-        if not chunk:
-            return Head("other"), data
-        data += chunk
-    return head, data
 
 
 async def _pump(

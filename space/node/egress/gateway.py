@@ -19,16 +19,20 @@ from ipaddress import IPv4Address, IPv6Address
 from pathlib import Path
 from typing import cast
 
+from mitmproxy import certs
+
 from space.node.egress import dns
 from space.node.egress.audit import AuditLog
-from space.node.egress.connection import Tracker, serve
+from space.node.egress.connection import Refused, Route, Streams, Tracker, serve
 from space.node.egress.fakeip import FakeIps
+from space.node.egress.intercept import Exchange, Interceptor, load_ca
 from space.node.egress.netns_socket import bind_in_netns
 from space.node.egress.resolver import Resolver
 from space.node.egress_policy import EgressPolicy
 from space.node.errors import InvalidArgument
-from space.node.interface import EgressEvent
+from space.node.interface import EgressEvent, SecretGrant
 from space.node.network.netns import DNS_PORT, GATEWAY_ADDRESS, PROXY_PORT
+from space.node.secret_grants import check_grants
 
 __all__ = ["Gateway", "GatewayError", "LocalAddresses"]
 
@@ -81,24 +85,41 @@ class _Attached:
 class Gateway:
     """Attach, re-policy and detach sandboxes; everything else happens on its own."""
 
-    def __init__(self, audit: AuditLog, resolver: Resolver) -> None:
+    def __init__(self, audit: AuditLog, resolver: Resolver, interceptor: Interceptor) -> None:
         self._audit = audit
         self._resolver = resolver
+        self._interceptor = interceptor
         self._local = LocalAddresses()
         self._attached: dict[str, _Attached] = {}
+        self._cas: dict[str, certs.CertStore] = {}
 
-    async def attach(self, sandbox_id: str, netns: Path, policy: object) -> None:
-        """Listen in ``netns`` for the sandbox under ``policy`` (JSON); idempotent (a
-        second attach with the same namespace only sets the policy).
+    async def attach(self, sandbox_id: str, netns: Path, policy: object, ca: Path | None) -> None:
+        """Listen in ``netns`` for the sandbox under ``policy`` (JSON), terminating its
+        TLS with the CA (key and certificate, PEM) at ``ca``; idempotent (a second
+        attach with the same namespace only sets the policy and CA).
 
-        Raises GatewayError (bad policy, namespace missing, ports taken)."""
+        Raises GatewayError (bad policy, unreadable CA, namespace missing, ports taken)."""
         parsed = _parse(policy)
+        try:
+            store = load_ca(ca) if ca is not None else None
+        except (OSError, ValueError) as exc:
+            raise GatewayError(f"cannot load the CA of {sandbox_id}: {exc}") from exc
         current = self._attached.get(sandbox_id)
-        if current is not None and current.netns == netns:
+        if current is None or current.netns != netns:
+            await self.detach(sandbox_id)
+            self._attached[sandbox_id] = await self._listen(sandbox_id, netns, parsed)
+        else:
             current.tracker.set_policy(parsed)
-            return
-        await self.detach(sandbox_id)
-        self._attached[sandbox_id] = await self._listen(sandbox_id, netns, parsed)
+        if store is not None:
+            self._cas[sandbox_id] = store
+
+    def set_secrets(self, sandbox_id: str, grants: object) -> None:
+        """Replace the sandbox's secret grants. GatewayError (never naming a value) if
+        the sandbox is not attached or a grant is malformed."""
+        attached = self._attached.get(sandbox_id)
+        if attached is None:
+            raise GatewayError(f"sandbox {sandbox_id} is not attached")
+        attached.tracker.grants = _grants(grants)
 
     def set_policy(self, sandbox_id: str, policy: object) -> None:
         """Use ``policy`` for new connections and DNS now; cut connections it no longer
@@ -111,6 +132,7 @@ class Gateway:
 
     async def detach(self, sandbox_id: str) -> None:
         """Close the sandbox's listeners and cut its connections; idempotent."""
+        self._cas.pop(sandbox_id, None)
         attached = self._attached.pop(sandbox_id, None)
         if attached is None:
             return
@@ -135,6 +157,7 @@ class Gateway:
             resolver=self._resolver,
             is_local=self._local,
             audit=lambda event: self._audit.write(sandbox_id, event),
+            intercept=self._intercept,
         )
         try:
             tcp = bind_in_netns(netns, socket.SOCK_STREAM, (GATEWAY_ADDRESS, PROXY_PORT))
@@ -154,6 +177,57 @@ class Gateway:
             lambda: _DnsResponder(tracker, fake, self._audit), sock=udp
         )
         return _Attached(netns, tracker, fake, server, transport)
+
+    async def _intercept(
+        self,
+        tracker: Tracker,
+        routed: Route,
+        first: bytes,
+        guest: Streams,
+        original: tuple[str, int],
+    ) -> None:
+        ca = self._cas.get(tracker.sandbox_id)
+        assert routed.name is not None
+        if ca is None:
+            raise Refused(
+                "TLS and HTTP need the sandbox's CA, which it has not got", host=routed.name
+            )
+        exchange = Exchange(
+            sandbox_id=tracker.sandbox_id,
+            name=routed.name,
+            address=str(routed.address),
+            port=routed.port,
+            grants=lambda: tracker.grants,
+            audit=tracker.audit,
+            ca=ca,
+        )
+        await self._interceptor.handle(exchange, first, guest[0], guest[1], original)
+
+
+def _grants(data: object) -> list[SecretGrant]:
+    if not isinstance(data, list):
+        raise GatewayError("grants must be a list")
+    grants = []
+    for item in data:
+        try:
+            grants.append(
+                SecretGrant(
+                    name=str(item["name"]),
+                    value=str(item["value"]),
+                    placeholder=str(item["placeholder"]),
+                    hosts=tuple(str(h) for h in item["hosts"]),
+                    injection=item.get("injection", "placeholder"),
+                    header=item.get("header"),
+                    format=str(item.get("format", "{value}")),
+                )
+            )
+        except (KeyError, TypeError, AttributeError):
+            raise GatewayError("a grant is malformed") from None
+    try:
+        check_grants(grants)
+    except InvalidArgument as exc:
+        raise GatewayError(exc.message) from None
+    return grants
 
 
 def _parse(policy: object) -> EgressPolicy:

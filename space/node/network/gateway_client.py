@@ -33,9 +33,10 @@ class GatewayProcess:
     if the gateway cannot be reached even after a restart, InvalidArgument if it
     refused the request (a bad policy)."""
 
-    def __init__(self, audit_dir: Path, resolvers: list[str], log_file: Path) -> None:
-        self._audit_dir, self._resolvers, self._log_file = audit_dir, resolvers, log_file
-        self._attached: dict[str, tuple[Path, object]] = {}
+    def __init__(self, data_dir: Path, resolvers: list[str], upstream_ca: Path | None) -> None:
+        self._data_dir, self._resolvers, self._upstream_ca = data_dir, resolvers, upstream_ca
+        self._audit_dir = data_dir / "audit"
+        self._attached: dict[str, tuple[Path, object, Path]] = {}
         self._secrets: dict[str, list[dict[str, object]]] = {}
         self._proc: asyncio.subprocess.Process | None = None
         self._stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
@@ -43,18 +44,22 @@ class GatewayProcess:
         self._next_id = 0
 
     @classmethod
-    async def start(cls, audit_dir: Path, resolvers: list[str], log_file: Path) -> GatewayProcess:
-        gateway = cls(audit_dir, resolvers, log_file)
+    async def start(
+        cls, data_dir: Path, resolvers: list[str], upstream_ca: Path | None
+    ) -> GatewayProcess:
+        """Start the gateway; its audit logs go to ``data_dir/audit``, mitmproxy's state
+        to ``data_dir/mitm``, its own log to ``data_dir/gateway.log``. ``upstream_ca``
+        is the CA bundle upstream servers are verified with (None: the host's)."""
+        gateway = cls(data_dir, resolvers, upstream_ca)
         async with gateway._lock:
             await gateway._spawn()
         return gateway
 
-    async def attach(self, sandbox_id: str, netns: Path, policy: object) -> None:
-        """Serve the sandbox's namespace under ``policy``; idempotent."""
-        await self._call(
-            {"op": "attach", "sandbox": sandbox_id, "netns": str(netns), "policy": policy}
-        )
-        self._attached[sandbox_id] = (netns, policy)
+    async def attach(self, sandbox_id: str, netns: Path, policy: object, ca: Path) -> None:
+        """Serve the sandbox's namespace under ``policy``, its TLS terminated with the
+        CA at ``ca``; idempotent."""
+        await self._call(_attach(sandbox_id, netns, policy, ca))
+        self._attached[sandbox_id] = (netns, policy, ca)
 
     async def set_secrets(self, sandbox_id: str, grants: list[SecretGrant]) -> None:
         """Replace the sandbox's secret grants (kept in this process's memory too, to
@@ -107,23 +112,30 @@ class GatewayProcess:
     async def _restart(self) -> None:
         await self._stop()
         await self._spawn()
-        for sandbox_id, (netns, policy) in list(self._attached.items()):
-            request = {"op": "attach", "sandbox": sandbox_id, "netns": str(netns), "policy": policy}
-            answer = await self._exchange(request)
+        for sandbox_id, (netns, policy, ca) in list(self._attached.items()):
+            answer = await self._exchange(_attach(sandbox_id, netns, policy, ca))
             if "error" in answer:
                 log.warning(
                     "re-attaching %s to the gateway failed: %s", sandbox_id, answer["error"]
                 )
+                continue
+            grants = self._secrets.get(sandbox_id)
+            if grants:
+                await self._exchange({"op": "secrets", "sandbox": sandbox_id, "grants": grants})
 
     async def _spawn(self) -> None:
         ours, theirs = socket.socketpair()
         argv = [sys.executable, "-m", "space.node.egress", "--control-fd", str(theirs.fileno())]
-        argv += ["--audit-dir", str(self._audit_dir)]
+        argv += ["--audit-dir", str(self._audit_dir), "--confdir", str(self._data_dir / "mitm")]
+        if self._upstream_ca is not None:
+            argv += ["--upstream-ca", str(self._upstream_ca)]
         for resolver in self._resolvers:
             argv += ["--resolver", resolver]
         self._audit_dir.mkdir(parents=True, exist_ok=True)
         log_fd = os.open(
-            self._log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600
+            self._data_dir / "gateway.log",
+            os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
+            0o600,
         )
         try:
             self._proc = await asyncio.create_subprocess_exec(
@@ -175,4 +187,14 @@ def _grant_json(grant: SecretGrant) -> dict[str, object]:
         "injection": grant.injection,
         "header": grant.header,
         "format": grant.format,
+    }
+
+
+def _attach(sandbox_id: str, netns: Path, policy: object, ca: Path) -> dict[str, object]:
+    return {
+        "op": "attach",
+        "sandbox": sandbox_id,
+        "netns": str(netns),
+        "policy": policy,
+        "ca": str(ca),
     }

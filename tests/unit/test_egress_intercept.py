@@ -1,0 +1,232 @@
+"""The gateway's TLS and HTTP interception on loopback: a sandbox CA, mitmproxy, a real
+TLS upstream that echoes what it was sent, and secrets that must land only there."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ssl
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from space.node.egress.intercept import Exchange, Interceptor, load_ca
+from space.node.egress.sniff import sniff
+from space.node.interface import EgressEvent, SecretGrant
+from space.node.network.ca import certificate_pem, ensure_ca
+
+VALUE = "sk-live-0123456789abcdef"
+PLACEHOLDER = "space_ph_" + "a" * 32
+
+
+def _upstream_cert(directory: Path) -> tuple[Path, Path]:
+    """A CA and a leaf for allowed.test under it; returns (ca file, leaf key+cert file)."""
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "upstream test CA")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(1)
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    leaf = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "allowed.test")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(2)
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("allowed.test")]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    ca_file, leaf_file = directory / "upstream-ca.pem", directory / "leaf.pem"
+    ca_file.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    leaf_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+        + leaf.public_bytes(serialization.Encoding.PEM)
+    )
+    return ca_file, leaf_file
+
+
+class World:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.upstream_ca, self.leaf = _upstream_cert(tmp)
+        self.sandbox_ca = ensure_ca(tmp / "ca", "sb-1")
+        (tmp / "guest-ca.pem").write_bytes(certificate_pem(self.sandbox_ca))
+        self.seen: list[bytes] = []
+        self.events: list[EgressEvent] = []
+        self.grants: list[SecretGrant] = []
+        self.name = "allowed.test"
+
+    async def upstream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = await reader.read(4096)
+            if not chunk:
+                break
+            head += chunk
+        self.seen.append(head)
+        body = b"you sent:\n" + head
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n" % len(body))
+        writer.write(b"X-Echo: " + head.split(b"\r\n")[1] + b"\r\n\r\n" + body)
+        await writer.drain()
+        writer.close()
+
+
+async def _scenario(
+    tmp: Path, grants: list[SecretGrant], talk: Callable[[World, int], Awaitable[bytes]]
+) -> tuple[World, bytes]:
+    world = World(tmp)
+    world.grants = grants
+    upstream_ssl = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    upstream_ssl.load_cert_chain(world.leaf)
+    upstream = await asyncio.start_server(world.upstream, "127.0.0.1", 0, ssl=upstream_ssl)
+    upstream_port = upstream.sockets[0].getsockname()[1]
+    interceptor = Interceptor(tmp / "mitm", world.upstream_ca)
+    ca = load_ca(world.sandbox_ca)
+
+    async def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        first = await reader.read(65536)
+        assert sniff(first) is not None
+        exchange = Exchange(
+            sandbox_id="sb-1",
+            name=world.name,
+            address="127.0.0.1",
+            port=upstream_port,
+            grants=lambda: world.grants,
+            audit=world.events.append,
+            ca=ca,
+        )
+        await interceptor.handle(exchange, first, reader, writer, ("198.18.0.2", 443))
+
+    gateway = await asyncio.start_server(accepted, "127.0.0.1", 0)
+    port = gateway.sockets[0].getsockname()[1]
+    try:
+        async with asyncio.timeout(20):
+            answer = await talk(world, port)
+    finally:
+        gateway.close()
+        upstream.close()
+    return world, answer
+
+
+async def _https(
+    world: World,
+    port: int,
+    host: str = "allowed.test",
+    sni: str = "allowed.test",
+    headers: str = "",
+) -> bytes:
+    context = ssl.create_default_context(cafile=str(world.tmp / "guest-ca.pem"))
+    reader, writer = await asyncio.open_connection(
+        "127.0.0.1", port, ssl=context, server_hostname=sni
+    )
+    writer.write(f"GET /x HTTP/1.1\r\nHost: {host}\r\n{headers}Connection: close\r\n\r\n".encode())
+    await writer.drain()
+    data = await reader.read()
+    writer.close()
+    return data
+
+
+def _grant(**overrides: object) -> SecretGrant:
+    fields: dict[str, object] = {
+        "name": "API_KEY",
+        "value": VALUE,
+        "placeholder": PLACEHOLDER,
+        "hosts": ("allowed.test",),
+    }
+    fields.update(overrides)
+    return SecretGrant(**fields)  # type: ignore[arg-type]
+
+
+def test_a_placeholder_is_swapped_for_its_secret_only_upstream_and_scrubbed_on_return(
+    tmp_path: Path,
+) -> None:
+    world, answer = asyncio.run(
+        _scenario(
+            tmp_path,
+            [_grant()],
+            lambda w, p: _https(w, p, headers=f"Authorization: Bearer {PLACEHOLDER}\r\n"),
+        )
+    )
+    assert answer.startswith(b"HTTP/1.1 200")
+    assert f"Bearer {VALUE}".encode() in world.seen[0]
+    assert VALUE.encode() not in answer, "the echoed secret must be scrubbed"
+    assert PLACEHOLDER.encode() in answer
+    used = [e for e in world.events if e.secrets]
+    assert used and used[0].secrets == ("API_KEY",) and used[0].decision == "allow"
+
+
+def test_a_header_secret_is_set_on_requests_to_its_host(tmp_path: Path) -> None:
+    grant = _grant(injection="header", header="X-Api-Key", format="key={value}")
+    world, answer = asyncio.run(_scenario(tmp_path, [grant], lambda w, p: _https(w, p)))
+    assert answer.startswith(b"HTTP/1.1 200")
+    assert f"X-Api-Key: key={VALUE}".encode() in world.seen[0]
+
+
+def test_negative_a_placeholder_bound_to_another_host_goes_out_unreplaced(
+    tmp_path: Path,
+) -> None:
+    grant = _grant(hosts=("api.elsewhere.test",))
+    world, _ = asyncio.run(
+        _scenario(
+            tmp_path,
+            [grant],
+            lambda w, p: _https(w, p, headers=f"Authorization: Bearer {PLACEHOLDER}\r\n"),
+        )
+    )
+    assert PLACEHOLDER.encode() in world.seen[0]
+    assert VALUE.encode() not in world.seen[0]
+
+
+def test_negative_a_request_whose_host_is_not_the_sni_is_refused_before_upstream(
+    tmp_path: Path,
+) -> None:
+    world, answer = asyncio.run(
+        _scenario(tmp_path, [_grant()], lambda w, p: _https(w, p, host="evil.test"))
+    )
+    assert answer.startswith(b"HTTP/1.1 421")
+    assert not world.seen
+    assert any(e.decision == "deny" and "evil.test" in e.reason for e in world.events)
+
+
+def test_negative_an_upstream_the_node_does_not_trust_is_not_talked_to(tmp_path: Path) -> None:
+    async def talk(world: World, port: int) -> bytes:
+        return await _https(world, port)
+
+    async def scenario() -> tuple[World, bytes]:
+        return await _scenario(tmp_path, [_grant()], talk)
+
+    # The same world, but the interceptor trusts nothing of the upstream's.
+    original = Interceptor.__init__
+
+    def untrusting(self: Interceptor, confdir: Path, upstream_ca: Path | None) -> None:
+        original(self, confdir, tmp_path / "empty-ca.pem")
+
+    (tmp_path / "empty-ca.pem").write_bytes(certificate_pem(ensure_ca(tmp_path / "x", "other")))
+    mp = pytest.MonkeyPatch()
+    mp.setattr(Interceptor, "__init__", untrusting)
+    try:
+        world, answer = asyncio.run(scenario())
+    finally:
+        mp.undo()
+    assert not answer.startswith(b"HTTP/1.1 200")
+    assert all(VALUE.encode() not in seen for seen in world.seen)
