@@ -77,18 +77,21 @@ class World:
         self.name = "allowed.test"
 
     async def upstream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = b""
-        while b"\r\n\r\n" not in head:
-            chunk = await reader.read(4096)
-            if not chunk:
-                break
-            head += chunk
-        self.seen.append(head)
-        body = b"you sent:\n" + head
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n" % len(body))
-        writer.write(b"X-Echo: " + head.split(b"\r\n")[1] + b"\r\n\r\n" + body)
-        await writer.drain()
-        writer.close()
+        """Answers every request of a keep-alive connection, echoing its head."""
+        buffer = b""
+        while True:
+            while b"\r\n\r\n" not in buffer:
+                chunk = await reader.read(4096)
+                if not chunk:
+                    writer.close()
+                    return
+                buffer += chunk
+            head, buffer = buffer.split(b"\r\n\r\n", 1)
+            self.seen.append(head + b"\r\n\r\n")
+            body = b"you sent:\n" + head
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n" % len(body))
+            writer.write(b"X-Echo: " + head.split(b"\r\n")[1] + b"\r\n\r\n" + body)
+            await writer.drain()
 
 
 async def _scenario(
@@ -230,3 +233,25 @@ def test_negative_an_upstream_the_node_does_not_trust_is_not_talked_to(tmp_path:
         mp.undo()
     assert not answer.startswith(b"HTTP/1.1 200")
     assert all(VALUE.encode() not in seen for seen in world.seen)
+
+
+def test_negative_a_second_request_on_the_connection_for_another_host_is_refused(
+    tmp_path: Path,
+) -> None:
+    async def pipelined(world: World, port: int) -> bytes:
+        context = ssl.create_default_context(cafile=str(world.tmp / "guest-ca.pem"))
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", port, ssl=context, server_hostname="allowed.test"
+        )
+        writer.write(
+            b"GET /1 HTTP/1.1\r\nHost: allowed.test\r\n\r\n"
+            b"GET /2 HTTP/1.1\r\nHost: evil.test\r\nConnection: close\r\n\r\n"
+        )
+        await writer.drain()
+        data = await reader.read()
+        writer.close()
+        return data
+
+    world, answer = asyncio.run(_scenario(tmp_path, [_grant()], pipelined))
+    assert answer.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 421" in answer
+    assert len(world.seen) == 1 and b"evil.test" not in world.seen[0]
