@@ -33,6 +33,21 @@ DATA_DIR_OPTION = click.option(
 )
 
 
+EGRESS_RESOLVER_OPTION = click.option(
+    "--egress-resolver",
+    "egress_resolvers",
+    multiple=True,
+    metavar="ADDR[:PORT]",
+    help="DNS server the egress gateway resolves allowed names with (default: the host's).",
+)
+EGRESS_CA_OPTION = click.option(
+    "--egress-upstream-ca",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="CA bundle upstream TLS servers are verified with (default: the host's).",
+)
+
+
 @click.command()
 @DATA_DIR_OPTION
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -48,6 +63,8 @@ DATA_DIR_OPTION = click.option(
     "--warm-max", type=click.IntRange(min=0), default=0, show_default=True,
     help="Paused VMs each template's warm pool holds at most (0: no pool).",
 )  # fmt: skip
+@EGRESS_RESOLVER_OPTION
+@EGRESS_CA_OPTION
 def serve(
     data_dir: Path,
     host: str,
@@ -57,6 +74,8 @@ def serve(
     release_pool: bool,
     warm_min: int,
     warm_max: int,
+    egress_resolvers: tuple[str, ...],
+    egress_upstream_ca: Path | None,
 ) -> None:
     """Run the control plane and one node in this process (the embedded default)."""
     if warm_min > warm_max:
@@ -80,6 +99,8 @@ def serve(
             accel=_accel(accel),
             warm_pool_min=warm_min,
             warm_pool_max=warm_max,
+            egress_resolvers=egress_resolvers,
+            egress_upstream_ca=egress_upstream_ca,
         )
         local = await Node.start(config, progress=progress)
         try:
@@ -102,6 +123,8 @@ def serve(
 @DATA_DIR_OPTION
 @click.option("--accel", type=click.Choice(["auto", "kvm", "tcg"]), default="auto")
 @click.option("--pool-path", type=click.Path(path_type=Path), default=None, help="A btrfs mount.")
+@EGRESS_RESOLVER_OPTION
+@EGRESS_CA_OPTION
 def node(
     control_url: str,
     token_file: Path,
@@ -110,6 +133,8 @@ def node(
     data_dir: Path,
     accel: str,
     pool_path: Path | None,
+    egress_resolvers: tuple[str, ...],
+    egress_upstream_ca: Path | None,
 ) -> None:
     """Run a node agent alone and register it with a control plane."""
     import uvicorn
@@ -126,7 +151,13 @@ def node(
     progress = ProgressPrinter()
 
     async def run() -> None:
-        config = NodeConfig(data_dir=data_dir, pool_path=pool_path, accel=_accel(accel))
+        config = NodeConfig(
+            data_dir=data_dir,
+            pool_path=pool_path,
+            accel=_accel(accel),
+            egress_resolvers=egress_resolvers,
+            egress_upstream_ca=egress_upstream_ca,
+        )
         local = await Node.start(config, progress=progress)
         try:
             app = create_node_app(local, token)

@@ -34,6 +34,8 @@ class Platform:
     data_dir: Path
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
+    #: More `space serve` options (egress resolvers and the like).
+    extra_args: list[str] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -43,7 +45,15 @@ class Platform:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         with (self.data_dir / "serve.log").open("ab") as log:
             self.process = subprocess.Popen(
-                [*SPACE, "serve", "--data-dir", str(self.data_dir), "--port", str(self.port)],
+                [
+                    *SPACE,
+                    "serve",
+                    "--data-dir",
+                    str(self.data_dir),
+                    "--port",
+                    str(self.port),
+                    *self.extra_args,
+                ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
@@ -121,8 +131,8 @@ def release(data_dir: Path) -> list[str]:
 
 
 @contextlib.contextmanager
-def running_platform(data_dir: Path) -> Iterator[Platform]:
-    platform = Platform(data_dir)
+def running_platform(data_dir: Path, extra_args: list[str] | None = None) -> Iterator[Platform]:
+    platform = Platform(data_dir, extra_args=extra_args or [])
     try:
         platform.start()
         yield platform
