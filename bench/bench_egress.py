@@ -122,11 +122,15 @@ def measure(world: World, guest: str, sandbox_ca: Path, runs: int) -> None:
     print(f"Per request, a new connection each ({runs} runs):")
     for label, values in times.items():
         print(summary(label, values, "ms"))
-    for gated, direct in (("http by name", "direct http"), ("relay (cidr rule)", "direct http"),
-                          ("https by name", "direct https")):  # fmt: skip
-        added = statistics.median(times[gated]) - statistics.median(times[direct])
-        ratio = statistics.median(times[gated]) / statistics.median(times[direct])
-        print(f"  {gated:<20} adds {added:7.2f} ms over {direct} ({ratio:.1f}x)")
+    pairs = [
+        ("http by name", "direct http"),
+        ("relay (cidr rule)", "direct http"),
+        ("https by name", "direct https"),
+    ]
+    for through, direct in pairs:
+        added = statistics.median(times[through]) - statistics.median(times[direct])
+        ratio = statistics.median(times[through]) / statistics.median(times[direct])
+        print(f"  {through:<20} adds {added:7.2f} ms over {direct} ({ratio:.1f}x)")
     print(f"Download of {DOWNLOAD >> 20} MiB (median of 3):")
     for label, (gated, args) in chosen.items():
         got = client(guest if gated else None, count=3, path=f"/bytes/{DOWNLOAD}", **args)
