@@ -22,7 +22,7 @@ import click
 import httpx
 
 from space.cli._common import ProgressPrinter, api_options, connection, reports_errors
-from space.sdk import Sandbox, Template
+from space.sdk import Sandbox, Template, allow
 from space.sdk.errors import InternalError, SpaceError, Timeout, Unavailable
 
 __all__ = ["demo", "run_demo"]
@@ -82,12 +82,41 @@ def run_demo(say: Callable[[str], None], **connect: Any) -> None:
             if text != DEMO_TEXT:
                 raise InternalError(f"read back {text!r}, wrote {DEMO_TEXT!r}")
             note(repr(text))
+        _egress_steps(say, sandbox)
         _lifecycle_steps(say, sandbox, connect)
     finally:
         with _step(say, "delete sandbox"):
             sandbox.kill()
     _template_steps(say, connect)
     say(f"done in {(time.monotonic() - total) * 1000:.0f} ms")
+
+
+#: Prints what a name resolves to inside the sandbox (only the gateway is asked).
+DEMO_RESOLVE = (
+    "import socket, sys\n"
+    "try: print(socket.gethostbyname(sys.argv[1]))\n"
+    "except OSError as e: print('refused:', e.__class__.__name__)\n"
+)
+
+
+def _egress_steps(say: Callable[[str], None], sandbox: Sandbox) -> None:
+    """No policy, no network; a policy opens exactly what it names. Only names are
+    resolved (the gateway answers itself): the demo sends nothing off the host."""
+
+    def resolve(name: str) -> str:
+        result = sandbox.commands.run(["python3", "-c", DEMO_RESOLVE, name], check=True)
+        return result.stdout.strip()
+
+    with _step(say, "egress: no policy") as note:
+        note(f"pypi.org -> {resolve('pypi.org')}")
+    with _step(say, "egress: allow pypi.org") as note:
+        sandbox.network.set_policy(allow("pypi.org:443"))
+        note(f"pypi.org -> {resolve('pypi.org')}, example.com -> {resolve('example.com')}")
+    with _step(say, "egress log") as note:
+        denied = [e for e in sandbox.network.log(limit=20) if e.decision == "deny"]
+        note(
+            f"{len(denied)} refused, e.g. {denied[-1].host}: {denied[-1].reason}" if denied else ""
+        )
 
 
 def _lifecycle_steps(say: Callable[[str], None], sandbox: Sandbox, connect: dict[str, Any]) -> None:

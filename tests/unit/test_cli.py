@@ -149,8 +149,14 @@ def test_demo_runs_the_session_and_deletes_its_sandbox(fake: FakeApi) -> None:
         ("stdout", b"hello in /opt/demo\n"),
         ("exit", 0, None, False),
     ]
+    for name, answer in (("pypi.org", b"198.18.0.2\n"), ("example.com", b"refused: gaierror\n")):
+        fake.scripts[f"python3 -c {_demo.DEMO_RESOLVE} {name}"] = [
+            ("stdout", answer),
+            ("exit", 0, None, False),
+        ]
     result = _space(fake, "demo")
     assert result.exit_code == 0, result.stderr
+    assert "example.com -> refused" in result.stdout
     assert "Python 3.11.2" in result.stdout and " ms" in result.stdout
     assert "build template demo" in result.stdout and "demo:latest" in result.stdout
     assert list(fake.sandboxes) == ["sbx1"]  # the demo's own sandboxes are gone
