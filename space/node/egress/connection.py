@@ -8,11 +8,12 @@ The order is what makes it safe:
 2. *Pin*: a name is resolved now, by the gateway, and the connection goes to the first
    address that may be used; that same address, no second lookup (no DNS rebinding).
    Addresses of the host itself and loopback are never used, whatever the rules.
-3. *Inspect* the guest's first bytes before forwarding any of them: TLS must carry an SNI equal
-   to the routed name, HTTP a single Host equal to it. A connection routed by a CIDR
-   rule has no name to match, so it is not asked for one.
-4. *Relay* both ways, counting bytes, until either side is done or the policy that
-   allowed the connection no longer does.
+3. *Inspect* the guest's first message before forwarding any of it: TLS must carry an
+   SNI equal to the routed name, HTTP a single Host equal to it. Both then go through
+   mitmproxy (space.node.egress.intercept), which checks every later request too and
+   injects secrets. A connection routed by a CIDR rule has no name to match: relayed.
+4. *Relay* anything else both ways, counting bytes, until either side is done or the
+   policy that allowed the connection no longer does.
 
 Every refusal resets the guest's connection and is audited; failures fail closed.
 """

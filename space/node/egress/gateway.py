@@ -33,6 +33,7 @@ from space.node.errors import InvalidArgument
 from space.node.interface import EgressEvent, SecretGrant
 from space.node.network.netns import DNS_PORT, GATEWAY_ADDRESS, PROXY_PORT
 from space.node.secret_grants import check_grants
+from space.node.wire import decode_grants
 
 __all__ = ["Gateway", "GatewayError", "LocalAddresses"]
 
@@ -205,27 +206,10 @@ class Gateway:
 
 
 def _grants(data: object) -> list[SecretGrant]:
-    if not isinstance(data, list):
-        raise GatewayError("grants must be a list")
-    grants = []
-    for item in data:
-        try:
-            grants.append(
-                SecretGrant(
-                    name=str(item["name"]),
-                    value=str(item["value"]),
-                    placeholder=str(item["placeholder"]),
-                    hosts=tuple(str(h) for h in item["hosts"]),
-                    injection=item.get("injection", "placeholder"),
-                    header=item.get("header"),
-                    format=str(item.get("format", "{value}")),
-                )
-            )
-        except (KeyError, TypeError, AttributeError):
-            raise GatewayError("a grant is malformed") from None
     try:
+        grants = decode_grants({"grants": data})
         check_grants(grants)
-    except InvalidArgument as exc:
+    except InvalidArgument as exc:  # its messages never quote a value
         raise GatewayError(exc.message) from None
     return grants
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from space.node.errors import InvalidArgument, Unavailable
 from space.node.interface import SecretGrant
+from space.node.wire import encode_grants
 
 __all__ = ["GatewayProcess"]
 
@@ -64,9 +65,9 @@ class GatewayProcess:
     async def set_secrets(self, sandbox_id: str, grants: list[SecretGrant]) -> None:
         """Replace the sandbox's secret grants (kept in this process's memory too, to
         tell a restarted gateway; never written anywhere)."""
-        wire = [_grant_json(grant) for grant in grants]
-        await self._call({"op": "secrets", "sandbox": sandbox_id, "grants": wire})
-        self._secrets[sandbox_id] = wire
+        body = encode_grants(grants)["grants"]
+        await self._call({"op": "secrets", "sandbox": sandbox_id, "grants": body})
+        self._secrets[sandbox_id] = body
 
     async def detach(self, sandbox_id: str) -> None:
         """Stop serving the sandbox; idempotent."""
@@ -176,18 +177,6 @@ class GatewayProcess:
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
-
-
-def _grant_json(grant: SecretGrant) -> dict[str, object]:
-    return {
-        "name": grant.name,
-        "value": grant.value,
-        "placeholder": grant.placeholder,
-        "hosts": list(grant.hosts),
-        "injection": grant.injection,
-        "header": grant.header,
-        "format": grant.format,
-    }
 
 
 def _attach(sandbox_id: str, netns: Path, policy: object, ca: Path) -> dict[str, object]:
