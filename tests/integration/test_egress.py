@@ -158,3 +158,11 @@ def test_a_secret_reaches_only_its_bound_host_and_never_comes_back(guest: Guest)
     used = [e for e in guest.audit() if e.secrets]
     assert used and used[-1].secrets == ("API_KEY",) and used[-1].host == "tls.allowed.test"
     assert guest.probe("find", needle_hex=VALUE.encode().hex())["ok"]
+
+
+def test_a_restarted_node_serves_the_sandbox_s_egress_again(guest: Guest) -> None:
+    guest.h.restart()
+    result = guest.probe("http", host="allowed.test")
+    assert result["ok"], result
+    assert not guest.probe("http", host=OTHER)["ok"]
+    assert guest.probe("https", url="https://tls.allowed.test/")["ok"]
