@@ -25,7 +25,11 @@ from .platform import qemu_pids
 
 pytestmark = pytest.mark.vm
 
-_COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.1; done"
+# Written to a side file and renamed: `echo > /tmp/c` truncates first, so a reader could
+# otherwise catch the file empty between the truncation and the write.
+_COUNTER = (
+    "i=0; while true; do i=$((i+1)); echo $i > /tmp/c.new; mv -f /tmp/c.new /tmp/c; sleep 0.1; done"
+)
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
