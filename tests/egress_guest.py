@@ -44,6 +44,7 @@ __all__ = [
     "assert_world_untouched",
     "booted_guest",
     "denials_since",
+    "output",
     "private_node_config",
 ]
 
@@ -109,7 +110,7 @@ class Guest:
             user="root",
             timeout_s=60,
         )
-        out = self.h.run(_output(self.node, request))
+        out = self.h.run(output(self.node, request))
         return dict(json.loads(out.strip().splitlines()[-1]))
 
     def audit(self) -> list[EgressEvent]:
@@ -117,8 +118,9 @@ class Guest:
         return self.h.run(self.node.egress_log(SANDBOX, limit=1000))
 
 
-async def _output(node: Node, request: ExecRequest) -> str:
-    stream = await node.exec(SANDBOX, request)
+async def output(node: Node, request: ExecRequest, sandbox_id: str = SANDBOX) -> str:
+    """The stdout of ``request`` run in the sandbox; AssertionError unless it exits 0."""
+    stream = await node.exec(sandbox_id, request)
     out = b""
     async for event in stream:
         if isinstance(event, ExecOutput) and event.stream == "stdout":

@@ -108,6 +108,18 @@ class EgressOps(ABC):
             await self._trust(sandbox, ca_file)
             await netns.set_open(name, True)
 
+    async def _trust_after_resume(self, sandbox: LiveSandbox) -> None:
+        """A policy opened while the sandbox was paused or hibernated could not install
+        the CA in its guest then; it is installed now (a no-op once it is there). The
+        sandbox runs either way, so a failure is logged, not raised."""
+        policy = parse_policy(sandbox.record.spec.egress, sandbox.sandbox_id)
+        if policy.closed or not has_nic(sandbox.volume):
+            return
+        try:
+            await self._trust(sandbox, ca.ensure_ca(self._ca_dir, sandbox.sandbox_id))
+        except (NodeError, OSError) as exc:
+            log.error("sandbox %s: installing the egress CA failed: %s", sandbox.sandbox_id, exc)
+
     async def _trust(self, sandbox: LiveSandbox, ca_file: Path) -> None:
         """Install the sandbox's CA in its guest, once per guest filesystem (a restore
         or a fork brings another one: those start with ``trusted_ca`` None)."""

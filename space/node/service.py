@@ -325,15 +325,17 @@ class Node(GuestOps, SnapshotOps, TemplateOps, EgressOps):
     ) -> None:
         if target == SandboxState.HIBERNATED:
             await self._life.hibernate(sandbox)
-        elif state == SandboxState.HIBERNATED:
-            await self._life.wake(sandbox)
         elif target == SandboxState.PAUSED:
             await sandbox.pause()
             self._store.save(sandbox.mark(target))
         else:
-            await sandbox.resume()
-            self._store.save(sandbox.mark(target))
-            await self._life.sync_clock(sandbox)
+            if state == SandboxState.HIBERNATED:
+                await self._life.wake(sandbox)
+            else:
+                await sandbox.resume()
+                self._store.save(sandbox.mark(target))
+                await self._life.sync_clock(sandbox)
+            await self._trust_after_resume(sandbox)
 
     # restore, fork
 

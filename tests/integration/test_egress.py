@@ -14,9 +14,9 @@ from collections.abc import Iterator
 import pytest
 
 from space.node.config import NodeConfig
-from space.node.interface import SecretGrant
+from space.node.interface import ExecRequest, SandboxSpec, SecretGrant
 
-from ..egress_guest import POLICY, SANDBOX, Guest, booted_guest
+from ..egress_guest import POLICY, SANDBOX, Guest, booted_guest, output
 from ..egress_world import OTHER, UPSTREAM
 
 pytestmark = pytest.mark.vm
@@ -126,6 +126,21 @@ def test_a_live_policy_change_takes_effect_within_a_second(guest: Guest) -> None
     finally:
         guest.h.run(guest.node.set_egress(SANDBOX, POLICY))
     assert guest.probe("http", host="allowed.test")["ok"]
+
+
+def test_a_policy_opened_while_paused_serves_https_once_resumed(guest: Guest) -> None:
+    """The CA cannot be installed in a paused guest; resuming installs it."""
+    node, run, other = guest.node, guest.h.run, "egress-paused"
+    run(node.create_sandbox(SandboxSpec(sandbox_id=other)))
+    try:
+        run(node.pause_sandbox(other))
+        run(node.set_egress(other, POLICY))
+        run(node.resume_sandbox(other))
+        fetch = "import urllib.request as u; print(u.urlopen('https://tls.allowed.test/').read())"
+        out = run(output(node, ExecRequest(argv=["python3", "-c", fetch]), other))
+        assert "tls host=tls.allowed.test" in out
+    finally:
+        run(node.delete_sandbox(other))
 
 
 VALUE = "sk-live-" + "7f3a9c" * 6

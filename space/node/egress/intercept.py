@@ -9,7 +9,8 @@ every HTTP request. Per request this module then:
 
 - refuses it unless its Host (or :authority, or absolute-form URL) names the routed
   host on the routed port: no domain fronting, no virtual-host hopping on a connection;
-- swaps in the secrets bound to that host (space.node.interface.SecretGrant), and
+- swaps in the secrets bound to that host (space.node.interface.SecretGrant): a
+  placeholder in a header, Basic credentials or the URL, or a header of its own; and
   scrubs their values out of the response before it reaches the guest;
 - audits it, naming the secrets it used.
 
@@ -19,6 +20,8 @@ Any server connection other than the pinned address is refused at connect time.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import logging
 import time
@@ -235,17 +238,44 @@ def _inject(request: http.Request, exchange: Exchange) -> tuple[str, ...]:
             request.headers[grant.header] = grant.format.replace("{value}", grant.value)
             used.append(grant.name)
             continue
-        touched = False
-        for name, value in list(request.headers.items(multi=True)):
-            if grant.placeholder in value:
-                request.headers[name] = value.replace(grant.placeholder, grant.value)
-                touched = True
+        touched = _replace_in_headers(request.headers, grant)
         if grant.placeholder in request.path:
             request.path = request.path.replace(grant.placeholder, grant.value)
             touched = True
         if touched:
             used.append(grant.name)
     return tuple(used)
+
+
+def _replace_in_headers(headers: http.Headers, grant: SecretGrant) -> bool:
+    """Swap the placeholder in every header field, repeated ones included, and inside
+    the base64 of Basic credentials (git and pip send a token as a password that way).
+    Bodies are left alone on purpose: a body is often stored by the bound host (an
+    issue, a gist), which would hand the value to whoever reads it later."""
+    placeholder, value = grant.placeholder.encode(), grant.value.encode()
+    fields, touched = [], False
+    for name, raw in headers.fields:
+        new = raw.replace(placeholder, value)
+        if name.lower() == b"authorization":
+            new = _replace_in_basic(new, placeholder, value)
+        touched = touched or new != raw
+        fields.append((name, new))
+    if touched:
+        headers.fields = tuple(fields)
+    return touched
+
+
+def _replace_in_basic(header: bytes, placeholder: bytes, value: bytes) -> bytes:
+    scheme, _, credentials = header.strip().partition(b" ")
+    if scheme.lower() != b"basic":
+        return header
+    try:
+        decoded = base64.b64decode(credentials.strip(), validate=True)
+    except binascii.Error:
+        return header
+    if placeholder not in decoded:
+        return header
+    return scheme + b" " + base64.b64encode(decoded.replace(placeholder, value))
 
 
 def _scrub(text: str, grants: list[SecretGrant]) -> str:
