@@ -5,8 +5,9 @@ a digest of everything up to it, space.node.templates.steps) and skips every ste
 layer the pool already holds. From the first missing one it boots a build VM on a clone
 of the last layer (or the base), and after each step syncs the guest, pauses the VM for
 a moment and keeps its disk as the step's read-only layer. Packages are fetched by the
-host (space.node.templates.packages) and installed by dpkg in the guest: build VMs have
-no network. Run steps run as their user with a fixed environment.
+host (space.node.templates.packages) and installed by dpkg in the guest. Run steps run
+as their user with a fixed environment, and reach the network only as the spec's
+``build_egress`` allows (space.node._build_network; none by default).
 
 The last layer is published as the template's subvolume; the caller then makes its
 ready state and only then moves the tag, so a failed build changes nothing a sandbox
@@ -19,11 +20,13 @@ import asyncio
 import hashlib
 import json
 import secrets
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from space.node._build_network import BuildNetwork
 from space.node._catalog import Build, Catalog
 from space.node._hidden import boot_hidden, channel_of
 from space.node._lifecycle import Registry
@@ -190,10 +193,13 @@ async def build_layers(node: Registry, planned: Planned, say: Say) -> TemplateVo
     grow = planned.base.pristine and source is planned.base.volume
     vm = await boot_hidden(node, vm_id, source, build_shape, grow=grow)
     try:
-        for step in todo:
-            say(lines[step.index])
-            await _run_step(node, vm, step, say)
-            source = await _keep_layer(node, vm, step)
+        async with node.build_network(vm, planned.spec.build_egress) as network:
+            if network.ca_file is not None:
+                say("run steps reach the network through the build's egress policy")
+            for step in todo:
+                say(lines[step.index])
+                await _run_step(node, vm, step, say, network)
+                source = await _keep_layer(node, vm, step)
     finally:
         await asyncio.shield(node.destroy(vm))
     return source
@@ -208,18 +214,31 @@ async def _keep_layer(node: Registry, vm: LiveSandbox, step: Step) -> TemplateVo
         await vm.resume()
 
 
-async def _run_step(node: Registry, vm: LiveSandbox, step: Step, say: Say) -> None:
+async def _run_step(
+    node: Registry, vm: LiveSandbox, step: Step, say: Say, network: BuildNetwork
+) -> None:
     channel = channel_of(vm)
     action = step.action
     if isinstance(action, RunStep):
         request = ExecRequest(
             cmd=action.command,
             user=action.user,
-            env=dict(BUILD_ENV),
+            env=BUILD_ENV | network.env,
             cwd="/",
             timeout_s=node.life.config.build_step_timeout_s,
         )
-        await _check(channel, request, step, say)
+        started = time.time()
+        try:
+            async with network.trusted(channel):
+                await _check(channel, request, step, say)
+        except BuildStepFailed as exc:
+            refused = await network.refusals(started)
+            if not refused:
+                raise
+            for line in refused:
+                say(f"egress refused {line}")
+            message = f"{exc.message}\nthe build's egress policy refused: " + "; ".join(refused)
+            raise BuildStepFailed(message, step=exc.step) from exc
     elif isinstance(action, CopyPlan):
         await _copy(channel, action, step)
     elif isinstance(action, Packages):

@@ -13,9 +13,11 @@ import asyncio
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
 from pathlib import Path
 
+from space.node._build_network import BuildNetwork, open_build_network
 from space.node._hidden import is_hidden
 from space.node._sandbox import LiveSandbox, has_nic
 from space.node.egress.audit import AuditLog
@@ -133,6 +135,11 @@ class EgressOps(ABC):
             )
         await install_ca(channel, pem, ca.subject_hash(pem))
         sandbox.trusted_ca = pem
+
+    def _build_network(
+        self, vm: LiveSandbox, policy: EgressPolicy
+    ) -> AbstractAsyncContextManager[BuildNetwork]:
+        return open_build_network(self._gateway, self._ca_dir, self._audit, vm, policy)
 
     async def _drop_network(self, sandbox_id: str, run_dir: Path) -> None:
         """Detach the gateway and delete the namespace and audit log; logs failures."""

@@ -24,11 +24,14 @@ import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from space.node._build_network import BuildNetwork
 from space.node._sandbox import MEMORY_FILE, STATE_FILE, LiveSandbox, hostname_for
 from space.node.config import NodeConfig
+from space.node.egress_policy import EgressPolicy
 from space.node.errors import NodeError, Unavailable
 from space.node.interface import SandboxState, SnapshotInfo
 from space.node.state import Pending, SandboxRecord, SnapshotStore, StateStore
@@ -325,10 +328,12 @@ class Lifecycle:
 
 @dataclass(frozen=True, slots=True)
 class Registry:
-    """What recovery needs of the Node: its sandboxes and how to make and unmake one."""
+    """What recovery and builds need of the Node: its sandboxes, how to make and unmake
+    one, and the network of a build VM."""
 
     life: Lifecycle
     sandboxes: dict[str, LiveSandbox]
     live: Callable[[SandboxRecord], LiveSandbox]
     destroy: Callable[[LiveSandbox], Awaitable[None]]
     remove_leftovers: Callable[[str], Awaitable[None]]
+    build_network: Callable[[LiveSandbox, EgressPolicy], AbstractAsyncContextManager[BuildNetwork]]

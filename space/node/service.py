@@ -496,6 +496,7 @@ class Node(GuestOps, SnapshotOps, TemplateOps, EgressOps):
             live=self._live,
             destroy=self._destroy,
             remove_leftovers=self._remove_leftovers,
+            build_network=self._build_network,
         )
 
 

@@ -101,7 +101,21 @@ def test_a_full_spec_reads_into_its_dataclasses(project: Path) -> None:
 def test_optional_keys_take_their_defaults(tmp_path: Path) -> None:
     spec = load_spec(write(tmp_path, MINIMAL))
     assert (spec.tag, spec.packages, spec.steps) == ("latest", (), ())
+    assert spec.build_egress.closed
     assert spec.config == TemplateConfig(env=(), workdir=None, start=None, resources=Resources())
+
+
+def test_build_egress_reads_as_an_egress_policy_in_its_canonical_form(tmp_path: Path) -> None:
+    text = MINIMAL + (
+        "[build_egress]\n"
+        'allow = [{ domain = "*.pythonhosted.org", ports = [443] }, { cidr = "198.51.100.7" }]\n'
+    )
+    assert load_spec(write(tmp_path, text)).build_egress.to_json() == {
+        "allow": [
+            {"domain": "*.pythonhosted.org", "ports": [443]},
+            {"cidr": "198.51.100.7/32", "ports": [80, 443]},
+        ]
+    }
 
 
 @pytest.mark.parametrize(
@@ -226,6 +240,8 @@ def test_negative_a_multibyte_command_is_measured_in_bytes(tmp_path: Path) -> No
 
 STEP = MINIMAL + "[[steps]]\n"
 CP = "steps[0].copy"
+EGRESS = MINIMAL + "[build_egress]\n"
+RULE = MINIMAL + "[[build_egress.allow]]\n"
 
 MALFORMED = [
     # unknown keys, at every level
@@ -285,6 +301,14 @@ MALFORMED = [
     (STEP + 'copy = { src = "../secret", dst = "/a" }\n', f"{CP}.src", "'..'"),
     (STEP + 'copy = { src = "app/../app", dst = "/a" }\n', f"{CP}.src", "'..'"),
     (STEP + 'copy = { src = "missing", dst = "/a" }\n', f"{CP}.src", "does not exist"),
+    # the build's egress policy
+    (MINIMAL + 'build_egress = "pypi.org"\n', "build_egress", "must be a table"),
+    (MINIMAL + "[build_egress]\ndeny = []\n", "build_egress.deny", "unknown key"),
+    (EGRESS + 'allow = "pypi.org"\n', "build_egress.allow", "expected a list"),
+    (EGRESS + 'allow = ["pypi.org"]\n', "build_egress.allow[0]", "expected an object"),
+    (RULE + 'domain = "a..b"\n', "build_egress.allow[0].domain", "not a valid domain"),
+    (RULE + 'domain = "pypi.org"\nports = [0]\n', "build_egress.allow[0].ports[0]", "not a port"),
+    (RULE + 'cidr = "10.0.0.0/33"\n', "build_egress.allow[0].cidr", "not a network"),
 ]  # fmt: skip
 
 

@@ -10,12 +10,13 @@ starts with. Only the certificate ever enters the guest, never the key.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 
 from space.node.channel import GuestChannel
 from space.node.errors import NotFound, ResourceExhausted
 
-__all__ = ["TRUST_ENV", "install_ca"]
+__all__ = ["TRUST_ENV", "install_ca", "remove_ca", "without_ca"]
 
 CA_FILE = "/usr/local/share/ca-certificates/space-egress.crt"
 BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
@@ -27,6 +28,8 @@ TRUST_ENV = {
 }
 _BEGIN = b"# BEGIN SPACE egress CA\n"
 _END = b"# END SPACE egress CA\n"
+#: Where update-ca-certificates links a CA of CA_FILE's name, if a build step ran it.
+_LINKED = "/etc/ssl/certs/space-egress.pem"
 #: A bigger bundle than this is not one we are willing to read back from a guest.
 _MAX_BUNDLE = 8 << 20
 
@@ -42,12 +45,43 @@ async def install_ca(channel: GuestChannel, cert_pem: bytes, subject_hash: str) 
     await channel.write_file(BUNDLE, _once(with_block(bundle, cert_pem)), user="root", mode=0o644)
 
 
+async def remove_ca(channel: GuestChannel, cert_pem: bytes, subject_hash: str) -> None:
+    """Undo install_ca, also where ``update-ca-certificates`` copied the CA meanwhile
+    (a template build's run step may run it): a template must not keep trusting the CA
+    of the VM it was built in."""
+    for path in (CA_FILE, f"/etc/ssl/certs/{subject_hash}.0", _LINKED):
+        with contextlib.suppress(NotFound):
+            await channel.remove(path)
+    bundle = await _read(channel, BUNDLE)
+    cleaned = without_ca(bundle, cert_pem)
+    if cleaned != bundle:
+        await channel.write_file(BUNDLE, _once(cleaned), user="root", mode=0o644)
+
+
+def without_ca(bundle: bytes, cert_pem: bytes) -> bytes:
+    """``bundle`` without its SPACE block and without any other copy of ``cert_pem``."""
+    bundle = _without_block(bundle)
+    pem = cert_pem.strip()
+    while pem and pem in bundle:
+        start = bundle.index(pem)
+        end = start + len(pem)
+        if bundle[end : end + 1] == b"\n":
+            end += 1
+        bundle = bundle[:start] + bundle[end:]
+    return bundle
+
+
+def _without_block(bundle: bytes) -> bytes:
+    start = bundle.find(_BEGIN)
+    if start < 0:
+        return bundle
+    end = bundle.find(_END, start)
+    return bundle[:start] + (bundle[end + len(_END) :] if end >= 0 else b"")
+
+
 def with_block(bundle: bytes, cert_pem: bytes) -> bytes:
     """``bundle`` with its SPACE block (if any) replaced by one holding ``cert_pem``."""
-    start = bundle.find(_BEGIN)
-    if start >= 0:
-        end = bundle.find(_END, start)
-        bundle = bundle[:start] + (bundle[end + len(_END) :] if end >= 0 else b"")
+    bundle = _without_block(bundle)
     if bundle and not bundle.endswith(b"\n"):
         bundle += b"\n"
     return bundle + _BEGIN + cert_pem + _END

@@ -9,6 +9,8 @@
     start = "python3 -m http.server" # optional; runs at boot and stays running
     [resources]                      # optional defaults: cpus 1..8,
     cpus = 1                         #   memory_mib 128..16384, disk_mib 1024..65536
+    [build_egress]                   # optional: the build VM's network for run steps
+    allow = [{ domain = "pypi.org" }] # an egress policy (space.node.egress_policy)
     [[steps]]                        # at most 64, in order, each one of:
     copy = { src = "app/", dst = "/opt/app" }   # src relative to the spec's directory
     [[steps]]
@@ -30,6 +32,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from space.node.egress_policy import EgressPolicy
+from space.node.errors import InvalidArgument
 from space.node.templates._fields import Where, absolute_path, child, index
 from space.node.templates._tree import resolve_source
 from space.node.templates.errors import TemplateSpecError
@@ -74,7 +78,18 @@ _RELEASE_RE = re.compile(r"[a-z][a-z0-9-]{1,31}")
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,255}")
 # useradd's default NAME_REGEX, without the trailing "$" of machine accounts.
 _USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
-_TOP_KEYS = ("name", "tag", "base", "packages", "env", "workdir", "start", "resources", "steps")
+_TOP_KEYS = (
+    "name",
+    "tag",
+    "base",
+    "packages",
+    "env",
+    "workdir",
+    "start",
+    "resources",
+    "build_egress",
+    "steps",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +179,9 @@ class TemplateSpec:
     packages: tuple[str, ...] = ()
     steps: tuple[SpecStep, ...] = ()
     config: TemplateConfig = field(default_factory=TemplateConfig)
+    #: The build VM's egress policy while run steps run (closed: no network). Not part
+    #: of any digest: what a step fetched is kept in its layer like anything else.
+    build_egress: EgressPolicy = field(default_factory=EgressPolicy)
 
 
 def load_spec(path: Path) -> TemplateSpec:
@@ -207,7 +225,19 @@ def parse_spec(text: str, *, spec_dir: Path, file: Path | None = None) -> Templa
         packages=_packages(where, top.get("packages", [])),
         steps=_steps(where, top.get("steps", []), spec_dir),
         config=_config(where, top),
+        build_egress=_build_egress(where, top.get("build_egress", {})),
     )
+
+
+def _build_egress(where: Where, value: object) -> EgressPolicy:
+    table = where.table(value, "build_egress", ("allow",))
+    try:
+        return EgressPolicy.parse(table)
+    except InvalidArgument as exc:
+        key, sep, problem = exc.message.partition(": ")  # "allow[2].ports[0]: ..."
+        if not sep:
+            where.fail("build_egress", exc.message)
+        where.fail(f"build_egress.{key}", problem)
 
 
 def _base(where: Where, value: object) -> Base:
