@@ -21,10 +21,16 @@ __all__ = ["TRUST_ENV", "install_ca", "remove_ca", "without_ca"]
 CA_FILE = "/usr/local/share/ca-certificates/space-egress.crt"
 BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 TRUST_ENV = {
+    "SSL_CERT_FILE": BUNDLE,  # OpenSSL's default anyway; read by uv and rustls-native-certs
     "REQUESTS_CA_BUNDLE": BUNDLE,
     "PIP_CERT": BUNDLE,
     "CURL_CA_BUNDLE": BUNDLE,
-    "NODE_EXTRA_CA_CERTS": CA_FILE,
+    "GIT_SSL_CAINFO": BUNDLE,
+    "AWS_CA_BUNDLE": BUNDLE,
+    "CARGO_HTTP_CAINFO": BUNDLE,
+    "UV_NATIVE_TLS": "true",  # uv trusts its built-in roots only, unless told
+    # The bundle, not CA_FILE: that is missing without a policy, and Node warns then.
+    "NODE_EXTRA_CA_CERTS": BUNDLE,
 }
 _BEGIN = b"# BEGIN SPACE egress CA\n"
 _END = b"# END SPACE egress CA\n"
