@@ -106,7 +106,8 @@ async def bench(world: World, runs: int, work: Path) -> None:
         await netns.set_open(name, True)
         measure(world, guest, work / "guest-ca.pem", runs)
     finally:
-        await gateway.close()
+        await gateway.detach("bench")
+        await gateway.close()  # nothing attached: the gateway ends
         await netns.delete(guest)
         await netns.delete(name)
 

@@ -153,7 +153,9 @@ class EgressOps(ABC):
         await asyncio.to_thread(self._audit.remove, sandbox_id)
 
     async def _network_at_start(self, say: Callable[[str], None]) -> None:
-        """Apply every sandbox's policy again and delete namespaces no sandbox owns."""
+        """Apply every sandbox's policy again (an adopted gateway keeps its connections
+        through that), detach the gateway from sandboxes gone meanwhile, and delete
+        namespaces no sandbox owns."""
         owned = set()
         for sandbox in self._sandboxes.values():
             owned.add(netns.netns_name(sandbox.config.run_dir))
@@ -163,6 +165,10 @@ class EgressOps(ABC):
                 await self._apply_egress(sandbox)
             except NodeError as exc:
                 say(f"sandbox {sandbox.sandbox_id}: applying its egress policy failed: {exc}")
+        try:
+            await self._gateway.retain()
+        except NodeError as exc:
+            say(f"detaching stale sandboxes from the egress gateway failed: {exc}")
         for name in netns.node_netns(self._run_root):
             if name not in owned:
                 say(f"removing stray network namespace {name}")

@@ -145,14 +145,15 @@ class Node(GuestOps, SnapshotOps, TemplateOps, EgressOps):
                 await node._ready_at_start(built, say)
         except BaseException:
             if gateway is not None:
-                await gateway.close()
+                await gateway.abandon()
             with contextlib.suppress(NodeError):
                 await pool.close(unmount=pool.fresh_mount)
             raise
         return node
 
     async def close(self, *, unmount_pool: bool = False) -> None:
-        """Disconnect from every VM but leave them running (the next start re-adopts them).
+        """Disconnect from every VM but leave them running (the next start re-adopts them),
+        and the egress gateway with them (it ends if no sandbox is left to serve).
 
         Warm pool VMs (no tenant data) are deleted. ``unmount_pool`` also unmounts a
         loop-file pool; only for tests and tools, and only once no VM uses it any more.

@@ -24,7 +24,7 @@ from space.node.config import NodeConfig
 from space.node.network import netns
 from space.node.service import Node
 
-from .platform import qemu_pids
+from .platform import gateway_pids, qemu_pids
 
 T = TypeVar("T")
 
@@ -60,19 +60,6 @@ def release_data_dir(data_dir: Path) -> list[str]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     return left
-
-
-def gateway_pids(data_dir: Path) -> list[int]:
-    """Egress gateway processes serving ``data_dir`` (by their --audit-dir)."""
-    needle = f"{data_dir / 'egress'}".encode()
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            with contextlib.suppress(OSError):
-                argv = (proc / "cmdline").read_bytes().split(b"\0")
-                if b"space.node.egress" in argv and needle in argv:
-                    pids.append(int(proc.name))
-    return pids
 
 
 @dataclass

@@ -106,6 +106,20 @@ def qemu_pids(data_dir: Path) -> list[int]:
     return pids
 
 
+def gateway_pids(data_dir: Path) -> list[int]:
+    """Egress gateway processes serving ``data_dir`` (by their --audit-dir); they outlive
+    the node agent, as QEMU does."""
+    needle = f"{data_dir / 'egress'}/".encode()
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError):
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+                if b"space.node.egress" in argv and any(a.startswith(needle) for a in argv):
+                    pids.append(int(proc.name))
+    return pids
+
+
 def mounts_under(path: Path) -> list[str]:
     with open("/proc/mounts") as f:
         return [line.split()[1] for line in f if line.split()[1].startswith(str(path))]
@@ -121,6 +135,10 @@ def release(data_dir: Path) -> list[str]:
     left = []
     for pid in qemu_pids(data_dir):
         left.append(f"qemu pid {pid}")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for pid in gateway_pids(data_dir):
+        left.append(f"egress gateway pid {pid}")
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     for mount in sorted(mounts_under(data_dir), reverse=True):

@@ -9,7 +9,7 @@ saw nothing.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
@@ -175,9 +175,46 @@ def test_a_secret_reaches_only_its_bound_host_and_never_comes_back(guest: Guest)
     assert guest.probe("find", needle_hex=VALUE.encode().hex())["ok"]
 
 
-def test_a_restarted_node_serves_the_sandbox_s_egress_again(guest: Guest) -> None:
-    guest.h.restart()
+_HELD = f"""
+import os, socket, time
+s = socket.create_connection(("{UPSTREAM}", 8080), timeout=60)
+s.sendall(b"GET /held HTTP/1.1\\r\\n")
+open("/tmp/held.open", "w").close()
+while not os.path.exists("/tmp/held.go"):
+    time.sleep(0.05)
+s.sendall(b"Host: held\\r\\n\\r\\n")
+data = b""
+while chunk := s.recv(4096):
+    data += chunk
+open("/tmp/held.out", "wb").write(data)
+"""
+
+
+def test_a_restarted_node_adopts_the_gateway_and_cuts_no_connection(guest: Guest) -> None:
+    """The gateway outlives the node agent, as QEMU does: a connection the guest
+    opened before the restart is finished after it."""
+    h = guest.h
+    h.run(h.node.exec(SANDBOX, ExecRequest(argv=["python3", "-c", _HELD], background=True)))
+    _wait_for_file(guest, "/tmp/held.open")
+    gateway = h.node._gateway.pid
+    h.restart()
+    assert h.node._gateway.pid == gateway, "the gateway was replaced, not adopted"
+    h.run(h.node.write_file(SANDBOX, "/tmp/held.go", _one(b"")))
+    assert "upstream:8080 host=held" in _wait_for_file(guest, "/tmp/held.out")
     result = guest.probe("http", host="allowed.test")
     assert result["ok"], result
     assert not guest.probe("http", host=OTHER)["ok"]
     assert guest.probe("https", url="https://tls.allowed.test/")["ok"]
+
+
+def _wait_for_file(guest: Guest, path: str, timeout_s: float = 30.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    script = f"cat {path} 2>/dev/null || echo absent"
+    while (out := guest.h.run(output(guest.node, ExecRequest(cmd=script)))) == "absent\n":
+        assert time.monotonic() < deadline, f"{path} did not appear in the guest"
+        time.sleep(0.2)
+    return out
+
+
+async def _one(data: bytes) -> AsyncIterator[bytes]:
+    yield data

@@ -1,24 +1,25 @@
 """``python -m space.node.egress``: the egress gateway process, run by the node agent.
 
-The node passes one end of a socketpair as ``--control-fd`` and speaks JSON lines on
-it, one request per line, each answered in order: ``{"id": 1, "op": "attach",
-"sandbox": ..., "netns": ..., "policy": {...}, "ca": path}``, ``"policy"`` (sandbox,
-policy), ``"secrets"`` (sandbox, grants), ``"detach"`` (sandbox) and ``"ping"``;
-answers are ``{"id": 1, "ok": true}`` or ``{"id": 1, "error": "..."}`` (an error never
-quotes a secret). The gateway exits when the node closes its end or dies.
+It outlives the agent, as QEMU does: a node restart (an upgrade, a crash) leaves every
+sandbox's egress, its open connections and its synthetic addresses as they were, and
+the next agent adopts the gateway. The node speaks JSON lines on the unix socket
+``--control-socket`` (mode 0600), one request per line, each answered in order:
+``{"id": 1, "op": "attach", "sandbox": ..., "netns": ..., "policy": {...}, "ca":
+path}``, ``"policy"`` (sandbox, policy), ``"secrets"`` (sandbox, grants), ``"detach"``
+(sandbox), ``"retain"`` (sandboxes: detach all others), ``"ping"`` (answers the
+``--version`` it was started with and its pid) and ``"shutdown"``. Answers are ``{"id":
+1, "ok": true, ...}`` or ``{"id": 1, "error": "..."}`` (an error never quotes a
+secret). It exits on ``shutdown`` or SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
-import ctypes.util
 import json
 import logging
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 
@@ -32,48 +33,65 @@ log = logging.getLogger("space.egress")
 
 #: A control line longer than this ends the session: the node never sends one.
 _MAX_LINE = 1 << 20
-_PR_SET_PDEATHSIG = 1
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m space.node.egress")
-    parser.add_argument("--control-fd", type=int, required=True)
+    parser.add_argument("--control-socket", type=Path, required=True)
+    parser.add_argument("--version", required=True)
     parser.add_argument("--audit-dir", type=Path, required=True)
     parser.add_argument("--resolver", action="append", default=[])
     parser.add_argument("--confdir", type=Path, required=True)
     parser.add_argument("--upstream-ca", type=Path)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s egress %(levelname)s %(message)s")
-    _die_with_parent()
-    asyncio.run(_serve(args))
+    args.control_socket.unlink(missing_ok=True)  # the node saw no gateway answer there
+    try:
+        asyncio.run(_serve(args))
+    finally:
+        args.control_socket.unlink(missing_ok=True)
     return 0
-
-
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() == 1:  # the node died before prctl took effect
-        sys.exit(1)
 
 
 async def _serve(args: argparse.Namespace) -> None:
     resolver = Resolver(parse_resolvers(args.resolver))
     interceptor = Interceptor(args.confdir, args.upstream_ca)
     gateway = Gateway(AuditLog(args.audit_dir), resolver, interceptor)
-    sock = socket.socket(fileno=args.control_fd)
-    reader, writer = await asyncio.open_connection(sock=sock, limit=_MAX_LINE)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    identity = {"version": args.version, "pid": os.getpid()}
+
+    async def session(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while line := await reader.readline():
+                answer = await _handle(gateway, line, identity, stop)
+                writer.write(json.dumps(answer).encode() + b"\n")
+                await writer.drain()
+        except (ValueError, ConnectionError) as exc:  # an over-long line, a dead node
+            log.warning("control session ended: %s", exc)
+        finally:
+            writer.close()
+
+    path: Path = args.control_socket
+    old_umask = os.umask(0o077)
     try:
-        while line := await reader.readline():
-            answer = await _handle(gateway, line)
-            writer.write(json.dumps(answer).encode() + b"\n")
-            await writer.drain()
-    except (ValueError, ConnectionError) as exc:  # an over-long line, a dead node
-        log.warning("control channel ended: %s", exc)
+        server = await asyncio.start_unix_server(session, path=str(path), limit=_MAX_LINE)
     finally:
+        os.umask(old_umask)
+    log.info("serving control socket %s (version %s)", path, args.version)
+    try:
+        await stop.wait()
+    finally:
+        server.close()
         await gateway.close()
+        log.info("stopped")
 
 
-async def _handle(gateway: Gateway, line: bytes) -> dict[str, object]:
+async def _handle(
+    gateway: Gateway, line: bytes, identity: dict[str, object], stop: asyncio.Event
+) -> dict[str, object]:
     try:
         request = json.loads(line)
         if not isinstance(request, dict):
@@ -81,8 +99,16 @@ async def _handle(gateway: Gateway, line: bytes) -> dict[str, object]:
     except (ValueError, GatewayError) as exc:
         return {"id": None, "error": f"bad request: {exc}"}
     answer: dict[str, object] = {"id": request.get("id")}
+    op = request.get("op")
     try:
-        await _dispatch(gateway, request)
+        if op == "ping":
+            answer.update(identity)
+        elif op == "shutdown":
+            stop.set()
+        elif op == "retain":
+            await gateway.retain({str(s) for s in _list(request["sandboxes"])})
+        else:
+            await _dispatch(gateway, str(op), request)
     except GatewayError as exc:
         answer["error"] = str(exc)
     except (KeyError, TypeError) as exc:
@@ -92,10 +118,13 @@ async def _handle(gateway: Gateway, line: bytes) -> dict[str, object]:
     return answer
 
 
-async def _dispatch(gateway: Gateway, request: dict[str, object]) -> None:
-    op = request.get("op")
-    if op == "ping":
-        return
+def _list(value: object) -> list[object]:
+    if not isinstance(value, list):
+        raise TypeError("expected a list")
+    return value
+
+
+async def _dispatch(gateway: Gateway, op: str, request: dict[str, object]) -> None:
     sandbox = str(request["sandbox"])
     if op == "attach":
         ca = request.get("ca")

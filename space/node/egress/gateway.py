@@ -144,9 +144,15 @@ class Gateway:
         with contextlib.suppress(Exception):
             await attached.server.wait_closed()
 
-    async def close(self) -> None:
+    async def retain(self, sandbox_ids: set[str]) -> None:
+        """Detach every sandbox not in ``sandbox_ids`` (those a node deleted while
+        another agent ran, or never knew of after its state was lost)."""
         for sandbox_id in list(self._attached):
-            await self.detach(sandbox_id)
+            if sandbox_id not in sandbox_ids:
+                await self.detach(sandbox_id)
+
+    async def close(self) -> None:
+        await self.retain(set())
 
     async def _listen(self, sandbox_id: str, netns: Path, policy: EgressPolicy) -> _Attached:
         fake = FakeIps()

@@ -1,19 +1,23 @@
 """The node's handle on its egress gateway process (``python -m space.node.egress``).
 
 The gateway runs apart from the node agent: it parses every hostile byte a guest sends
-out (TLS, HTTP, DNS), and a fault there must not take the node down. The node starts
-it with one end of a socketpair and keeps what it told it, so a gateway that died is
-started again and told everything anew on the next request.
+out (TLS, HTTP, DNS), and a fault there must not take the node down. It also outlives
+the agent, as QEMU does, so a node restart cuts no connection: a starting node connects
+to the gateway's control socket and adopts it if it runs this very code with this
+configuration (``fingerprint``), and replaces it otherwise. A gateway that died is
+started again on the next request and told everything the node told the last one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import itertools
 import json
 import logging
 import os
-import socket
+import signal
 import sys
 from pathlib import Path
 
@@ -21,12 +25,33 @@ from space.node.errors import InvalidArgument, Unavailable
 from space.node.interface import SecretGrant
 from space.node.wire import encode_grants
 
-__all__ = ["GatewayProcess"]
+__all__ = ["GatewayProcess", "fingerprint"]
 
 log = logging.getLogger(__name__)
 
 _REQUEST_TIMEOUT_S = 10.0
 _START_TIMEOUT_S = 30.0
+_STOP_TIMEOUT_S = 5.0
+_POLL_S = 0.05
+#: How long a gateway just started may take to show up in /proc.
+_GRACE_S = 1.0
+#: sun_path holds 108 bytes, the terminating NUL included.
+_MAX_SOCKET_PATH = 107
+#: The code the gateway runs: the space package (its egress modules import across it).
+_SOURCES = Path(__file__).resolve().parents[2]
+
+
+def fingerprint(resolvers: list[str], upstream_ca: Path | None) -> str:
+    """What a gateway must match to be adopted: its code, Python, and configuration."""
+    digest = hashlib.sha256(sys.version.encode())
+    for path in sorted(_SOURCES.rglob("*.py")):
+        digest.update(str(path.relative_to(_SOURCES)).encode() + b"\0" + path.read_bytes())
+    config = {"resolvers": resolvers, "upstream_ca": str(upstream_ca)}
+    if upstream_ca is not None:
+        with contextlib.suppress(OSError):
+            config["upstream_ca_sha256"] = hashlib.sha256(upstream_ca.read_bytes()).hexdigest()
+    digest.update(json.dumps(config, sort_keys=True).encode())
+    return digest.hexdigest()[:32]
 
 
 class GatewayProcess:
@@ -37,9 +62,12 @@ class GatewayProcess:
     def __init__(self, data_dir: Path, resolvers: list[str], upstream_ca: Path | None) -> None:
         self._data_dir, self._resolvers, self._upstream_ca = data_dir, resolvers, upstream_ca
         self._audit_dir = data_dir / "audit"
+        self._socket = data_dir / "control.sock"
+        self._version = fingerprint(resolvers, upstream_ca)
         self._attached: dict[str, tuple[Path, object, Path]] = {}
         self._secrets: dict[str, list[dict[str, object]]] = {}
-        self._proc: asyncio.subprocess.Process | None = None
+        self._pid: int | None = None
+        self._adopted = False
         self._stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._lock = asyncio.Lock()
         self._next_id = 0
@@ -48,13 +76,22 @@ class GatewayProcess:
     async def start(
         cls, data_dir: Path, resolvers: list[str], upstream_ca: Path | None
     ) -> GatewayProcess:
-        """Start the gateway; its audit logs go to ``data_dir/audit``, mitmproxy's state
-        to ``data_dir/mitm``, its own log to ``data_dir/gateway.log``. ``upstream_ca``
-        is the CA bundle upstream servers are verified with (None: the host's)."""
+        """Adopt the gateway of ``data_dir`` if one of this version runs, else start
+        one; its audit logs go to ``data_dir/audit``, mitmproxy's state to
+        ``data_dir/mitm``, its own log to ``data_dir/gateway.log``. ``upstream_ca`` is
+        the CA bundle upstream servers are verified with (None: the host's)."""
         gateway = cls(data_dir, resolvers, upstream_ca)
+        if len(str(gateway._socket)) > _MAX_SOCKET_PATH:
+            raise Unavailable(f"the gateway's control socket path is too long: {gateway._socket}")
         async with gateway._lock:
-            await gateway._spawn()
+            if not await gateway._adopt():
+                await gateway._spawn()
         return gateway
+
+    @property
+    def pid(self) -> int | None:
+        """The gateway's process id, once started or adopted."""
+        return self._pid
 
     async def attach(self, sandbox_id: str, netns: Path, policy: object, ca: Path) -> None:
         """Serve the sandbox's namespace under ``policy``, its TLS terminated with the
@@ -75,15 +112,33 @@ class GatewayProcess:
         self._secrets.pop(sandbox_id, None)
         await self._call({"op": "detach", "sandbox": sandbox_id})
 
+    async def retain(self) -> None:
+        """Detach every sandbox this node did not attach (an adopted gateway may serve
+        some a node deleted while another agent ran)."""
+        await self._call({"op": "retain", "sandboxes": sorted(self._attached)})
+
     async def close(self) -> None:
-        """End the gateway process (every sandbox loses its egress until the next start)."""
+        """Leave the gateway serving the attached sandboxes for the next node to adopt;
+        with none attached, end it."""
         async with self._lock:
-            await self._stop()
+            if self._attached:
+                self._disconnect()
+            else:
+                await self._stop()
+
+    async def abandon(self) -> None:
+        """For a node whose start failed: leave an adopted gateway serving the
+        sandboxes it knows, end one this node started."""
+        async with self._lock:
+            if self._adopted:
+                self._disconnect()
+            else:
+                await self._stop()
 
     async def _call(self, request: dict[str, object]) -> None:
         async with self._lock:
             for attempt in (1, 2):
-                if self._stream is None or self._proc is None or self._proc.returncode is not None:
+                if self._stream is None:
                     await self._restart()
                 try:
                     answer = await self._exchange(request)
@@ -98,7 +153,8 @@ class GatewayProcess:
                 return
 
     async def _exchange(self, request: dict[str, object]) -> dict[str, object]:
-        assert self._stream is not None
+        if self._stream is None:
+            raise OSError("not connected to the gateway")
         reader, writer = self._stream
         self._next_id += 1
         writer.write(json.dumps({**request, "id": self._next_id}).encode() + b"\n")
@@ -124,59 +180,138 @@ class GatewayProcess:
             if grants:
                 await self._exchange({"op": "secrets", "sandbox": sandbox_id, "grants": grants})
 
+    async def _connect(self) -> dict[str, object] | None:
+        """Connect to the control socket and ping; the answer, or None if no gateway
+        answers there."""
+        try:
+            self._stream = await asyncio.open_unix_connection(str(self._socket), limit=1 << 20)
+            return await self._exchange({"op": "ping"})
+        except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError):
+            self._disconnect()
+            return None
+
+    async def _adopt(self) -> bool:
+        """Take over a running gateway of this version; end one of another version."""
+        answer = await self._connect()
+        if answer is None:
+            return False
+        pid = answer.get("pid")
+        self._pid = pid if isinstance(pid, int) else None
+        if answer.get("version") == self._version:
+            log.info("adopted the running egress gateway (pid %s)", self._pid)
+            self._adopted = True
+            return True
+        log.info("replacing the egress gateway (pid %s): another version runs", self._pid)
+        await self._stop()
+        return False
+
     async def _spawn(self) -> None:
-        ours, theirs = socket.socketpair()
-        argv = [sys.executable, "-m", "space.node.egress", "--control-fd", str(theirs.fileno())]
+        """Start a gateway, detached (``setsid --fork``): not the node's child, it is
+        not reaped, signalled or waited for by it, and outlives it like QEMU."""
+        for stale in _gateways(self._socket):  # one that did not answer: hung
+            log.warning("killing the egress gateway pid %s: it does not answer", stale)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stale, signal.SIGKILL)
+        argv = ["setsid", "--fork", sys.executable, "-m", "space.node.egress"]
+        argv += ["--control-socket", str(self._socket), "--version", self._version]
         argv += ["--audit-dir", str(self._audit_dir), "--confdir", str(self._data_dir / "mitm")]
         if self._upstream_ca is not None:
             argv += ["--upstream-ca", str(self._upstream_ca)]
         for resolver in self._resolvers:
             argv += ["--resolver", resolver]
         self._audit_dir.mkdir(parents=True, exist_ok=True)
-        log_fd = os.open(
-            self._data_dir / "gateway.log",
-            os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
-            0o600,
-        )
+        log_path = self._data_dir / "gateway.log"
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         try:
-            self._proc = await asyncio.create_subprocess_exec(
+            launcher = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log_fd,
                 stderr=log_fd,
-                pass_fds=(theirs.fileno(),),
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
+            await launcher.wait()  # setsid returns once the gateway is forked off
         except OSError as exc:
-            ours.close()
             raise Unavailable(f"cannot start the egress gateway: {exc}") from exc
         finally:
-            theirs.close()
             os.close(log_fd)
-        self._stream = await asyncio.open_connection(sock=ours, limit=1 << 20)
         try:
             async with asyncio.timeout(_START_TIMEOUT_S):
-                answer = await self._exchange({"op": "ping"})
-        except (OSError, TimeoutError, ValueError) as exc:
+                answer = await self._await_start()
+        except (OSError, TimeoutError) as exc:
+            for stray in _gateways(self._socket):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(stray, signal.SIGKILL)
+            self._disconnect()
+            problem = f"{exc or 'timed out'}; {_tail(log_path)}"
+            raise Unavailable(f"the egress gateway did not start: {problem}") from exc
+        pid = answer.get("pid")
+        self._pid = pid if isinstance(pid, int) else None
+        if answer.get("version") != self._version:
             await self._stop()
-            raise Unavailable(f"the egress gateway did not start: {exc}") from exc
-        if not answer.get("ok"):
-            await self._stop()
-            raise Unavailable(f"the egress gateway did not start: {answer}")
+            raise Unavailable(f"the egress gateway did not start: it answered {answer}")
 
-    async def _stop(self) -> None:
+    async def _await_start(self) -> dict[str, object]:
+        """The first ping answer of a gateway just forked off; OSError if it died."""
+        for attempt in itertools.count():
+            answer = await self._connect()
+            if answer is not None:
+                return answer
+            if attempt * _POLL_S > _GRACE_S and not _gateways(self._socket):
+                raise OSError("it exited")
+            await asyncio.sleep(_POLL_S)
+        raise AssertionError("unreachable")
+
+    def _disconnect(self) -> None:
         if self._stream is not None:
             _, writer = self._stream
             self._stream = None
             writer.close()
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.returncode is None:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(5.0):
-                    await proc.wait()  # it exits once its control channel closes
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
+
+    async def _stop(self) -> None:
+        """End the gateway: ask it, then kill it if it has not gone in time."""
+        if self._stream is not None:
+            with contextlib.suppress(
+                OSError, TimeoutError, ValueError, asyncio.IncompleteReadError
+            ):
+                await self._exchange({"op": "shutdown"})
+            self._disconnect()
+        pid, self._pid = self._pid, None
+        self._adopted = False
+        if pid is None:
+            return
+        for _ in range(int(_STOP_TIMEOUT_S / _POLL_S)):
+            if not _is_gateway(pid, self._socket):
+                break
+            await asyncio.sleep(_POLL_S)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _is_gateway(pid: int, socket_path: Path) -> bool:
+    """Whether ``pid`` is still a gateway serving ``socket_path`` (not a reused pid,
+    not a zombie)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z" and b"space.node.egress" in argv and str(socket_path).encode() in argv
+
+
+def _gateways(socket_path: Path) -> list[int]:
+    """The live gateways serving ``socket_path``."""
+    pids = (int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit())
+    return [pid for pid in pids if _is_gateway(pid, socket_path)]
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "no gateway log"
+    return "gateway log: " + " | ".join(text.strip().splitlines()[-lines:])
 
 
 def _attach(sandbox_id: str, netns: Path, policy: object, ca: Path) -> dict[str, object]:

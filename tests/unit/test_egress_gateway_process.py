@@ -1,0 +1,135 @@
+"""The gateway process outlives its node: a new node adopts one of its own version,
+replaces one of another, and starts one where none answers. Real processes, no
+namespaces (nothing is attached)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from space.node.network.gateway_client import GatewayProcess, fingerprint
+
+RESOLVERS = ["127.0.0.1:53"]
+
+
+def _alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+@pytest.fixture
+def egress_dir(tmp_path: Path) -> Iterator[Path]:
+    """The gateway's data dir; every gateway started on it is gone afterwards."""
+    directory = tmp_path / "egress"
+    yield directory
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                argv = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"space.node.egress" in argv and str(directory).encode() in argv:
+                os.kill(int(proc.name), signal.SIGKILL)
+                pytest.fail(f"a gateway was left running: pid {proc.name}")
+
+
+async def _start(directory: Path, resolvers: list[str] = RESOLVERS) -> GatewayProcess:
+    return await GatewayProcess.start(directory, resolvers, None)
+
+
+def _crash(gateway: GatewayProcess) -> None:
+    """What a node that died leaves: the gateway runs on, nobody talks to it."""
+    gateway._disconnect()
+
+
+def test_a_new_node_adopts_the_running_gateway_of_its_version(egress_dir: Path) -> None:
+    async def scenario() -> None:
+        first = await _start(egress_dir)
+        _crash(first)
+        second = await _start(egress_dir)
+        assert second.pid == first.pid and _alive(second.pid)
+        await second.retain()  # it answers requests
+        await second.close()  # nothing attached: it ends
+        assert not _alive(first.pid)
+        assert not (egress_dir / "control.sock").exists()
+
+    asyncio.run(scenario())
+
+
+def test_a_gateway_of_another_version_is_replaced(egress_dir: Path) -> None:
+    async def scenario() -> None:
+        old = await _start(egress_dir, ["127.0.0.1:53"])
+        _crash(old)
+        new = await _start(egress_dir, ["127.0.0.2:53"])
+        assert new.pid != old.pid and _alive(new.pid)
+        assert not _alive(old.pid)
+        await new.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_stale_socket_without_a_gateway_is_replaced_by_a_new_one(egress_dir: Path) -> None:
+    egress_dir.mkdir(parents=True)
+    (egress_dir / "control.sock").write_text("left by a host that rebooted")
+
+    async def scenario() -> None:
+        gateway = await _start(egress_dir)
+        assert _alive(gateway.pid)
+        await gateway.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_killed_gateway_is_started_again_on_the_next_request(egress_dir: Path) -> None:
+    async def scenario() -> None:
+        gateway = await _start(egress_dir)
+        first = gateway.pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        await asyncio.sleep(0.2)
+        await gateway.retain()
+        assert gateway.pid != first and _alive(gateway.pid)
+        await gateway.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_fingerprint_follows_configuration(tmp_path: Path) -> None:
+    ca = tmp_path / "ca.pem"
+    ca.write_text("one")
+    base = fingerprint(RESOLVERS, ca)
+    assert fingerprint(RESOLVERS, ca) == base
+    assert fingerprint(["127.0.0.2:53"], ca) != base
+    ca.write_text("two")
+    assert fingerprint(RESOLVERS, ca) != base
+    assert fingerprint(RESOLVERS, None) != base
+
+
+def test_a_failed_start_leaves_an_adopted_gateway_and_ends_its_own(egress_dir: Path) -> None:
+    async def scenario() -> None:
+        own = await _start(egress_dir)
+        started = own.pid
+        await own.abandon()  # this node started it: it ends
+        assert started is not None and not _alive(started)
+        first = await _start(egress_dir)
+        pid = first.pid
+        _crash(first)
+        adopted = await _start(egress_dir)
+        await adopted.abandon()  # another node's: it keeps serving
+        assert _alive(pid)
+        last = await _start(egress_dir)
+        assert last.pid == pid
+        await last.close()
+        assert not _alive(pid)
+
+    asyncio.run(scenario())
