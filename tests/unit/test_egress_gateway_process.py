@@ -24,7 +24,7 @@ def _alive(pid: int | None) -> bool:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return False
-    return state != "Z"
+    return state not in ("Z", "X")
 
 
 @pytest.fixture

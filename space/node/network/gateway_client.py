@@ -270,23 +270,29 @@ class GatewayProcess:
 
     async def _stop(self) -> None:
         """End the gateway: ask it, then kill it if it has not gone in time."""
+        pid, self._pid = self._pid, None
+        self._adopted = False
+        # Checked before asking: an exiting process's cmdline reads empty.
+        ours = pid is not None and _is_gateway(pid, self._socket)
         if self._stream is not None:
             with contextlib.suppress(
                 OSError, TimeoutError, ValueError, asyncio.IncompleteReadError
             ):
                 await self._exchange({"op": "shutdown"})
             self._disconnect()
-        pid, self._pid = self._pid, None
-        self._adopted = False
-        if pid is None:
+        if pid is None or not ours:
             return
         for _ in range(int(_STOP_TIMEOUT_S / _POLL_S)):
-            if not _is_gateway(pid, self._socket):
-                break
+            if _exited(pid):
+                return
             await asyncio.sleep(_POLL_S)
-        else:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        for _ in range(int(_STOP_TIMEOUT_S / _POLL_S)):
+            if _exited(pid):
+                return
+            await asyncio.sleep(_POLL_S)
+        log.error("the egress gateway pid %s did not exit", pid)
 
 
 def _is_gateway(pid: int, socket_path: Path) -> bool:
@@ -294,10 +300,18 @@ def _is_gateway(pid: int, socket_path: Path) -> bool:
     not a zombie)."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return not _exited(pid) and b"space.node.egress" in argv and str(socket_path).encode() in argv
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie: its cmdline reads empty while it exits, so only this tells."""
+    try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return False
-    return state != "Z" and b"space.node.egress" in argv and str(socket_path).encode() in argv
+        return True
+    return state in ("Z", "X")
 
 
 def _gateways(socket_path: Path) -> list[int]:
