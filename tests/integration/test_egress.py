@@ -128,12 +128,16 @@ def test_a_live_policy_change_takes_effect_within_a_second(guest: Guest) -> None
     assert guest.probe("http", host="allowed.test")["ok"]
 
 
-def test_a_policy_opened_while_paused_serves_https_once_resumed(guest: Guest) -> None:
-    """The CA cannot be installed in a paused guest; resuming installs it."""
-    node, run, other = guest.node, guest.h.run, "egress-paused"
+@pytest.mark.parametrize("stopped", ["paused", "hibernated"])
+def test_a_policy_opened_while_stopped_serves_https_once_resumed(
+    guest: Guest, stopped: str
+) -> None:
+    """The CA cannot be installed in a paused or hibernated guest; resuming installs it."""
+    node, run, other = guest.node, guest.h.run, f"egress-{stopped}"
     run(node.create_sandbox(SandboxSpec(sandbox_id=other)))
     try:
-        run(node.pause_sandbox(other))
+        stop = node.pause_sandbox if stopped == "paused" else node.hibernate_sandbox
+        run(stop(other))
         run(node.set_egress(other, POLICY))
         run(node.resume_sandbox(other))
         fetch = "import urllib.request as u; print(u.urlopen('https://tls.allowed.test/').read())"
