@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,17 @@ log = logging.getLogger(__name__)
 
 #: Refusals quoted in a failed step's error, at most.
 MAX_REFUSALS = 5
+OFFLINE_HINT = (
+    "the build VM has no network: allow what run steps need in the spec's build_egress "
+    "(docs/templates.md)"
+)
+#: What failing to reach the network looks like in the output of common tools.
+_OFFLINE_SIGNS = re.compile(
+    r"temporary failure in name resolution|name or service not known|could not resolve"
+    r"|network is unreachable|no route to host|failed to establish a new connection"
+    r"|getaddrinfo|name resolution",
+    re.IGNORECASE,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +71,13 @@ class BuildNetwork:
         await install_ca(channel, pem, subject_hash)
         yield
         await remove_ca(channel, pem, subject_hash)
+
+    def offline_hint(self, output: str) -> str | None:
+        """OFFLINE_HINT if the build has no network and ``output`` (a failed step's)
+        looks like a tool that tried to reach it."""
+        if self.ca_file is not None or not _OFFLINE_SIGNS.search(output):
+            return None
+        return OFFLINE_HINT
 
     async def refusals(self, since: float) -> list[str]:
         """The gateway's refusals for the build VM from ``since`` (epoch seconds) on,

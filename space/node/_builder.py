@@ -233,12 +233,16 @@ async def _run_step(
                 await _check(channel, request, step, say)
         except BuildStepFailed as exc:
             refused = await network.refusals(started)
-            if not refused:
-                raise
             for line in refused:
                 say(f"egress refused {line}")
-            message = f"{exc.message}\nthe build's egress policy refused: " + "; ".join(refused)
-            raise BuildStepFailed(message, step=exc.step) from exc
+            hint = network.offline_hint(exc.message)
+            if refused:
+                hint = "the build's egress policy refused: " + "; ".join(refused)
+            elif hint is not None:
+                say(hint)
+            else:
+                raise
+            raise BuildStepFailed(f"{exc.message}\n{hint}", step=exc.step) from exc
     elif isinstance(action, CopyPlan):
         await _copy(channel, action, step)
     elif isinstance(action, Packages):

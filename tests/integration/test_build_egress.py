@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from space.node._build_network import OFFLINE_HINT
 from space.node.config import NodeConfig
 from space.node.interface import BuildFailed, SandboxSpec
 from space.node.network.trust import BUNDLE, CA_FILE
@@ -119,5 +120,6 @@ def test_negative_without_build_egress_a_build_has_no_network(built: Built, tmp_
     assert isinstance(outcome, BuildFailed), outcome
     assert "urlopen error" in outcome.message  # the guest's own error: no network
     assert "egress policy refused" not in outcome.message
+    assert OFFLINE_HINT in outcome.message and OFFLINE_HINT in _logs(events)
     assert len(built.world.hits) == hits
     assert len(built.world.asked) == asked
