@@ -9,7 +9,7 @@ saw nothing.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -18,6 +18,7 @@ from space.node.interface import ExecRequest, SandboxSpec, SecretGrant
 
 from ..egress_guest import POLICY, SANDBOX, Guest, booted_guest, output
 from ..egress_world import OTHER, UPSTREAM
+from .test_pause_resume import _one
 
 pytestmark = pytest.mark.vm
 
@@ -218,7 +219,3 @@ def _wait_for_file(guest: Guest, path: str, timeout_s: float = 30.0) -> str:
         assert time.monotonic() < deadline, f"{path} did not appear in the guest"
         time.sleep(0.2)
     return out
-
-
-async def _one(data: bytes) -> AsyncIterator[bytes]:
-    yield data

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from space.node.errors import InvalidArgument, Unavailable
 from space.node.interface import SecretGrant
+from space.node.vmm.qemu import console_tail
 from space.node.wire import encode_grants
 
 __all__ = ["GatewayProcess", "fingerprint"]
@@ -37,6 +38,8 @@ _POLL_S = 0.05
 _GRACE_S = 1.0
 #: sun_path holds 108 bytes, the terminating NUL included.
 _MAX_SOCKET_PATH = 107
+#: Of the gateway's log, quoted when it did not start.
+_LOG_TAIL_BYTES = 2048
 #: The code the gateway runs: the space package (its egress modules import across it).
 _SOURCES = Path(__file__).resolve().parents[2]
 
@@ -185,18 +188,19 @@ class GatewayProcess:
         answers there."""
         try:
             self._stream = await asyncio.open_unix_connection(str(self._socket), limit=1 << 20)
-            return await self._exchange({"op": "ping"})
+            answer = await self._exchange({"op": "ping"})
         except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError):
             self._disconnect()
             return None
+        pid = answer.get("pid")
+        self._pid = pid if isinstance(pid, int) else None
+        return answer
 
     async def _adopt(self) -> bool:
         """Take over a running gateway of this version; end one of another version."""
         answer = await self._connect()
         if answer is None:
             return False
-        pid = answer.get("pid")
-        self._pid = pid if isinstance(pid, int) else None
         if answer.get("version") == self._version:
             log.info("adopted the running egress gateway (pid %s)", self._pid)
             self._adopted = True
@@ -208,10 +212,7 @@ class GatewayProcess:
     async def _spawn(self) -> None:
         """Start a gateway, detached (``setsid --fork``): not the node's child, it is
         not reaped, signalled or waited for by it, and outlives it like QEMU."""
-        for stale in _gateways(self._socket):  # one that did not answer: hung
-            log.warning("killing the egress gateway pid %s: it does not answer", stale)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(stale, signal.SIGKILL)
+        _kill_gateways(self._socket, "it does not answer")  # hung, if any
         argv = ["setsid", "--fork", sys.executable, "-m", "space.node.egress"]
         argv += ["--control-socket", str(self._socket), "--version", self._version]
         argv += ["--audit-dir", str(self._audit_dir), "--confdir", str(self._data_dir / "mitm")]
@@ -239,14 +240,11 @@ class GatewayProcess:
             async with asyncio.timeout(_START_TIMEOUT_S):
                 answer = await self._await_start()
         except (OSError, TimeoutError) as exc:
-            for stray in _gateways(self._socket):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(stray, signal.SIGKILL)
+            _kill_gateways(self._socket, "it did not start")
             self._disconnect()
-            problem = f"{exc or 'timed out'}; {_tail(log_path)}"
+            tail = " | ".join(console_tail(log_path, _LOG_TAIL_BYTES).strip().splitlines()[-5:])
+            problem = f"{exc or 'timed out'}; gateway log: {tail or '(empty)'}"
             raise Unavailable(f"the egress gateway did not start: {problem}") from exc
-        pid = answer.get("pid")
-        self._pid = pid if isinstance(pid, int) else None
         if answer.get("version") != self._version:
             await self._stop()
             raise Unavailable(f"the egress gateway did not start: it answered {answer}")
@@ -280,19 +278,21 @@ class GatewayProcess:
             ):
                 await self._exchange({"op": "shutdown"})
             self._disconnect()
-        if pid is None or not ours:
+        if pid is None or not ours or await _exit_of(pid):
             return
-        for _ in range(int(_STOP_TIMEOUT_S / _POLL_S)):
-            if _exited(pid):
-                return
-            await asyncio.sleep(_POLL_S)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        for _ in range(int(_STOP_TIMEOUT_S / _POLL_S)):
-            if _exited(pid):
-                return
-            await asyncio.sleep(_POLL_S)
-        log.error("the egress gateway pid %s did not exit", pid)
+        if not await _exit_of(pid):
+            log.error("the egress gateway pid %s did not exit", pid)
+
+
+async def _exit_of(pid: int) -> bool:
+    """Wait up to _STOP_TIMEOUT_S for ``pid`` to exit; whether it did."""
+    for _ in range(int(_STOP_TIMEOUT_S / _POLL_S)):
+        if _exited(pid):
+            return True
+        await asyncio.sleep(_POLL_S)
+    return _exited(pid)
 
 
 def _is_gateway(pid: int, socket_path: Path) -> bool:
@@ -320,12 +320,11 @@ def _gateways(socket_path: Path) -> list[int]:
     return [pid for pid in pids if _is_gateway(pid, socket_path)]
 
 
-def _tail(path: Path, lines: int = 5) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return "no gateway log"
-    return "gateway log: " + " | ".join(text.strip().splitlines()[-lines:])
+def _kill_gateways(socket_path: Path, why: str) -> None:
+    for pid in _gateways(socket_path):
+        log.warning("killing the egress gateway pid %s: %s", pid, why)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _attach(sandbox_id: str, netns: Path, policy: object, ca: Path) -> dict[str, object]:
