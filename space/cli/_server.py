@@ -63,6 +63,10 @@ EGRESS_CA_OPTION = click.option(
     "--warm-max", type=click.IntRange(min=0), default=0, show_default=True,
     help="Paused VMs each template's warm pool holds at most (0: no pool).",
 )  # fmt: skip
+@click.option(
+    "--reaper-interval", type=click.FloatRange(min=0.1), default=5.0, show_default=True,
+    help="Seconds between checks for ended lifetimes and idle sandboxes.",
+)  # fmt: skip
 @EGRESS_RESOLVER_OPTION
 @EGRESS_CA_OPTION
 def serve(
@@ -74,6 +78,7 @@ def serve(
     release_pool: bool,
     warm_min: int,
     warm_max: int,
+    reaper_interval: float,
     egress_resolvers: tuple[str, ...],
     egress_upstream_ca: Path | None,
 ) -> None:
@@ -86,7 +91,7 @@ def serve(
     from space.node.config import NodeConfig
     from space.node.service import Node
 
-    settings = ControlSettings(data_dir=data_dir)
+    settings = ControlSettings(data_dir=data_dir, reaper_interval_s=reaper_interval)
     with server_errors():
         load_keyring(settings, create=True)  # an unsafe key file stops us before any VM
     progress = ProgressPrinter()

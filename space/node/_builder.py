@@ -209,7 +209,7 @@ async def _keep_layer(node: Registry, vm: LiveSandbox, step: Step) -> TemplateVo
     await _check(channel_of(vm), ExecRequest(argv=["sync"], user="root"), step, None)
     await vm.pause()
     try:
-        return await node.life.pool.save_layer(vm.sandbox_id, step.digest)
+        return await node.life.pool.save_layer(vm.record.volume, step.digest)
     finally:
         await vm.resume()
 

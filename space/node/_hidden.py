@@ -55,7 +55,9 @@ async def boot_hidden(
     vm = node.live(record)
     life.store.save(record)
     try:
-        await life.pool.create_sandbox_volume(vm_id, volume, disk_mib=shape.disk_mib, grow=grow)
+        await life.pool.create_sandbox_volume(
+            record.volume, volume, disk_mib=shape.disk_mib, grow=grow
+        )
         await vm.launch(qemu_binary=life.config.qemu_binary)
         life.save(vm, SandboxState.CREATING)
         await vm.connect(hello_timeout_s=life.config.boot_timeout_s)

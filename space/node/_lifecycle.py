@@ -190,7 +190,7 @@ class Lifecycle:
         prior = sandbox.record.state
         self.save(sandbox, prior, pending=Pending("snapshot", prior, snapshot_id))
         async with self.frozen(sandbox, prior):
-            path = await self.pool.snapshot_volume(sandbox.sandbox_id, snapshot_id)
+            path = await self.pool.snapshot_volume(sandbox.record.volume, snapshot_id)
             spec = sandbox.record.spec
             info = SnapshotInfo(
                 snapshot_id=snapshot_id,
@@ -257,7 +257,7 @@ class Lifecycle:
         await sandbox.teardown()
         try:
             await self.pool.clone_volume(
-                self.pool.snapshot_path(snapshot.snapshot_id), sandbox.sandbox_id
+                self.pool.snapshot_path(snapshot.snapshot_id), sandbox.record.volume
             )
             sandbox.record = replace(sandbox.record, head_snapshot=snapshot.snapshot_id)
             await self.start_from_memory(sandbox, fresh=True)
@@ -273,7 +273,7 @@ class Lifecycle:
         """Make a new sandbox's volume a copy of ``image`` (a snapshot, or a template's
         ready state) and run it with a fresh identity; ``head`` is its snapshot parent."""
         self.save(sandbox, SandboxState.CREATING, pending=Pending("fork", SandboxState.CREATING))
-        await self.pool.clone_volume(image, sandbox.sandbox_id)
+        await self.pool.clone_volume(image, sandbox.record.volume)
         sandbox.record = replace(sandbox.record, head_snapshot=head)
         await self.start_from_memory(sandbox, fresh=True)
 
@@ -303,7 +303,7 @@ class Lifecycle:
                 await preflush(parent.volume)
                 await parent.save_state()
             for child in children:
-                await self.pool.clone_volume(parent.volume, child.sandbox_id)
+                await self.pool.clone_volume(parent.volume, child.record.volume)
             thawed = True
             results = await asyncio.gather(
                 self._back_to(parent, prior),

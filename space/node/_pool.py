@@ -3,9 +3,9 @@
 A pool VM is a sandbox of the template's ready shape, named ``pool-<hex>``, that never
 held tenant data: a clone of the ready state, woken with its own identity, warmed with
 one ``true`` (under TCG the code paths a hit needs are then translated already), and
-paused. A hit hands it over (space.node.service renames it to the new sandbox and
-gives it a fresh identity), so a create costs a rename, a record, a ``cont`` and one
-guest call instead of a restore.
+paused. A hit hands it over (the new sandbox's record takes over the VM, its volume
+and run directory as they are, and the guest gets a fresh identity), so a create costs
+a record, a ``cont`` and one guest call instead of a restore.
 
 The pool refills in the background, one VM at a time. Its target follows demand: the
 number of creates of the template in the last ``window_s`` seconds, clamped to
@@ -174,22 +174,26 @@ async def make_pool_vm(node: Registry, template: Template) -> LiveSandbox:
 async def hand_over(node: Registry, pooled: LiveSandbox, sandbox: LiveSandbox) -> None:
     """Make the paused pool VM ``pooled`` the new sandbox ``sandbox``; RUNNING after.
 
-    The pool VM's record goes first (a crash then leaves a stray VM, killed at the
-    next start), its volume and console log take the sandbox's id, the sandbox's
-    record (naming the VM's run directory, which keeps its name) is written with a
-    pending identity, then the VM runs and gets its fresh identity. On failure the
-    caller destroys ``sandbox``, which owns the VM by then.
+    The pool VM's record goes first (a crash then leaves a stray VM and volume,
+    removed at the next start). Nothing QEMU has open moves: the sandbox's record names
+    the VM's volume and run directory, which keep their names (QEMU reopens its disk by
+    path when it saves state, so a renamed volume would break hibernate, snapshot and
+    fork; issue 12). Only the console log, which QEMU holds open and never reopens,
+    takes the sandbox's name. The record is written with a pending identity, then the
+    VM runs and gets its fresh identity. On failure the caller destroys ``sandbox``,
+    which owns the VM by then.
     """
-    life, old = node.life, pooled.sandbox_id
+    life = node.life
     channel, pooled.channel = pooled.channel, None  # kept open: unwatch would close it
     await pooled.unwatch()
     sandbox.vm, pooled.vm = pooled.vm, None
-    life.store.remove(old)
-    await asyncio.to_thread(_rename, life.pool.sandbox_path(old), sandbox.volume)
+    life.store.remove(pooled.sandbox_id)
     await asyncio.to_thread(_rename, pooled.config.console_log, sandbox.config.console_log)
-    sandbox.record = replace(sandbox.record, run_dir=pooled.record.run_dir)
+    sandbox.record = replace(
+        sandbox.record, run_dir=pooled.record.run_dir, volume=pooled.record.volume
+    )
     sandbox.config = replace(
-        sandbox.config, run_dir=pooled.config.run_dir, netns=pooled.config.netns
+        pooled.config, sandbox_id=sandbox.sandbox_id, console_log=sandbox.config.console_log
     )
     assert sandbox.vm is not None
     sandbox.vm.config = sandbox.config

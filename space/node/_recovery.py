@@ -177,7 +177,10 @@ async def _redo_restore(node: Registry, sandbox: LiveSandbox, say: Say) -> None:
 async def _orphans(node: Registry, say: Say) -> None:
     life = node.life
     known = set(node.sandboxes)
-    orphans = set(life.pool.sandbox_ids())
+    # A sandbox handed over from a pool VM keeps that VM's volume and run dir names.
+    known |= {s.record.volume for s in node.sandboxes.values()}
+    known |= {Path(s.record.run_dir).name for s in node.sandboxes.values()}
+    orphans = set(life.pool.sandbox_volumes())
     orphans |= {p.name.split(".console.")[0] for p in life.store.directory.glob("*.console.*")}
     orphans |= {p.stem for p in life.store.directory.glob("*.json")}
     for sid in sorted(orphans - known):

@@ -131,6 +131,6 @@ class TemplateOps(ABC):
             await hand_over(self._registry(), pooled, sandbox)
         except BaseException:  # the caller destroys the sandbox, VM included
             with contextlib.suppress(NodeError):
-                await self.pool.delete_sandbox_volume(pooled.sandbox_id)
+                await self.pool.delete_sandbox_volume(pooled.record.volume)
             self._store.remove(pooled.sandbox_id)
             raise

@@ -249,7 +249,7 @@ class Node(GuestOps, SnapshotOps, TemplateOps, EgressOps):
         spec = sandbox.record.spec
         self._store.save(sandbox.record)  # CREATING, before anything exists to clean up
         await self.pool.create_sandbox_volume(
-            spec.sandbox_id, template.volume, disk_mib=spec.disk_mib, grow=template.pristine
+            sandbox.record.volume, template.volume, disk_mib=spec.disk_mib, grow=template.pristine
         )
         await sandbox.launch(qemu_binary=self.config.qemu_binary)
         self._store.save(sandbox.mark(SandboxState.CREATING))  # now with the pid
@@ -406,6 +406,7 @@ class Node(GuestOps, SnapshotOps, TemplateOps, EgressOps):
             state=SandboxState.CREATING,
             created_at=time.time(),
             run_dir=str(self._run_root / child_id),
+            volume=child_id,
             vmm_pid=None,
             error=None,
             pending=None,
@@ -442,7 +443,7 @@ class Node(GuestOps, SnapshotOps, TemplateOps, EgressOps):
         sid = record.sandbox_id
         config = vm_config_for(
             record,
-            volume=self.pool.sandbox_path(sid),
+            volume=self.pool.sandbox_path(record.volume),
             # Every template boots the base image's kernel with its command line.
             base_cmdline=self._catalog.base.kernel_cmdline,
             accel=self.accelerator,
@@ -458,14 +459,15 @@ class Node(GuestOps, SnapshotOps, TemplateOps, EgressOps):
         except NodeError as exc:
             log.error("sandbox %s: stopping its VM failed: %s", sid, exc)
         await self._drop_network(sid, Path(sandbox.record.run_dir))
-        await self._remove_leftovers(sid)
+        await self._remove_leftovers(sid, volume=sandbox.record.volume)
         shutil.rmtree(sandbox.record.run_dir, ignore_errors=True)  # a pool VM's keeps its name
         self._sandboxes.pop(sid, None)
 
-    async def _remove_leftovers(self, sandbox_id: str) -> None:
-        """Remove volume, run dir, console logs and state of a sandbox whose VM is gone."""
+    async def _remove_leftovers(self, sandbox_id: str, *, volume: str | None = None) -> None:
+        """Remove volume (``volume``, else the one named after the id), run dir, console
+        logs and state of a sandbox whose VM is gone."""
         try:
-            await self.pool.delete_sandbox_volume(sandbox_id)
+            await self.pool.delete_sandbox_volume(volume or sandbox_id)
         except NodeError as exc:
             log.error("sandbox %s: deleting its volume failed: %s", sandbox_id, exc)
         await self._drop_network(sandbox_id, self._run_root / sandbox_id)

@@ -46,6 +46,15 @@ class SandboxRecord:
     #: request override them), kept here because the template may be deleted later.
     template_env: dict[str, str] = field(default_factory=dict)
     workdir: str | None = None
+    #: The name of the sandbox's subvolume under ``<pool>/sandboxes/`` ("" means the
+    #: sandbox's id). Named once, when the volume is made, and never renamed while a VM
+    #: may use it: QEMU reopens its disk by path when it saves state (issue 12), so a
+    #: pool VM handed over keeps its volume's name and only the record changes.
+    volume: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.volume:
+            object.__setattr__(self, "volume", self.spec.sandbox_id)
 
     @property
     def sandbox_id(self) -> str:
@@ -98,6 +107,7 @@ class SandboxRecord:
             pending=None if pending is None else Pending.from_json(pending),
             template_env={str(k): str(v) for k, v in dict(data.get("template_env", {})).items()},
             workdir=data.get("workdir"),
+            volume=str(data.get("volume") or ""),
         )
 
 

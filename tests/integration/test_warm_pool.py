@@ -1,12 +1,15 @@
 """Warm pools: creates of a template's ready shape take a paused, already woken VM.
 
-The node here keeps two pool VMs of the base template. A hit renames the VM to the new
-sandbox, writes its record and gives it a fresh identity; the pool refills behind it.
+The node here keeps two pool VMs of the base template. A hit hands the VM (with its
+volume and run directory, which keep their names) to the new sandbox's record and gives
+it a fresh identity; the pool refills behind it. Every operation on a pool hit is in
+test_conformance.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -65,7 +68,10 @@ def test_creates_take_pool_vms_that_become_independent_sandboxes(warm: NodeHarne
     assert len(ids) == 2 and len(draws) == 2
     _sh(warm, "hot-1", "echo one > /home/user/f")
     assert _sh(warm, "hot-2", "ls /home/user") == ""
-    assert warm.node.pool.sandbox_path("hot-1").is_dir()
+    # The VM keeps the volume it was woken on (QEMU reopens its disk by path): the
+    # sandbox's record names it.
+    volume = json.loads((warm.config.data_dir / "sandboxes" / "hot-1.json").read_text())["volume"]
+    assert volume.startswith("pool-") and warm.node.pool.sandbox_path(volume).is_dir()
     _wait_full(warm)  # refilled behind the hits
 
 

@@ -121,10 +121,10 @@ def test_sandbox_volume_is_an_o1_snapshot_with_a_grown_rootfs(
     assert vol.rootfs.stat().st_size == IMAGE_MIB << 20  # the template is untouched
     fsck = subprocess.run(["e2fsck", "-fn", str(path / "rootfs.img")], capture_output=True)
     assert fsck.returncode == 0, fsck.stdout
-    assert pool.sandbox_ids() == ["sb-1"]
+    assert pool.sandbox_volumes() == ["sb-1"]
     runner.run(pool.delete_sandbox_volume("sb-1"))
     runner.run(pool.delete_sandbox_volume("sb-1"))  # idempotent
-    assert not path.exists() and pool.sandbox_ids() == []
+    assert not path.exists() and pool.sandbox_volumes() == []
 
 
 def test_negative_disk_smaller_than_the_image_is_refused_and_leaves_no_volume(
@@ -133,7 +133,7 @@ def test_negative_disk_smaller_than_the_image_is_refused_and_leaves_no_volume(
     vol = runner.run(pool.import_template("base", "d1", **image_files))
     with pytest.raises(InvalidArgument):
         runner.run(pool.create_sandbox_volume("sb-1", vol, disk_mib=IMAGE_MIB - 1))
-    assert pool.sandbox_ids() == []
+    assert pool.sandbox_volumes() == []
 
 
 def test_negative_unknown_template_and_bad_names_are_refused(pool: BtrfsPool) -> None:

@@ -8,8 +8,9 @@ the namespace (space.node.egress). nftables in the namespace sends every TCP
 connection and DNS query of the guest to those sockets and drops everything else;
 while the sandbox has no egress policy it drops (resets) everything, DNS included.
 
-All namespaces use the same addresses (the guest is always 192.0.2.2), so a VM's memory
-image, whose network setup is part of its RAM, runs in any namespace: ready states,
+All namespaces use the same addresses, IP and MAC on both ends (the guest is always
+192.0.2.2), so a VM's memory image, whose network setup and ARP cache are part of its
+RAM, runs in any namespace: ready states,
 warm-pool VMs, snapshots and forks need no re-addressing.
 
 Names are ``sp<node tag>-<vm tag>``: the node tag (from the run directory root) lets a
@@ -27,6 +28,7 @@ from space.node._run import run
 
 __all__ = [
     "GATEWAY_ADDRESS",
+    "GATEWAY_MAC",
     "GUEST_ADDRESS",
     "GUEST_MAC",
     "KERNEL_ARG",
@@ -51,6 +53,10 @@ GUEST_ADDRESS = "192.0.2.2"
 GATEWAY_ADDRESS = "192.0.2.1"
 PREFIX_LEN = 30
 GUEST_MAC = "52:54:00:00:00:02"
+#: The tap's own MAC, the same in every namespace: a guest's ARP cache is part of its
+#: memory, so a fork child or a VM made from a snapshot, woken in a new namespace,
+#: would otherwise send every frame to the old tap's random MAC (issue 12).
+GATEWAY_MAC = "52:54:00:00:00:01"
 #: The gateway's transparent TCP listener inside each namespace.
 PROXY_PORT = 15001
 DNS_PORT = 53
@@ -103,6 +109,7 @@ async def create(name: str) -> None:
         for command in (
             ("link", "set", "lo", "up"),
             ("tuntap", "add", "dev", TAP, "mode", "tap"),
+            ("link", "set", TAP, "address", GATEWAY_MAC),
             ("addr", "add", f"{GATEWAY_ADDRESS}/{PREFIX_LEN}", "dev", TAP),
             ("link", "set", TAP, "up"),
         ):

@@ -216,8 +216,9 @@ class BtrfsPool:
             return TemplateVolume("layer", digest, path)
         return None
 
-    async def save_layer(self, sandbox_id: str, digest: str) -> TemplateVolume:
-        """Keep a paused build VM's disk as the read-only layer ``digest``.
+    async def save_layer(self, volume: str, digest: str) -> TemplateVolume:
+        """Keep a paused build VM's disk (its volume ``volume``) as the read-only layer
+        ``digest``.
 
         Only the template files are kept, not the guest's RAM. Replaces a half-made
         layer of that digest.
@@ -225,7 +226,7 @@ class BtrfsPool:
         path = self.root / "layers" / _check_digest(digest)
         if path.exists():
             await self._delete_subvolume(path)
-        await snapshot_subvolume(self.sandbox_path(sandbox_id), path)
+        await snapshot_subvolume(self.sandbox_path(volume), path)
         try:
             await asyncio.to_thread(_keep_template_files, path, digest)
             await run("btrfs", "property", "set", "-ts", str(path), "ro", "true")
@@ -236,23 +237,27 @@ class BtrfsPool:
 
     # sandboxes
 
-    def sandbox_path(self, sandbox_id: str) -> Path:
-        return self.root / "sandboxes" / _check_name("sandbox id", sandbox_id)
+    # A sandbox volume's name is given once, when it is made (the sandbox's id, or the
+    # pool VM's that became the sandbox), and is kept for the volume's life.
 
-    def sandbox_ids(self) -> list[str]:
+    def sandbox_path(self, volume: str) -> Path:
+        return self.root / "sandboxes" / _check_name("volume name", volume)
+
+    def sandbox_volumes(self) -> list[str]:
         return sorted(p.name for p in (self.root / "sandboxes").iterdir())
 
     async def create_sandbox_volume(
-        self, sandbox_id: str, template: TemplateVolume, *, disk_mib: int, grow: bool = True
+        self, volume: str, template: TemplateVolume, *, disk_mib: int, grow: bool = True
     ) -> Path:
-        """Snapshot the template for a sandbox and grow its rootfs to ``disk_mib``.
+        """Snapshot the template as the sandbox volume ``volume`` and grow its rootfs to
+        ``disk_mib``.
 
-        Raises Conflict-free: an existing volume for the id is replaced (the caller owns
+        Raises Conflict-free: an existing volume of the name is replaced (the caller owns
         idempotency). Raises InvalidArgument if ``disk_mib`` is below the image size.
         ``grow`` False keeps the image as it is: for an image a guest wrote, which the
         host must never parse.
         """
-        path = self.sandbox_path(sandbox_id)
+        path = self.sandbox_path(volume)
         if path.exists():
             await self._delete_subvolume(path)
         await snapshot_subvolume(template.path, path)
@@ -265,10 +270,10 @@ class BtrfsPool:
             raise
         return path
 
-    async def clone_volume(self, source: Path, sandbox_id: str) -> Path:
-        """Make ``sandbox_id``'s volume a writable snapshot of ``source`` (a sandbox
-        volume or a snapshot), replacing any volume of that id; O(1), copy-on-write."""
-        path = self.sandbox_path(sandbox_id)
+    async def clone_volume(self, source: Path, volume: str) -> Path:
+        """Make the sandbox volume ``volume`` a writable snapshot of ``source`` (a sandbox
+        volume or a snapshot), replacing any volume of that name; O(1), copy-on-write."""
+        path = self.sandbox_path(volume)
         if path.exists():
             await self._delete_subvolume(path)
         await snapshot_subvolume(source, path)
@@ -282,8 +287,8 @@ class BtrfsPool:
     def snapshot_ids(self) -> list[str]:
         return sorted(p.name for p in (self.root / "snapshots").iterdir())
 
-    async def snapshot_volume(self, sandbox_id: str, snapshot_id: str) -> Path:
-        """A read-only snapshot of the sandbox's volume, durable once this returns.
+    async def snapshot_volume(self, volume: str, snapshot_id: str) -> Path:
+        """A read-only snapshot of the sandbox volume ``volume``, durable on return.
 
         btrfs writes out the source's dirty data (RAM file pages too) and commits the
         snapshot in its own transaction. Replaces a leftover of the same id.
@@ -291,7 +296,7 @@ class BtrfsPool:
         path = self.snapshot_path(snapshot_id)
         if path.exists():
             await self._delete_subvolume(path)
-        await snapshot_subvolume(self.sandbox_path(sandbox_id), path, read_only=True)
+        await snapshot_subvolume(self.sandbox_path(volume), path, read_only=True)
         return path
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
@@ -312,9 +317,9 @@ class BtrfsPool:
         except (IndexError, ValueError) as exc:
             raise Unavailable(f"cannot parse btrfs filesystem du output: {out[-200:]!r}") from exc
 
-    async def delete_sandbox_volume(self, sandbox_id: str) -> None:
-        """Delete the sandbox's subvolume; idempotent."""
-        path = self.sandbox_path(sandbox_id)
+    async def delete_sandbox_volume(self, volume: str) -> None:
+        """Delete the sandbox volume ``volume``; idempotent."""
+        path = self.sandbox_path(volume)
         if path.exists():
             await self._delete_subvolume(path)
 
