@@ -37,9 +37,9 @@ import httpx
 from bench._stats import summary
 from space.control import ControlSettings, create_key
 from space.control.server import run_control_plane
-from space.node._run import run as run_command
-from space.node.config import NodeConfig
-from space.node.service import Node
+from space.node.agent import Node
+from space.node.core.config import NodeConfig
+from space.node.core.run import run as run_command
 from space.node.storage.btrfs import BtrfsPool, TemplateVolume, grow_image
 from space.sdk import AsyncSandbox
 from tests.integration.conftest import release_data_dir

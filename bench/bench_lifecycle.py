@@ -31,10 +31,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._stats import summary
-from space.node._lifecycle import preflush
-from space.node.config import NodeConfig
-from space.node.interface import ExecExited, ExecRequest, SandboxSpec
-from space.node.service import Node
+from space.node.agent import Node
+from space.node.agent._lifecycle import preflush
+from space.node.api import ExecExited, ExecRequest, SandboxSpec
+from space.node.core.config import NodeConfig
 from tests.integration.conftest import release_data_dir
 
 _SANDBOX = "bench-lifecycle"

@@ -23,10 +23,16 @@ from typing import Any
 
 import pytest
 
-from space.node.config import NodeConfig
-from space.node.egress_policy import EgressPolicy
-from space.node.interface import EgressEvent, ExecExited, ExecOutput, ExecRequest, SandboxSpec
-from space.node.service import Node
+from space.node.agent import Node
+from space.node.api import (
+    EgressEvent,
+    EgressPolicy,
+    ExecExited,
+    ExecOutput,
+    ExecRequest,
+    SandboxSpec,
+)
+from space.node.core.config import NodeConfig
 
 from .egress_world import HOST_SIDE, OTHER, PRIVATE, UPSTREAM, World, egress_world
 from .integration.conftest import NodeHarness, release_data_dir, started_node

@@ -18,7 +18,7 @@ from space.sdk import SecretInfo, Secrets
 
 __all__ = ["MAX_VALUE_BYTES", "secret"]
 
-#: Longest value the API takes (space.node.secret_grants.MAX_VALUE_BYTES).
+#: Longest value the API takes (space.node.api.secret_grants.MAX_VALUE_BYTES).
 MAX_VALUE_BYTES = 16 * 1024
 
 

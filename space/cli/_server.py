@@ -88,8 +88,8 @@ def serve(
     from space.control.secrets import load_keyring
     from space.control.server import run_control_plane
     from space.control.settings import ControlSettings
-    from space.node.config import NodeConfig
-    from space.node.service import Node
+    from space.node.agent import Node
+    from space.node.core.config import NodeConfig
 
     settings = ControlSettings(data_dir=data_dir, reaper_interval_s=reaper_interval)
     with server_errors():
@@ -145,9 +145,9 @@ def node(
     import uvicorn
 
     from space.control.server import register_remote_node
-    from space.node.config import NodeConfig
-    from space.node.http_api import create_node_app
-    from space.node.service import Node
+    from space.node.agent import Node
+    from space.node.core.config import NodeConfig
+    from space.node.http.server import create_node_app
 
     control_url = _check_url(control_url)
     host, port = _split_listen(listen)
@@ -232,7 +232,7 @@ def server_errors() -> Iterator[None]:
     """Node, control-plane, secret store and OS errors as one ``error: ...`` line and
     exit code 1."""
     from space.control.secrets import SecretStoreError
-    from space.node.errors import NodeError
+    from space.node.api import NodeError
 
     try:
         yield

@@ -37,9 +37,10 @@ from space.control.store import repo
 from space.control.store import secrets as stored
 from space.control.store.repo import SandboxRecord, SecretBinding
 from space.control.store.secrets import SecretRecord
-from space.node.errors import InvalidArgument, NodeError
-from space.node.interface import SecretGrant
-from space.node.secret_grants import (
+from space.node.api import (
+    InvalidArgument,
+    NodeError,
+    SecretGrant,
     check_grants,
     check_header_name,
     check_host_patterns,

@@ -19,7 +19,7 @@ from space.control.nodes import NodeRegistry
 from space.control.settings import ControlSettings
 from space.control.store import Database, repo
 from space.control.store.repo import SandboxRecord
-from space.node.interface import SandboxState
+from space.node.api import SandboxState
 
 __all__ = [
     "Context",

@@ -1,6 +1,6 @@
 """Sandboxes' egress policies (issue 5): validated, recorded as desired state, pushed.
 
-A policy is checked and made canonical by space.node.egress_policy (the node's own
+A policy is checked and made canonical by space.node.api.egress_policy (the node's own
 parser, so the control plane never stores what a node would refuse) and kept in the
 sandbox's row; None means no network at all. Changing it writes the row before the
 node is asked, as every desired-state change does: if the node then fails, the row
@@ -17,10 +17,13 @@ from space.control.deps import ControlContext
 from space.control.errors import ApiError
 from space.control.store import repo
 from space.control.store.repo import SandboxRecord
-from space.node.egress_policy import EgressPolicy
-from space.node.errors import InvalidArgument, NodeError
-from space.node.interface import EgressEvent
-from space.node.wire import MAX_EGRESS_LOG_EVENTS
+from space.node.api import (
+    MAX_EGRESS_LOG_EVENTS,
+    EgressEvent,
+    EgressPolicy,
+    InvalidArgument,
+    NodeError,
+)
 
 __all__ = [
     "DEFAULT_LOG_LIMIT",

@@ -2,7 +2,7 @@
 
     ApiError                   an error answered as ``{"error": {code, message, details}}``
 
-Node errors (space.node.errors) carry the same ``code`` strings, so both are answered
+Node errors (space.node.api.errors) carry the same ``code`` strings, so both are answered
 through ``STATUS_BY_CODE``; request validation failures answer 422 ``invalid_argument``
 and anything unexpected 500 ``internal``. docs/api.md lists the same table.
 """
@@ -17,8 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from space.node.errors import NodeError
-from space.node.wire import STATUS_BY_CODE
+from space.node.api import STATUS_BY_CODE, NodeError
 
 __all__ = [
     "STATUS_BY_CODE",

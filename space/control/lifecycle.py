@@ -26,8 +26,14 @@ from space.control.store import snapshots as snaps
 from space.control.store.repo import SandboxRecord, SecretBinding
 from space.control.store.snapshots import SnapshotRecord
 from space.control.template_names import node_ref, parse_ref
-from space.node.errors import NodeError, NotFound
-from space.node.interface import NodeService, SandboxSpec, SandboxState, SandboxStatus
+from space.node.api import (
+    NodeError,
+    NodeService,
+    NotFound,
+    SandboxSpec,
+    SandboxState,
+    SandboxStatus,
+)
 
 __all__ = [
     "LIVE",

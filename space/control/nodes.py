@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from space.control.errors import ApiError
-from space.node.interface import NodeService
-from space.node.remote import RemoteNode
+from space.node.api import NodeService
+from space.node.http.client import RemoteNode
 
 __all__ = ["LOCAL_URL", "NodeRegistry", "RemoteFactory"]
 

@@ -25,8 +25,7 @@ from space.control.snapshots import delete_snapshot
 from space.control.store import repo
 from space.control.store import snapshots as snaps
 from space.control.store.repo import SandboxRecord
-from space.node.errors import NodeError, NotFound
-from space.node.interface import SandboxState, SandboxStatus, SnapshotInfo
+from space.node.api import NodeError, NotFound, SandboxState, SandboxStatus, SnapshotInfo
 
 __all__ = [
     "hibernate_idle",

@@ -16,7 +16,7 @@ from space.control.store.repo import SandboxRecord
 from space.control.store.secrets import SecretRecord
 from space.control.store.snapshots import SnapshotRecord
 from space.control.template_names import REF_PATTERN
-from space.node.interface import EgressEvent, FileStat, PoolInfo, ProcessInfo, TemplateInfo
+from space.node.api import EgressEvent, FileStat, PoolInfo, ProcessInfo, TemplateInfo
 
 __all__ = [
     "EgressEventOut",
@@ -79,9 +79,9 @@ _Text = Annotated[str, Field(max_length=_MAX_TEXT), AfterValidator(_no_nul)]
 _Env = Annotated[
     dict[Annotated[str, Field(min_length=1, max_length=256)], _Text], Field(max_length=256)
 ]
-#: A secret's name (as space.node.secret_grants.check_secret_name has it).
+#: A secret's name (as space.node.api.secret_grants.check_secret_name has it).
 SecretName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")]
-#: Most secrets one sandbox may use (space.node.secret_grants.MAX_GRANTS).
+#: Most secrets one sandbox may use (space.node.api.secret_grants.MAX_GRANTS).
 MAX_SANDBOX_SECRETS = 64
 
 
@@ -103,7 +103,7 @@ class SandboxCreate(_Body):
     metadata: _Env = Field(default_factory=dict)
     #: A snapshot of the tenant's to start from (its node, template and resources).
     from_snapshot: str | None = Field(None, pattern=_ID_PATTERN)
-    #: Egress policy (space.node.egress_policy); null: no network; omitted: none, or
+    #: Egress policy (space.node.api.egress_policy); null: no network; omitted: none, or
     #: with from_snapshot the policy of the snapshot's sandbox.
     egress: dict[str, Any] | None = None
     #: Names of the tenant's secrets the sandbox may use (placeholders in its env);
@@ -208,7 +208,7 @@ class SandboxOut(BaseModel):
 
 class SecretPut(_Body):
     """``PUT /v1/secrets/{name}``: types here, rules in space.control.broker (the node's
-    own checks, space.node.secret_grants), so no message can echo the value."""
+    own checks, space.node.api.secret_grants), so no message can echo the value."""
 
     value: str
     hosts: list[str]

@@ -11,9 +11,8 @@ import uvicorn
 from space.control.app import create_app
 from space.control.nodes import NodeRegistry
 from space.control.settings import ControlSettings
-from space.node.errors import NodeError, Unavailable
-from space.node.interface import NodeService
-from space.node.remote import error_from_response
+from space.node.api import NodeError, NodeService, Unavailable
+from space.node.http.client import error_from_response
 
 __all__ = ["register_remote_node", "run_control_plane"]
 
@@ -73,7 +72,7 @@ async def register_remote_node(
 ) -> None:
     """Register the node agent at ``node_url`` with the control plane at ``control_url``.
 
-    Idempotent. Raises space.node.errors leaves: Unavailable if the control plane is
+    Idempotent. Raises space.node.api.errors leaves: Unavailable if the control plane is
     unreachable or rejects the token, the mapped leaf for any other error answer.
     """
     url = control_url.rstrip("/") + "/v1/nodes"

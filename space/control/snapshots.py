@@ -24,8 +24,7 @@ from space.control.store import repo
 from space.control.store import snapshots as snaps
 from space.control.store.repo import SandboxRecord
 from space.control.store.snapshots import SnapshotRecord
-from space.node.errors import NodeError, NotFound
-from space.node.interface import SandboxState
+from space.node.api import NodeError, NotFound, SandboxState
 
 __all__ = [
     "delete_snapshot",

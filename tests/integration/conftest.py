@@ -20,9 +20,9 @@ from typing import Any, TypeVar
 
 import pytest
 
-from space.node.config import NodeConfig
+from space.node.agent import Node
+from space.node.core.config import NodeConfig
 from space.node.network import netns
-from space.node.service import Node
 
 from .platform import gateway_pids, qemu_pids
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from space.node._build_network import OFFLINE_HINT
-from space.node.config import NodeConfig
-from space.node.interface import BuildFailed, SandboxSpec
+from space.node.agent._build_network import OFFLINE_HINT
+from space.node.api import BuildFailed, SandboxSpec
+from space.node.core.config import NodeConfig
 from space.node.network.trust import BUNDLE, CA_FILE
 
 from ..egress_guest import RECORDS

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from space.node.config import NodeConfig
-from space.node.interface import ExecExited, ExecOutput, ExecRequest, SandboxSpec, SandboxState
-from space.node.service import Node
+from space.node.agent import Node
+from space.node.api import ExecExited, ExecOutput, ExecRequest, SandboxSpec, SandboxState
+from space.node.core.config import NodeConfig
 
 from .conftest import started_node
 

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from space.node.config import NodeConfig
-from space.node.interface import ExecRequest, SandboxSpec, SecretGrant
+from space.node.api import ExecRequest, SandboxSpec, SecretGrant
+from space.node.core.config import NodeConfig
 
 from ..egress_guest import POLICY, SANDBOX, Guest, booted_guest, output
 from ..egress_world import OTHER, UPSTREAM

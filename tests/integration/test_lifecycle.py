@@ -12,8 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from space.node.errors import Conflict, InvalidArgument, NotFound
-from space.node.interface import ExecRequest, SandboxSpec, SandboxState
+from space.node.api import (
+    Conflict,
+    ExecRequest,
+    InvalidArgument,
+    NotFound,
+    SandboxSpec,
+    SandboxState,
+)
 
 from .conftest import NodeHarness
 from .platform import qemu_pids

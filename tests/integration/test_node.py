@@ -13,9 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from space.node.errors import Conflict, InvalidArgument, NotFound, Unavailable
-from space.node.interface import ExecExited, ExecOutput, ExecRequest, SandboxSpec, SandboxState
-from space.node.service import Node
+from space.node.agent import Node
+from space.node.api import (
+    Conflict,
+    ExecExited,
+    ExecOutput,
+    ExecRequest,
+    InvalidArgument,
+    NotFound,
+    SandboxSpec,
+    SandboxState,
+    Unavailable,
+)
 
 from .conftest import NodeHarness
 from .platform import qemu_pids

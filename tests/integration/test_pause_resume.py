@@ -16,9 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from space.node.errors import Conflict, NotFound
-from space.node.interface import ExecExited, ExecOutput, ExecRequest, SandboxSpec, SandboxState
-from space.node.service import Node
+from space.node.agent import Node
+from space.node.api import (
+    Conflict,
+    ExecExited,
+    ExecOutput,
+    ExecRequest,
+    NotFound,
+    SandboxSpec,
+    SandboxState,
+)
 
 from .conftest import NodeHarness
 from .platform import qemu_pids

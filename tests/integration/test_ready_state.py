@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from space.node.interface import SandboxSpec, SandboxState
+from space.node.api import SandboxSpec, SandboxState
 
 from .conftest import NodeHarness
 from .test_lifecycle import _sh

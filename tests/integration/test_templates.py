@@ -16,18 +16,18 @@ from pathlib import Path
 
 import pytest
 
-from space.node.config import NodeConfig
-from space.node.errors import NotFound
-from space.node.interface import (
+from space.node.agent import Node
+from space.node.api import (
     BuildEvent,
     BuildFailed,
     BuildLog,
     BuildSucceeded,
+    NotFound,
     SandboxSpec,
     SandboxState,
     TemplateInfo,
 )
-from space.node.service import Node
+from space.node.core.config import NodeConfig
 from tests.apt_repo import served_repository
 
 from .conftest import NodeHarness, started_node

@@ -16,8 +16,8 @@ from dataclasses import replace
 
 import pytest
 
-from space.node.config import NodeConfig
-from space.node.interface import PoolInfo, SandboxSpec, SandboxState
+from space.node.api import PoolInfo, SandboxSpec, SandboxState
+from space.node.core.config import NodeConfig
 
 from .conftest import NodeHarness, started_node
 from .platform import qemu_pids

@@ -19,9 +19,8 @@ from typing import Any
 
 import pytest
 
+from space.node.api import ExecRequest, Timeout, Unavailable
 from space.node.channel import GuestChannel
-from space.node.errors import Timeout, Unavailable
-from space.node.interface import ExecRequest
 from space.protocol import (
     DATA_CHUNK_BYTES,
     INITIAL_WINDOW_BYTES,

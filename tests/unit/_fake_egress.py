@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from space.node.egress_policy import EgressPolicy
-from space.node.interface import EgressEvent
+from space.node.api import EgressEvent, EgressPolicy
 
 __all__ = ["CANNED_EVENTS", "FakeEgress"]
 

@@ -17,8 +17,16 @@ import time
 import tomllib
 from collections.abc import AsyncIterable, AsyncIterator
 
-from space.node.errors import Conflict, InvalidArgument, NotFound
-from space.node.interface import BuildEvent, BuildFailed, BuildLog, BuildSucceeded, TemplateInfo
+from space.node.api import (
+    BuildEvent,
+    BuildFailed,
+    BuildLog,
+    BuildSucceeded,
+    Conflict,
+    InvalidArgument,
+    NotFound,
+    TemplateInfo,
+)
 
 __all__ = ["BASE_DIGEST", "FakeBuildStream", "FakeTemplates"]
 

@@ -17,21 +17,18 @@ import httpx
 from fastapi import FastAPI
 
 from space.control import ControlSettings, NodeRegistry, create_app, create_key
-from space.node.errors import (
+from space.node.api import (
     Conflict,
-    InvalidArgument,
-    NodeError,
-    NotFound,
-    PermissionDenied,
-    Unavailable,
-)
-from space.node.interface import (
     ExecEvent,
     ExecExited,
     ExecOutput,
     ExecRequest,
     FileStat,
+    InvalidArgument,
+    NodeError,
     NodeInfo,
+    NotFound,
+    PermissionDenied,
     PoolInfo,
     ProcessInfo,
     SandboxSpec,
@@ -39,8 +36,9 @@ from space.node.interface import (
     SandboxStatus,
     SecretGrant,
     SnapshotInfo,
+    Unavailable,
+    check_grants,
 )
-from space.node.secret_grants import check_grants
 from tests.unit._fake_egress import FakeEgress
 from tests.unit._fake_templates import FakeTemplates
 

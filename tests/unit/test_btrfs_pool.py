@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from space.node.errors import InvalidArgument, NotFound
+from space.node.api import InvalidArgument, NotFound
 from space.node.storage.btrfs import BtrfsPool, pack_snapshot_args
 
 IMAGE_MIB = 64

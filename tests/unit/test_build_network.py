@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from space.node._build_network import OFFLINE_HINT, BuildNetwork
+from space.node.agent._build_network import OFFLINE_HINT, BuildNetwork
 from space.node.egress.audit import AuditLog
 
 OFFLINE_OUTPUTS = [

@@ -13,8 +13,8 @@ import pytest
 from click.testing import CliRunner, Result
 
 from space.cli import CliContext, main
-from space.node.config import NodeConfig
-from space.node.errors import Unavailable
+from space.node.api import Unavailable
+from space.node.core.config import NodeConfig
 from tests.unit.fakes import FakeNode, control_app
 
 SPEC = 'name = "py"\ntag = "v1"\nbase = "debian:bookworm"\n'
@@ -117,7 +117,7 @@ def test_ls_shows_a_table_and_rm_deletes(served: Served, tmp_path: Path) -> None
 
 def _serve(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *args: str) -> tuple[Result, Any]:
     """Run ``space serve ARGS`` with a Node.start that records its config and stops."""
-    from space.node import service
+    from space.node.agent import Node
 
     seen: dict[str, NodeConfig] = {}
 
@@ -125,7 +125,7 @@ def _serve(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *args: str) -> tuple
         seen["config"] = config
         raise Unavailable("stopped by the test")
 
-    monkeypatch.setattr(service.Node, "start", staticmethod(start))
+    monkeypatch.setattr(Node, "start", staticmethod(start))
     result = CliRunner().invoke(main, ["serve", "--data-dir", str(tmp_path), *args])
     return result, seen.get("config")
 

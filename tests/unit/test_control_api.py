@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from space.control import create_key, list_keys, revoke_key
-from space.node.errors import (
+from space.node.api import (
     Conflict,
     InvalidArgument,
     NodeError,

@@ -8,8 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from space.node.errors import Unavailable
-from space.node.interface import EgressEvent
+from space.node.api import EgressEvent, Unavailable
 from tests.unit.fakes import Harness, control_app
 
 pytestmark = pytest.mark.anyio

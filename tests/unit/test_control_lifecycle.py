@@ -14,8 +14,7 @@ import pytest
 
 from space.control.deps import ControlContext
 from space.control.reconcile import reap
-from space.node.errors import Unavailable
-from space.node.interface import SandboxState
+from space.node.api import SandboxState, Unavailable
 from tests.unit.fakes import Harness, control_app
 
 pytestmark = pytest.mark.anyio

@@ -8,8 +8,7 @@ from typing import Any
 
 import pytest
 
-from space.node.errors import Conflict, NotFound, Unavailable
-from space.node.interface import ExecRequest, SandboxSpec, SandboxState
+from space.node.api import Conflict, ExecRequest, NotFound, SandboxSpec, SandboxState, Unavailable
 from tests.unit.fakes import FakeNode, Harness, control_app
 from tests.unit.test_remote_node import remote
 

@@ -14,10 +14,8 @@ import pytest
 from space.control import NodeRegistry
 from space.control.routers import pools as pools_route
 from space.control.template_names import tenant_prefix
-from space.node.errors import NodeError, Unavailable
-from space.node.interface import NodeInfo, PoolInfo
-from space.node.remote import RemoteNode
-from space.node.wire import encode
+from space.node.api import NodeError, NodeInfo, PoolInfo, Unavailable, encode
+from space.node.http.client import RemoteNode
 from tests.unit.fakes import FakeNode, Harness, control_app
 
 pytestmark = pytest.mark.anyio

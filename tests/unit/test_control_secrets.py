@@ -10,8 +10,7 @@ import httpx
 import pytest
 
 from space.control.reconcile import reap
-from space.node.errors import Unavailable
-from space.node.interface import SandboxSpec, SandboxStatus, SecretGrant
+from space.node.api import SandboxSpec, SandboxStatus, SecretGrant, Unavailable
 from tests.unit.fakes import FakeNode, Harness, control_app
 
 pytestmark = pytest.mark.anyio

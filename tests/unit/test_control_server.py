@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from space.control import ControlSettings, register_remote_node, run_control_plane
-from space.node.errors import Unavailable
+from space.node.api import Unavailable
 from tests.unit.fakes import FakeNode
 
 pytestmark = pytest.mark.anyio

@@ -11,8 +11,7 @@ import pytest
 from space.control import NodeRegistry
 from space.control.store import snapshots as snaps
 from space.control.store.snapshots import SnapshotRecord
-from space.node.errors import Unavailable
-from space.node.interface import SandboxState
+from space.node.api import SandboxState, Unavailable
 from tests.unit.fakes import FakeNode, Harness, control_app
 
 pytestmark = pytest.mark.anyio

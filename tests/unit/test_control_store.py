@@ -19,7 +19,7 @@ from space.control.scheduler import pick_node
 from space.control.store import Database
 from space.control.store.db import alembic_config
 from space.control.store.models import ApiKeyRow, Base
-from space.node.interface import SandboxSpec
+from space.node.api import SandboxSpec
 from tests.unit.fakes import FakeClock, FakeNode, control_app, wait_for
 
 pytestmark = pytest.mark.anyio

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from space.node.api import EgressEvent, InvalidArgument, Unavailable
 from space.node.egress import audit
 from space.node.egress.audit import MAX_READ_LIMIT, AuditLog
-from space.node.errors import InvalidArgument, Unavailable
-from space.node.interface import EgressEvent
 
 
 def _event(i: int = 0, *, host: str | None = "pypi.org", reason: str = "policy") -> EgressEvent:

@@ -10,10 +10,9 @@ from hypothesis import strategies as st
 from mitmproxy import dns
 from mitmproxy.net.dns import classes, op_codes, response_codes, types
 
+from space.node.api import EgressEvent, EgressPolicy, closed_policy
 from space.node.egress.dns import MAX_UDP_QUERY_BYTES, TTL_S, answer
 from space.node.egress.fakeip import FakeIps
-from space.node.egress_policy import EgressPolicy, closed_policy
-from space.node.interface import EgressEvent
 
 POLICY = EgressPolicy.parse(
     {"allow": [{"domain": "*.example.com"}, {"domain": "pypi.org"}, {"domain": "xn--bcher-kva.de"}]}

@@ -6,8 +6,8 @@ from ipaddress import IPv4Address, IPv6Address
 
 import pytest
 
+from space.node.api import InvalidArgument
 from space.node.egress.fakeip import FakeIps
-from space.node.errors import InvalidArgument
 
 FIRST = IPv4Address("198.18.0.2")
 LAST = IPv4Address("198.19.255.255")

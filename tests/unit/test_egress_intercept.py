@@ -17,9 +17,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from space.node.api import EgressEvent, SecretGrant
 from space.node.egress.intercept import Exchange, Interceptor, load_ca
 from space.node.egress.sniff import sniff
-from space.node.interface import EgressEvent, SecretGrant
 from space.node.network.ca import certificate_pem, ensure_ca
 
 VALUE = "sk-live-0123456789abcdef"

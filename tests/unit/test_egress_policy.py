@@ -8,18 +8,18 @@ from ipaddress import IPv4Address, IPv6Address, ip_address, ip_network
 
 import pytest
 
-from space.node import egress_policy
-from space.node.egress_policy import (
+from space.node.api import (
     CidrRule,
     DomainRule,
     EgressPolicy,
+    InvalidArgument,
     Verdict,
     blocked_category,
     closed_policy,
+    egress_policy,
     normalize_name,
     parse_ip_literal,
 )
-from space.node.errors import InvalidArgument
 
 EXAMPLE = {
     "allow": [

@@ -12,9 +12,17 @@ from pathlib import Path
 
 import pytest
 
+from space.node.api import (
+    Conflict,
+    ExecExited,
+    ExecOutput,
+    ExecRequest,
+    ExecStream,
+    InvalidArgument,
+    NotFound,
+    Timeout,
+)
 from space.node.channel import GuestChannel
-from space.node.errors import Conflict, InvalidArgument, NotFound, Timeout
-from space.node.interface import ExecExited, ExecOutput, ExecRequest, ExecStream
 
 from ._guest_harness import Guest, run_with_channel
 

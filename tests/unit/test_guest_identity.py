@@ -31,9 +31,9 @@ from space.guest._identity import (
     write_host_name,
     write_machine_id,
 )
-from space.node._channel_parse import parse_applied
+from space.node.api import InvalidArgument, Unavailable
 from space.node.channel import GuestChannel
-from space.node.errors import InvalidArgument, Unavailable
+from space.node.channel._parse import parse_applied
 from space.protocol import (
     MAX_TIME_NS,
     MIN_TIME_NS,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import space.node.images as images
-from space.node.errors import NodeError, NotFound
+from space.node.api import NodeError, NotFound
 from space.node.images import ImageBuildError, TemplateNotFound, template_digest
 from space.node.images._kernel import KernelPackage
 from space.node.images._rootfs import (

@@ -14,15 +14,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "protocol": ("space.protocol",),
     "guest": ("space.guest", "space.protocol"),
     "node": ("space.node", "space.protocol"),
-    "control": (
-        "space.control",
-        "space.node.interface",
-        "space.node.egress_policy",
-        "space.node.secret_grants",
-        "space.node.errors",
-        "space.node.remote",
-        "space.node.wire",
-    ),
+    # The control plane reaches a node only through the node's contract and the HTTP
+    # client of a remote node (ARCHITECTURE.md).
+    "control": ("space.control", "space.node.api", "space.node.http.client"),
     "sdk": ("space.sdk",),
 }
 
@@ -56,7 +50,13 @@ def test_a_layer_imports_only_through_its_seams(layer: str) -> None:
 
 def test_negative_the_checker_notices_a_cross_layer_import(tmp_path: Path) -> None:
     module = tmp_path / "bad.py"
-    module.write_text("from space.node.service import Node\nimport os\n")
+    module.write_text(
+        "from space.node.agent import Node\nfrom space.node.api import NodeService\nimport os\n"
+    )
     names = space_imports(module)
-    assert names == {"space.node.service"}
-    assert not allowed("space.node.service", ALLOWED["control"])
+    assert names == {"space.node.agent", "space.node.api"}
+    assert not allowed("space.node.agent", ALLOWED["control"])
+    assert allowed("space.node.api", ALLOWED["control"])
+    # A sibling whose name merely starts like an allowed one is no way in either.
+    assert not allowed("space.node.api_private", ALLOWED["control"])
+    assert not allowed("space.node.http.server", ALLOWED["control"])

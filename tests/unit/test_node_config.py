@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from space.node.config import DEFAULT_APT_SOURCES, NodeConfig
-from space.node.errors import InvalidArgument
+from space.node.api import InvalidArgument
+from space.node.core.config import DEFAULT_APT_SOURCES, NodeConfig
 
 
 def test_the_defaults_are_valid_and_fetch_from_the_guest_release() -> None:

@@ -7,10 +7,15 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from space.node.errors import InvalidArgument, NotFound, Unavailable
-from space.node.http_api import create_node_app
-from space.node.interface import EgressEvent, SandboxSpec
-from space.node.wire import MAX_EGRESS_LOG_EVENTS
+from space.node.api import (
+    MAX_EGRESS_LOG_EVENTS,
+    EgressEvent,
+    InvalidArgument,
+    NotFound,
+    SandboxSpec,
+    Unavailable,
+)
+from space.node.http.server import create_node_app
 from tests.unit._fake_egress import CANNED_EVENTS
 from tests.unit.fakes import FakeNode
 from tests.unit.test_remote_node import TOKEN, remote

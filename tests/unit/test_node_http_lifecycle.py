@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from space.node.http_api import create_node_app
-from space.node.wire import MAX_FORK_CHILDREN
+from space.node.api import MAX_FORK_CHILDREN
+from space.node.http.server import create_node_app
 from tests.unit.test_remote_node import TOKEN, LifecycleNode
 
 pytestmark = pytest.mark.anyio

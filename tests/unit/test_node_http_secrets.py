@@ -8,10 +8,15 @@ from typing import Any
 import httpx
 import pytest
 
-from space.node.errors import InvalidArgument, NotFound
-from space.node.http_api import create_node_app
-from space.node.interface import SandboxSpec, SecretGrant
-from space.node.wire import decode_grants, encode_grants
+from space.node.api import (
+    InvalidArgument,
+    NotFound,
+    SandboxSpec,
+    SecretGrant,
+    decode_grants,
+    encode_grants,
+)
+from space.node.http.server import create_node_app
 from tests.unit.fakes import FakeNode
 from tests.unit.test_remote_node import TOKEN, remote
 

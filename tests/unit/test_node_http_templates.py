@@ -13,27 +13,29 @@ from typing import cast
 import httpx
 import pytest
 
-from space.node._remote_answers import MAX_LINE_BYTES
-from space.node.errors import Conflict, InvalidArgument, NodeError, NotFound, Unavailable
-from space.node.http_api import create_node_app
-from space.node.interface import (
+from space.node.api import (
+    BUILD_ID_HEADER,
+    MAX_BUILD_LOG_BYTES,
     BuildEvent,
     BuildFailed,
     BuildLog,
     BuildSucceeded,
+    Conflict,
+    InvalidArgument,
+    NodeError,
     NodeService,
+    NotFound,
     TemplateInfo,
-)
-from space.node.remote import RemoteNode
-from space.node.templates import load_spec, parse_ref, unpack_context
-from space.node.wire import (
-    BUILD_ID_HEADER,
-    MAX_BUILD_LOG_BYTES,
+    Unavailable,
     build_event_line,
     build_lines,
     decode_build_event,
     encode,
 )
+from space.node.http._answers import MAX_LINE_BYTES
+from space.node.http.client import RemoteNode
+from space.node.http.server import create_node_app
+from space.node.templates import load_spec, parse_ref, unpack_context
 
 pytestmark = pytest.mark.anyio
 

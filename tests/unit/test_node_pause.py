@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from space.node._sandbox import settled
+from space.node.core.sandbox import settled
 
 pytestmark = pytest.mark.anyio
 

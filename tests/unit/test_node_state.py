@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from space.node.interface import SandboxSpec, SandboxState
-from space.node.state import SandboxRecord, StateStore
+from space.node.api import SandboxSpec, SandboxState
+from space.node.core.state import SandboxRecord, StateStore
 
 
 def _record(sandbox_id: str = "sb-1") -> SandboxRecord:

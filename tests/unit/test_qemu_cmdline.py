@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from space.node._sandbox import hostname_for, vm_config_for
-from space.node.interface import SandboxSpec, SandboxState
-from space.node.state import SandboxRecord
+from space.node.api import SandboxSpec, SandboxState
+from space.node.core.sandbox import hostname_for, vm_config_for
+from space.node.core.state import SandboxRecord
 from space.node.vmm.qemu import VmConfig, build_command, console_tail, trim_console
 
 

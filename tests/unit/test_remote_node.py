@@ -12,30 +12,28 @@ import httpx
 import pytest
 
 from space.control import NodeRegistry
-from space.node.errors import (
+from space.node.api import (
     Conflict,
-    InvalidArgument,
-    NodeError,
-    NotFound,
-    PermissionDenied,
-    ResourceExhausted,
-    Timeout,
-    Unavailable,
-)
-from space.node.http_api import create_node_app
-from space.node.interface import (
     ExecExited,
     ExecOutput,
     ExecRequest,
+    InvalidArgument,
+    NodeError,
     NodeInfo,
+    NotFound,
+    PermissionDenied,
     PoolInfo,
+    ResourceExhausted,
     SandboxSpec,
     SandboxState,
     SandboxStatus,
     SnapshotInfo,
+    Timeout,
+    Unavailable,
+    encode,
 )
-from space.node.remote import RemoteNode
-from space.node.wire import encode
+from space.node.http.client import RemoteNode
+from space.node.http.server import create_node_app
 from tests.unit.fakes import FakeNode, control_app
 
 pytestmark = pytest.mark.anyio

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from space.control.template_names import tenant_prefix
-from space.node.interface import PoolInfo as NodePoolInfo
+from space.node.api import PoolInfo as NodePoolInfo
 from space.sdk import AsyncSandbox, PoolInfo
 from space.sdk.errors import AuthenticationError, Conflict, NotFound, Unavailable
 from tests.unit.fakes import FakeNode, control_app

@@ -7,17 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from space.node import _builds
-from space.node._builder import MAX_LINE, _lines, _shape
-from space.node._builds import _Log
-from space.node._template import BASE, READY_SHAPE, Shape, Template
-from space.node.interface import (
+from space.node.agent import _builds
+from space.node.agent._builder import MAX_LINE, _lines, _shape
+from space.node.agent._builds import _Log
+from space.node.api import (
     BuildFailed,
     BuildLog,
     ExecEvent,
     ExecExited,
     ExecOutput,
 )
+from space.node.core.template import BASE, READY_SHAPE, Shape, Template
 from space.node.storage.btrfs import TemplateVolume
 from space.node.templates import TemplateSpec, TemplateSpecError, parse_spec
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from space.node._catalog import Build, Catalog
-from space.node._template import BASE, READY_SHAPE, Shape, Template
-from space.node.errors import Conflict, InvalidArgument, NotFound
+from space.node.agent._catalog import Build, Catalog
+from space.node.api import Conflict, InvalidArgument, NotFound
+from space.node.core.template import BASE, READY_SHAPE, Shape, Template
 from space.node.storage.btrfs import BtrfsPool, TemplateVolume
 
 BASE_DIGEST = "b" * 64

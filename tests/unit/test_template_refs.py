@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from space.node.errors import InvalidArgument
+from space.node.api import InvalidArgument
 from space.node.templates import TemplateRef, TemplateRefError, parse_ref
 
 DIGEST = "0123456789abcdef" * 4

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from space.node.errors import InvalidArgument
+from space.node.api import InvalidArgument
 from space.node.templates import (
     CopyStep,
     DebianBase,

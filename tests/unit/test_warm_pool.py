@@ -8,10 +8,9 @@ from typing import Any, cast
 
 import pytest
 
-from space.node._pool import WarmPool
-from space.node._sandbox import LiveSandbox
-from space.node.errors import Unavailable
-from space.node.interface import SandboxState
+from space.node.agent._pool import WarmPool
+from space.node.api import SandboxState, Unavailable
+from space.node.core.sandbox import LiveSandbox
 
 from .fakes import FakeClock
 
@@ -117,7 +116,7 @@ async def test_negative_a_dead_pool_vm_is_never_handed_out() -> None:
 async def test_negative_a_failing_refill_is_logged_and_retried_not_raised(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("space.node._pool._RETRY_S", 0.0)
+    monkeypatch.setattr("space.node.agent._pool._RETRY_S", 0.0)
     maker, clock = _Maker(fail=2), FakeClock()
     pool = _pool(maker, clock)
     pool.start()

@@ -9,8 +9,7 @@ from fastapi.responses import StreamingResponse
 
 from space.control.deps import Context, LiveSandbox
 from space.control.schemas import ExecBody, KillBody, ProcessOut
-from space.node.interface import ExecRequest
-from space.node.wire import NDJSON, ndjson_lines
+from space.node.api import NDJSON, ExecRequest, ndjson_lines
 
 __all__ = ["router"]
 

@@ -14,7 +14,7 @@ from fastapi.responses import StreamingResponse
 
 from space.control.deps import Context, LiveSandbox
 from space.control.schemas import FileStatOut, GuestPath, MkdirBody, RenameBody, UserName
-from space.node.interface import FileReader
+from space.node.api import FileReader
 
 __all__ = ["router"]
 

@@ -10,7 +10,7 @@ from space.control.deps import Context, require_node_token
 from space.control.reconcile import reconcile_node
 from space.control.schemas import NodeRegistration
 from space.control.store import repo
-from space.node.errors import NodeError
+from space.node.api import NodeError
 
 __all__ = ["router"]
 

@@ -16,8 +16,7 @@ from space.control.deps import Context, ControlContext, Tenant
 from space.control.errors import ApiError
 from space.control.schemas import PoolOut
 from space.control.template_names import tenant_name
-from space.node.errors import NodeError
-from space.node.interface import PoolInfo
+from space.node.api import NodeError, PoolInfo
 
 __all__ = ["NODE_INFO_TIMEOUT_S", "router"]
 

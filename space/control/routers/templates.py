@@ -37,16 +37,17 @@ from space.control.template_names import (
     tenant_name,
 )
 from space.control.template_spec import rewrite_spec
-from space.node.errors import NodeError, NotFound
-from space.node.interface import (
+from space.node.api import (
+    NDJSON,
     BuildEvent,
     BuildFailed,
     BuildLog,
     BuildStream,
     BuildSucceeded,
+    NodeError,
+    NotFound,
     TemplateInfo,
 )
-from space.node.wire import NDJSON
 
 __all__ = ["LIST_TIMEOUT_S", "router"]
 

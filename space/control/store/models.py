@@ -88,7 +88,7 @@ class SandboxRow(Base):
     env: Mapped[dict[str, Any]] = mapped_column(JSON)
     # "metadata" is reserved on declarative classes; the column keeps the API's name.
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON)
-    #: Observed state (space.node.interface.SandboxState values).
+    #: Observed state (space.node.api.interface.SandboxState values).
     state: Mapped[str] = mapped_column(String(16))
     #: What the control plane is driving towards: "running" or "deleted".
     desired_state: Mapped[str] = mapped_column(String(16))

@@ -18,9 +18,8 @@ import os
 import threading
 from pathlib import Path
 
-from space.node._validation import check_id
-from space.node.errors import InvalidArgument, Unavailable
-from space.node.interface import EgressEvent
+from space.node.api import EgressEvent, InvalidArgument, Unavailable
+from space.node.core.validation import check_id
 
 __all__ = ["DEFAULT_MAX_BYTES", "MAX_READ_LIMIT", "AuditLog"]
 
@@ -37,7 +36,7 @@ _FIELDS = frozenset(field.name for field in dataclasses.fields(EgressEvent))
 class AuditLog:
     """The audit files of a node's sandboxes, under ``root`` (created on first write).
 
-    Sandbox ids are checked with space.node._validation.check_id (InvalidArgument), so
+    Sandbox ids are checked with space.node.core.validation.check_id (InvalidArgument), so
     no id names a file outside ``root``. Safe to share between threads.
     """
 

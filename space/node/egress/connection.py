@@ -30,11 +30,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv6Address
 
+from space.node.api import EgressEvent, EgressPolicy, SecretGrant, blocked_category
 from space.node.egress.netns_socket import original_destination
 from space.node.egress.resolver import ResolveError, Resolver
 from space.node.egress.sniff import Head, sniff
-from space.node.egress_policy import EgressPolicy, blocked_category
-from space.node.interface import EgressEvent, SecretGrant
 
 __all__ = ["Refused", "Route", "Tracker", "route", "serve"]
 

@@ -19,9 +19,8 @@ from ipaddress import IPv4Address
 from mitmproxy import dns
 from mitmproxy.net.dns import classes, op_codes, response_codes, types
 
+from space.node.api import EgressEvent, EgressPolicy, normalize_name
 from space.node.egress.fakeip import FakeIps
-from space.node.egress_policy import EgressPolicy, normalize_name
-from space.node.interface import EgressEvent
 
 __all__ = ["MAX_UDP_QUERY_BYTES", "TTL_S", "answer"]
 

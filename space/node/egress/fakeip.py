@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, ip_address
 
-from space.node.errors import InvalidArgument
+from space.node.api import InvalidArgument
 
 __all__ = ["FAKE_NETWORK", "FakeIps"]
 

@@ -21,6 +21,14 @@ from typing import cast
 
 from mitmproxy import certs
 
+from space.node.api import (
+    EgressEvent,
+    EgressPolicy,
+    InvalidArgument,
+    SecretGrant,
+    check_grants,
+    decode_grants,
+)
 from space.node.egress import dns
 from space.node.egress.audit import AuditLog
 from space.node.egress.connection import Refused, Route, Streams, Tracker, serve
@@ -28,12 +36,7 @@ from space.node.egress.fakeip import FakeIps
 from space.node.egress.intercept import Exchange, Interceptor, load_ca
 from space.node.egress.netns_socket import bind_in_netns
 from space.node.egress.resolver import Resolver
-from space.node.egress_policy import EgressPolicy
-from space.node.errors import InvalidArgument
-from space.node.interface import EgressEvent, SecretGrant
 from space.node.network.netns import DNS_PORT, GATEWAY_ADDRESS, PROXY_PORT
-from space.node.secret_grants import check_grants
-from space.node.wire import decode_grants
 
 __all__ = ["Gateway", "GatewayError", "LocalAddresses"]
 

@@ -9,7 +9,7 @@ every HTTP request. Per request this module then:
 
 - refuses it unless its Host (or :authority, or absolute-form URL) names the routed
   host on the routed port: no domain fronting, no virtual-host hopping on a connection;
-- swaps in the secrets bound to that host (space.node.interface.SecretGrant): a
+- swaps in the secrets bound to that host (space.node.api.interface.SecretGrant): a
   placeholder in a header, Basic credentials or the URL, or a header of its own; and
   scrubs their values out of the response before it reaches the guest;
 - audits it, naming the secrets it used.
@@ -43,8 +43,7 @@ from mitmproxy.proxy.context import Context
 from mitmproxy.proxy.layers.modes import TransparentProxy
 from mitmproxy.proxy.mode_servers import ProxyConnectionHandler
 
-from space.node.interface import EgressEvent, SecretGrant
-from space.node.secret_grants import host_matches
+from space.node.api import EgressEvent, SecretGrant, host_matches
 
 __all__ = ["Exchange", "Interceptor", "load_ca"]
 

@@ -5,7 +5,7 @@
 An unchanged template is reused at once; a changed one is built beside it and renamed
 into place atomically, under a per-digest lock. Old builds stay until removed.
 
-Errors (all NodeError subclasses, see space/node/errors.py):
+Errors (all NodeError subclasses, see space/node/api/errors.py):
 
     ImageBuildError            a step failed; carries the command and its output tail
     └── TemplateNotFound       no template of that name (also a NotFound)
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from space.node.errors import NotFound
+from space.node.api import NotFound
 
 from ._cache import prune
 from ._command import ImageBuildError

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-from space.node.errors import NodeError
+from space.node.api import NodeError
 
 __all__ = ["ImageBuildError", "run_command"]
 

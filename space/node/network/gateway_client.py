@@ -21,10 +21,8 @@ import signal
 import sys
 from pathlib import Path
 
-from space.node.errors import InvalidArgument, Unavailable
-from space.node.interface import SecretGrant
+from space.node.api import InvalidArgument, SecretGrant, Unavailable, encode_grants
 from space.node.vmm.qemu import console_tail
-from space.node.wire import encode_grants
 
 __all__ = ["GatewayProcess", "fingerprint"]
 

@@ -24,7 +24,7 @@ import logging
 import os
 from pathlib import Path
 
-from space.node._run import run
+from space.node.core.run import run
 
 __all__ = [
     "GATEWAY_ADDRESS",

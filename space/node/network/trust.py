@@ -13,8 +13,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
+from space.node.api import NotFound, ResourceExhausted
 from space.node.channel import GuestChannel
-from space.node.errors import NotFound, ResourceExhausted
 
 __all__ = ["TRUST_ENV", "install_ca", "remove_ca", "without_ca"]
 

@@ -13,7 +13,7 @@ A sandbox volume is a subvolume snapshot, O(1) whatever the image size; its root
 image is grown (truncate + resize2fs) right after the snapshot and before any boot, and
 never touched by the host again once a guest may have written to it.
 
-Every method raises space.node.errors leaves (Unavailable for a failed command,
+Every method raises space.node.api.errors leaves (Unavailable for a failed command,
 InvalidArgument for a bad name). Commands run through ``btrfs``, ``mount``, ``losetup``.
 """
 
@@ -29,8 +29,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from space.node._run import run
-from space.node.errors import InvalidArgument, NotFound, Unavailable
+from space.node.api import InvalidArgument, NotFound, Unavailable
+from space.node.core.run import run
 
 __all__ = ["BtrfsPool", "TemplateVolume", "pack_snapshot_args", "snapshot_subvolume"]
 

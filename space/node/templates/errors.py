@@ -1,6 +1,6 @@
 """Errors raised while reading template specs and references.
 
-    InvalidArgument (space.node.errors), ValueError
+    InvalidArgument (space.node.api.errors), ValueError
     └── TemplateError           root of this package
         ├── TemplateSpecError   a spec is malformed; carries the file and the key path
         └── TemplateRefError    a template reference is malformed; carries the text
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from space.node.errors import InvalidArgument
+from space.node.api import InvalidArgument
 
 __all__ = ["TemplateError", "TemplateRefError", "TemplateSpecError"]
 

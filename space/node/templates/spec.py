@@ -10,7 +10,7 @@
     [resources]                      # optional defaults: cpus 1..8,
     cpus = 1                         #   memory_mib 128..16384, disk_mib 1024..65536
     [build_egress]                   # optional: the build VM's network for run steps
-    allow = [{ domain = "pypi.org" }] # an egress policy (space.node.egress_policy)
+    allow = [{ domain = "pypi.org" }] # an egress policy (space.node.api.egress_policy)
     [[steps]]                        # at most 64, in order, each one of:
     copy = { src = "app/", dst = "/opt/app" }   # src relative to the spec's directory
     [[steps]]
@@ -32,8 +32,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from space.node.egress_policy import EgressPolicy
-from space.node.errors import InvalidArgument
+from space.node.api import EgressPolicy, InvalidArgument
 from space.node.templates._fields import Where, absolute_path, child, index
 from space.node.templates._tree import resolve_source
 from space.node.templates.errors import TemplateSpecError
@@ -60,7 +59,7 @@ __all__ = [
     "parse_spec",
 ]
 
-# Limits of issue 4; resources as the node's own (space/node/_validation.py), except
+# Limits of issue 4; resources as the node's own (space/node/core/validation.py), except
 # that a template's disk holds a Debian system and its packages, hence 1024 MiB at least.
 MAX_STEPS = 64
 MAX_PACKAGES = 256

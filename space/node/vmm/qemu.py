@@ -5,7 +5,7 @@ session with stdio on files, never pipes, and is found again by pid plus a check
 ``/proc/<pid>/cmdline`` names this sandbox's agent socket. Exit is watched through a
 pidfd, which also makes signals immune to pid reuse.
 
-Every public method raises space.node.errors leaves (Unavailable, Timeout), never
+Every public method raises space.node.api.errors leaves (Unavailable, Timeout), never
 OSError or a QMP exception.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from qemu.qmp import QMPClient
 
-from space.node.errors import Timeout, Unavailable
+from space.node.api import Timeout, Unavailable
 from space.node.vmm.accel import Accelerator
 
 __all__ = ["QemuVM", "VmConfig", "build_command", "pid_runs_vm"]

@@ -1,0 +1,184 @@
+"""The egress side of a node: each sandbox's namespace, policy and audit log.
+
+Private to space.node.agent.node: ``Node`` inherits these. A sandbox's namespace is made
+when its VM first starts (space.node.core.sandbox) and goes with the sandbox; here the
+gateway is told about it and its nftables opened or closed to match the policy. The
+policy is part of the sandbox's persisted spec, so a restarted node applies it again.
+Every method raises space.node.api.errors leaves only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import replace
+from pathlib import Path
+
+from space.node.agent._build_network import BuildNetwork, open_build_network
+from space.node.agent._hidden import is_hidden
+from space.node.api import (
+    EgressEvent,
+    EgressPolicy,
+    InvalidArgument,
+    NodeError,
+    SandboxState,
+    SecretGrant,
+    Unavailable,
+    check_grants,
+)
+from space.node.core.sandbox import LiveSandbox, has_nic
+from space.node.core.state import StateStore
+from space.node.egress.audit import AuditLog
+from space.node.network import ca, netns
+from space.node.network.gateway_client import GatewayProcess
+from space.node.network.trust import install_ca
+
+__all__ = ["EgressOps", "parse_policy"]
+
+log = logging.getLogger(__name__)
+
+MAX_LOG_EVENTS = 1000
+
+
+def parse_policy(policy: dict[str, object] | None, sandbox_id: str) -> EgressPolicy:
+    """The policy as the gateway will apply it; InvalidArgument (naming the sandbox)."""
+    try:
+        return EgressPolicy.parse(policy if policy is not None else {})
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"egress policy: {exc.message}", sandbox_id=sandbox_id) from exc
+
+
+class EgressOps(ABC):
+    """Policies and audit logs of the node's sandboxes."""
+
+    _store: StateStore
+    _sandboxes: dict[str, LiveSandbox]
+    _gateway: GatewayProcess
+    _audit: AuditLog
+    _run_root: Path
+    _ca_dir: Path
+
+    @abstractmethod
+    def _lock(self, sandbox_id: str) -> asyncio.Lock: ...
+
+    @abstractmethod
+    def _get(self, sandbox_id: str) -> LiveSandbox: ...
+
+    async def set_egress(self, sandbox_id: str, policy: dict[str, object] | None) -> None:
+        """Replace the sandbox's egress policy; new connections and DNS follow it at
+        once and connections it no longer allows are cut. Persisted first. Raises
+        NotFound, InvalidArgument (the policy; the old one stays), Unavailable."""
+        canonical = parse_policy(policy, sandbox_id).to_json()
+        async with self._lock(sandbox_id):
+            sandbox = self._get(sandbox_id)
+            spec = replace(sandbox.record.spec, egress=canonical)
+            sandbox.record = replace(sandbox.record, spec=spec)
+            self._store.save(sandbox.record)
+            await self._apply_egress(sandbox)
+
+    async def set_secrets(self, sandbox_id: str, grants: list[SecretGrant]) -> None:
+        """Replace the secrets the gateway may inject for the sandbox (held in memory
+        by the gateway only). Raises NotFound, InvalidArgument (a grant; the old ones
+        stay), Unavailable."""
+        try:
+            check_grants(grants)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"secrets: {exc.message}", sandbox_id=sandbox_id) from exc
+        async with self._lock(sandbox_id):
+            self._get(sandbox_id)
+            await self._gateway.set_secrets(sandbox_id, grants)
+
+    async def egress_log(self, sandbox_id: str, *, limit: int = 100) -> list[EgressEvent]:
+        """The sandbox's latest ``limit`` (1..1000) egress decisions, oldest first."""
+        if not 1 <= limit <= MAX_LOG_EVENTS:
+            raise InvalidArgument(f"limit must be 1..{MAX_LOG_EVENTS}", sandbox_id=sandbox_id)
+        self._get(sandbox_id)
+        return await asyncio.to_thread(self._audit.read, sandbox_id, limit)
+
+    async def _apply_egress(self, sandbox: LiveSandbox) -> None:
+        """Tell the gateway and nftables the sandbox's policy (a VM without a NIC has no
+        namespace: nothing to do). Opening goes gateway first, closing nftables first,
+        so the guest never reaches a gateway that does not know its policy."""
+        if not has_nic(sandbox.volume):
+            return
+        name = netns.netns_name(sandbox.config.run_dir)
+        policy = parse_policy(sandbox.record.spec.egress, sandbox.sandbox_id)
+        await netns.create(name)  # gone after a host reboot; a no-op otherwise
+        if policy.closed:
+            await netns.set_open(name, False)
+        ca_file = ca.ensure_ca(self._ca_dir, sandbox.sandbox_id)
+        path = netns.netns_path(name)
+        await self._gateway.attach(sandbox.sandbox_id, path, policy.to_json(), ca_file)
+        if not policy.closed:
+            await self._trust(sandbox, ca_file)
+            await netns.set_open(name, True)
+
+    async def _trust_after_resume(self, sandbox: LiveSandbox) -> None:
+        """A policy opened while the sandbox was paused or hibernated could not install
+        the CA in its guest then; it is installed now (a no-op once it is there). The
+        sandbox runs either way, so a failure is logged, not raised."""
+        policy = parse_policy(sandbox.record.spec.egress, sandbox.sandbox_id)
+        if policy.closed or not has_nic(sandbox.volume):
+            return
+        try:
+            await self._trust(sandbox, ca.ensure_ca(self._ca_dir, sandbox.sandbox_id))
+        except (NodeError, OSError) as exc:
+            log.error("sandbox %s: installing the egress CA failed: %s", sandbox.sandbox_id, exc)
+
+    async def _trust(self, sandbox: LiveSandbox, ca_file: Path) -> None:
+        """Install the sandbox's CA in its guest, once per guest filesystem (a restore
+        or a fork brings another one: those start with ``trusted_ca`` None)."""
+        pem = ca.certificate_pem(ca_file)
+        if sandbox.trusted_ca == pem or sandbox.record.state != SandboxState.RUNNING:
+            return
+        channel = sandbox.channel
+        if channel is None or channel.closed:
+            raise Unavailable(
+                "no guest channel to install the egress CA", sandbox_id=sandbox.sandbox_id
+            )
+        await install_ca(channel, pem, ca.subject_hash(pem))
+        sandbox.trusted_ca = pem
+
+    def _build_network(
+        self, vm: LiveSandbox, policy: EgressPolicy
+    ) -> AbstractAsyncContextManager[BuildNetwork]:
+        return open_build_network(self._gateway, self._ca_dir, self._audit, vm, policy)
+
+    async def _drop_network(self, sandbox_id: str, run_dir: Path) -> None:
+        """Detach the gateway and delete the namespace and audit log; logs failures."""
+        try:
+            if not is_hidden(sandbox_id):
+                await self._gateway.detach(sandbox_id)
+            await netns.delete(netns.netns_name(run_dir))
+            ca.remove_ca(self._ca_dir, sandbox_id)
+        except (NodeError, OSError) as exc:
+            log.error("sandbox %s: removing its network failed: %s", sandbox_id, exc)
+        await asyncio.to_thread(self._audit.remove, sandbox_id)
+
+    async def _network_at_start(self, say: Callable[[str], None]) -> None:
+        """Apply every sandbox's policy again (an adopted gateway keeps its connections
+        through that), detach the gateway from sandboxes gone meanwhile, and delete
+        namespaces no sandbox owns."""
+        owned = set()
+        for sandbox in self._sandboxes.values():
+            owned.add(netns.netns_name(sandbox.config.run_dir))
+            if sandbox.record.state == SandboxState.ERROR:
+                continue
+            try:
+                await self._apply_egress(sandbox)
+            except NodeError as exc:
+                say(f"sandbox {sandbox.sandbox_id}: applying its egress policy failed: {exc}")
+        try:
+            await self._gateway.retain()
+        except NodeError as exc:
+            say(f"detaching stale sandboxes from the egress gateway failed: {exc}")
+        for name in netns.node_netns(self._run_root):
+            if name not in owned:
+                say(f"removing stray network namespace {name}")
+                try:
+                    await netns.delete(name)
+                except (Unavailable, OSError) as exc:
+                    say(f"cannot remove {name}: {exc}")

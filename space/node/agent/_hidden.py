@@ -1,0 +1,112 @@
+"""VMs the node runs for itself: template build VMs and the VMs ready states are taken
+from. Never listed, never handed to a tenant, removed by recovery after a restart.
+
+Private to space.node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from space.node.agent._lifecycle import Registry
+from space.node.agent._pool import POOL_PREFIX
+from space.node.api import ExecOutput, ExecRequest, SandboxSpec, SandboxState, Unavailable
+from space.node.channel import GuestChannel
+from space.node.core.sandbox import LiveSandbox
+from space.node.core.state import SandboxRecord
+from space.node.core.template import BASE, Shape, Template
+from space.node.storage.btrfs import TemplateVolume
+
+__all__ = ["HIDDEN_PREFIXES", "boot_hidden", "channel_of", "is_hidden", "start_command"]
+
+#: Ids of the node's own VMs: pool VMs (space.node.agent._pool), build VMs, ready-state VMs.
+HIDDEN_PREFIXES = (POOL_PREFIX, "build-", "ready-")
+#: How long a start command must keep running before its template counts as ready.
+START_GRACE_S = 1.0
+
+
+def is_hidden(sandbox_id: str) -> bool:
+    return sandbox_id.startswith(HIDDEN_PREFIXES)
+
+
+async def boot_hidden(
+    node: Registry, vm_id: str, volume: TemplateVolume, shape: Shape, *, grow: bool
+) -> LiveSandbox:
+    """Boot a VM of ``shape`` on a CoW clone of ``volume``; RUNNING once its guest
+    daemon answered. ``grow`` grows the disk image to the shape (only for an image no
+    guest wrote). On failure nothing of it remains."""
+    life = node.life
+    spec = SandboxSpec(
+        sandbox_id=vm_id,
+        template=BASE,
+        cpus=shape.cpus,
+        memory_mib=shape.memory_mib,
+        disk_mib=shape.disk_mib,
+    )
+    record = SandboxRecord(
+        spec=spec,
+        state=SandboxState.CREATING,
+        created_at=time.time(),
+        template_digest=volume.digest,
+        run_dir=str(life.config.effective_run_dir / vm_id),
+    )
+    vm = node.live(record)
+    life.store.save(record)
+    try:
+        await life.pool.create_sandbox_volume(
+            record.volume, volume, disk_mib=shape.disk_mib, grow=grow
+        )
+        await vm.launch(qemu_binary=life.config.qemu_binary)
+        life.save(vm, SandboxState.CREATING)
+        await vm.connect(hello_timeout_s=life.config.boot_timeout_s)
+        life.save(vm, SandboxState.RUNNING)
+    except BaseException:
+        await asyncio.shield(node.destroy(vm))
+        raise
+    return vm
+
+
+def channel_of(vm: LiveSandbox) -> GuestChannel:
+    channel = vm.channel
+    if channel is None or channel.closed:
+        raise Unavailable("the VM's guest channel is closed", sandbox_id=vm.sandbox_id)
+    return channel
+
+
+async def start_command(channel: GuestChannel, template: Template, *, check: bool) -> None:
+    """Start ``template``'s start command in the background, as ``user``, with its env
+    and workdir. ``check`` waits START_GRACE_S and raises Unavailable (with its output)
+    if it has exited by then."""
+    if template.start is None:
+        return
+    request = ExecRequest(
+        cmd=template.start,
+        env=dict(template.env),
+        cwd=template.workdir,
+        background=True,
+    )
+    stream = await channel.exec(request)
+    if not check:
+        return
+    await asyncio.sleep(START_GRACE_S)
+    info = next(
+        (p for p in await channel.list_processes() if p.process_id == stream.process_id), None
+    )
+    if info is None or info.running:
+        return
+    output = await _replay(channel, stream.process_id)
+    raise Unavailable(
+        f"the start command exited within {START_GRACE_S:g} s "
+        f"(exit code {info.exit_code}, signal {info.signal}): {output}"
+    )
+
+
+async def _replay(channel: GuestChannel, process_id: str) -> str:
+    """The last output a finished background process left, for an error message."""
+    chunks: list[bytes] = []
+    stream = await channel.attach(process_id)
+    async for event in stream:
+        if isinstance(event, ExecOutput):
+            chunks.append(event.data)
+    return b"".join(chunks)[-2000:].decode("utf-8", "replace").strip()

@@ -1,0 +1,337 @@
+"""Transitions through saved memory: hibernate, wake, snapshot, restore, fork.
+
+Private to space.node.agent.node, which validates, holds the sandbox's lock around each
+call and keeps the registry. A sandbox's guest RAM is a file in its volume
+(``memory.ram``, mapped shared by QEMU); saving the VM's state adds ``vmstate`` (device
+state, a few hundred KiB). Volume = disk + memory image, so:
+
+- hibernate: save the state, flush the RAM file, record HIBERNATED, quit QEMU;
+- wake: launch QEMU waiting for a state, load it, record RUNNING, run;
+- snapshot: save the state, read-only btrfs snapshot of the volume, publish, run on;
+- restore / fork / create from a snapshot: writable btrfs snapshot of a snapshot (or of
+  the live volume) as the sandbox's volume, then wake it with a fresh identity.
+
+Each function records a ``Pending`` operation before its first step a crash could
+interrupt; space.node.agent._recovery finishes or undoes it on the next start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from space.node.agent._build_network import BuildNetwork
+from space.node.api import EgressPolicy, NodeError, SandboxState, SnapshotInfo, Unavailable
+from space.node.core.config import NodeConfig
+from space.node.core.sandbox import MEMORY_FILE, STATE_FILE, LiveSandbox, hostname_for
+from space.node.core.state import Pending, SandboxRecord, SnapshotStore, StateStore
+from space.node.storage.btrfs import BtrfsPool, snapshot_subvolume
+
+__all__ = ["Lifecycle", "Registry", "memory_bytes", "preflush"]
+
+log = logging.getLogger(__name__)
+
+_ENTROPY_BYTES = 64
+
+
+def memory_bytes(volume: Path) -> int:
+    """Disk bytes of a volume's memory image: device state plus allocated RAM pages."""
+    total = 0
+    for name in (STATE_FILE, MEMORY_FILE):
+        with contextlib.suppress(FileNotFoundError):
+            total += (volume / name).stat().st_blocks * 512
+    return total
+
+
+async def preflush(volume: Path) -> None:
+    """Write a running VM's dirty RAM and disk pages out while it still runs.
+
+    A btrfs snapshot flushes the source's dirty data first; done here, before the
+    pause, that flush only finds the pages of the last moments. Best effort.
+    """
+    for name in (MEMORY_FILE, "rootfs.img"):
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(_fsync, volume / name)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Lifecycle:
+    """The memory-based transitions of one node's sandboxes (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        pool: BtrfsPool,
+        store: StateStore,
+        snapshots: SnapshotStore,
+        on_vm_exit: Callable[[LiveSandbox], None],
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.store = store
+        self.snapshots = snapshots
+        self.on_vm_exit = on_vm_exit
+
+    def save(
+        self, sandbox: LiveSandbox, state: SandboxState, *, pending: Pending | None = None
+    ) -> None:
+        self.store.save(sandbox.mark(state, pending=pending))
+
+    # identity and clock
+
+    async def apply_identity(self, sandbox: LiveSandbox, *, fresh: bool) -> None:
+        """Set the guest's clock and reseed its RNG; ``fresh`` also renews hostname and
+        machine-id. Needs the sandbox's channel open."""
+        channel = sandbox.channel
+        if channel is None:
+            raise Unavailable("no guest channel", sandbox_id=sandbox.sandbox_id)
+        await channel.set_identity(
+            hostname=hostname_for(sandbox.sandbox_id) if fresh else None,
+            machine_id=secrets.token_hex(16) if fresh else None,
+            entropy=os.urandom(_ENTROPY_BYTES),
+            time_ns=time.time_ns(),
+        )
+
+    async def settle_identity(self, sandbox: LiveSandbox) -> None:
+        """Apply a pending identity (the VM runs restored memory), then clear it."""
+        pending = sandbox.record.pending
+        if pending is None or pending.op != "identity":
+            return
+        await self.apply_identity(sandbox, fresh=pending.fresh)
+        sandbox.state_file.unlink(missing_ok=True)
+        self.save(sandbox, SandboxState.RUNNING)
+
+    async def sync_clock(self, sandbox: LiveSandbox) -> None:
+        """Set the guest clock to the host's after its vCPUs stood still; best effort."""
+        try:
+            if sandbox.channel is None or sandbox.channel.closed:
+                await sandbox.connect(hello_timeout_s=self.config.boot_timeout_s)
+            assert sandbox.channel is not None
+            await sandbox.channel.set_identity(time_ns=time.time_ns())
+        except NodeError as exc:
+            log.warning("sandbox %s: clock not synced: %s", sandbox.sandbox_id, exc)
+
+    # waking saved memory
+
+    async def start_from_memory(self, sandbox: LiveSandbox, *, fresh: bool) -> None:
+        """Run the memory image in the sandbox's volume; returns with state RUNNING.
+
+        Until the vCPUs run, a failure stops QEMU and leaves record and volume as they
+        were (a hibernated sandbox stays hibernated). Once they run, the image is spent:
+        the record says RUNNING with a pending identity before that moment, and a later
+        failure (no hello) leaves the VM running for a retry to settle.
+        """
+        prior = sandbox.record.state
+        vm = await sandbox.launch(qemu_binary=self.config.qemu_binary, incoming=True)
+        try:
+            await vm.load_state(sandbox.state_file)
+            self.save(
+                sandbox, SandboxState.RUNNING, pending=Pending("identity", prior, fresh=fresh)
+            )
+        except BaseException:
+            await asyncio.shield(sandbox.teardown())
+            raise
+        await vm.resume()
+        sandbox.watch(self.on_vm_exit, self.config.console_max_bytes)
+        await sandbox.connect(hello_timeout_s=self.config.boot_timeout_s)
+        await self.settle_identity(sandbox)
+
+    # hibernate
+
+    async def hibernate(self, sandbox: LiveSandbox) -> None:
+        """RUNNING or PAUSED -> HIBERNATED: memory to the volume, QEMU gone.
+
+        On failure the VM goes back to its prior state and the error is raised.
+        """
+        prior = sandbox.record.state
+        self.save(sandbox, prior, pending=Pending("hibernate", prior))
+        try:
+            await sandbox.save_state()
+            await asyncio.to_thread(_fsync, sandbox.volume / MEMORY_FILE)
+        except BaseException:
+            await asyncio.shield(self.thaw(sandbox, prior))
+            raise
+        # Durable before QEMU goes: a crash now finds HIBERNATED and kills the stray VM.
+        sandbox.record = replace(
+            sandbox.record, state=SandboxState.HIBERNATED, vmm_pid=None, pending=None
+        )
+        self.store.save(sandbox.record)
+        await sandbox.teardown()
+
+    async def wake(self, sandbox: LiveSandbox) -> None:
+        """HIBERNATED -> RUNNING, processes carrying on; the clock is set, RNG reseeded."""
+        await self.start_from_memory(sandbox, fresh=False)
+
+    # snapshots
+
+    async def snapshot(self, sandbox: LiveSandbox, snapshot_id: str) -> SnapshotInfo:
+        """Publish a read-only snapshot of the sandbox's disk and memory.
+
+        The sandbox keeps its state (RUNNING, PAUSED or HIBERNATED). The snapshot is
+        listed (its record written) only after its subvolume is durable.
+        """
+        prior = sandbox.record.state
+        self.save(sandbox, prior, pending=Pending("snapshot", prior, snapshot_id))
+        async with self.frozen(sandbox, prior):
+            path = await self.pool.snapshot_volume(sandbox.record.volume, snapshot_id)
+            spec = sandbox.record.spec
+            info = SnapshotInfo(
+                snapshot_id=snapshot_id,
+                sandbox_id=sandbox.sandbox_id,
+                parent_id=sandbox.record.head_snapshot,
+                created_at=time.time(),
+                template=spec.template,
+                cpus=spec.cpus,
+                memory_mib=spec.memory_mib,
+                disk_mib=spec.disk_mib,
+                memory_bytes=await asyncio.to_thread(memory_bytes, path),
+            )
+            self.snapshots.save(info)
+            sandbox.record = replace(sandbox.record, head_snapshot=snapshot_id)
+        return info
+
+    @contextlib.asynccontextmanager
+    async def frozen(self, sandbox: LiveSandbox, prior: SandboxState) -> AsyncIterator[None]:
+        """The sandbox's volume as a complete memory image for the body's duration.
+
+        A live VM is paused and its state saved into the volume; afterwards the state
+        file goes and the VM returns to ``prior``, whether the body failed or not. A
+        hibernated sandbox's volume is an image already. Clears the pending operation.
+        """
+        live = prior != SandboxState.HIBERNATED
+        if live:
+            await preflush(sandbox.volume)
+            try:
+                await sandbox.save_state()
+            except BaseException:
+                await asyncio.shield(self.thaw(sandbox, prior))
+                raise
+        try:
+            yield
+        finally:
+            await asyncio.shield(self._back_to(sandbox, prior))
+
+    async def thaw(self, sandbox: LiveSandbox, prior: SandboxState) -> None:
+        """Bring a VM paused for a state save back to ``prior``; drop the state file.
+
+        A PAUSED sandbox runs for an instant: after a save QEMU is in ``postmigrate``,
+        from which it cannot save again, and ``cont`` + ``stop`` leaves that state.
+        """
+        sandbox.state_file.unlink(missing_ok=True)
+        try:
+            await sandbox.resume()
+            if prior == SandboxState.PAUSED:
+                await sandbox.pause()
+        except NodeError as exc:
+            log.error("sandbox %s: cannot resume after a state save: %s", sandbox.sandbox_id, exc)
+            self.save(sandbox, SandboxState.ERROR)
+            return
+        self.save(sandbox, prior)
+        if prior == SandboxState.RUNNING:
+            await self.sync_clock(sandbox)
+
+    async def restore(self, sandbox: LiveSandbox, snapshot: SnapshotInfo) -> None:
+        """Roll the sandbox back to ``snapshot`` in place; RUNNING with a fresh identity.
+
+        A failure after the old VM is gone leaves the sandbox in ERROR (restore again).
+        """
+        prior = sandbox.record.state
+        self.save(sandbox, prior, pending=Pending("restore", prior, snapshot.snapshot_id))
+        await sandbox.teardown()
+        try:
+            await self.pool.clone_volume(
+                self.pool.snapshot_path(snapshot.snapshot_id), sandbox.record.volume
+            )
+            sandbox.record = replace(sandbox.record, head_snapshot=snapshot.snapshot_id)
+            await self.start_from_memory(sandbox, fresh=True)
+        except BaseException as exc:
+            if sandbox.record.state != SandboxState.RUNNING:
+                error = f"restore failed: {exc}"
+                self.store.save(sandbox.mark(SandboxState.ERROR, error=error))
+            raise
+
+    async def create_from_image(
+        self, sandbox: LiveSandbox, image: Path, *, head: str | None = None
+    ) -> None:
+        """Make a new sandbox's volume a copy of ``image`` (a snapshot, or a template's
+        ready state) and run it with a fresh identity; ``head`` is its snapshot parent."""
+        self.save(sandbox, SandboxState.CREATING, pending=Pending("fork", SandboxState.CREATING))
+        await self.pool.clone_volume(image, sandbox.record.volume)
+        sandbox.record = replace(sandbox.record, head_snapshot=head)
+        await self.start_from_memory(sandbox, fresh=True)
+
+    async def capture_image(self, sandbox: LiveSandbox, image: Path) -> None:
+        """Save a RUNNING sandbox as a read-only image at ``image`` (a template's ready
+        state); the sandbox is left paused, to be deleted."""
+        await preflush(sandbox.volume)
+        await sandbox.save_state()
+        await asyncio.to_thread(_fsync, sandbox.volume / MEMORY_FILE)
+        await snapshot_subvolume(sandbox.volume, image, read_only=True)
+
+    async def fork(self, parent: LiveSandbox, children: list[LiveSandbox]) -> None:
+        """Start each child from a copy of the parent's disk and memory, taken now.
+
+        The parent is paused for one state save and N subvolume snapshots, then runs
+        on while the children start. Raises the first failure; the caller removes the
+        children.
+        """
+        creating = Pending("fork", SandboxState.CREATING)
+        for child in children:
+            self.save(child, SandboxState.CREATING, pending=creating)
+        prior = parent.record.state
+        self.save(parent, prior, pending=Pending("capture", prior))
+        thawed = False
+        try:
+            if prior != SandboxState.HIBERNATED:
+                await preflush(parent.volume)
+                await parent.save_state()
+            for child in children:
+                await self.pool.clone_volume(parent.volume, child.record.volume)
+            thawed = True
+            results = await asyncio.gather(
+                self._back_to(parent, prior),
+                *(self.start_from_memory(child, fresh=True) for child in children),
+                return_exceptions=True,
+            )
+        finally:
+            if not thawed:
+                await asyncio.shield(self._back_to(parent, prior))
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def _back_to(self, sandbox: LiveSandbox, prior: SandboxState) -> None:
+        """End a state save: a live VM returns to ``prior``, a hibernated one's record
+        loses its pending operation."""
+        if prior == SandboxState.HIBERNATED:
+            self.save(sandbox, prior)
+        else:
+            await self.thaw(sandbox, prior)
+
+
+@dataclass(frozen=True, slots=True)
+class Registry:
+    """What recovery and builds need of the Node: its sandboxes, how to make and unmake
+    one, and the network of a build VM."""
+
+    life: Lifecycle
+    sandboxes: dict[str, LiveSandbox]
+    live: Callable[[SandboxRecord], LiveSandbox]
+    destroy: Callable[[LiveSandbox], Awaitable[None]]
+    remove_leftovers: Callable[[str], Awaitable[None]]
+    build_network: Callable[[LiveSandbox, EgressPolicy], AbstractAsyncContextManager[BuildNetwork]]

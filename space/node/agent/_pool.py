@@ -1,0 +1,213 @@
+"""Warm pools: per template, VMs already woken from its ready state, paused, waiting.
+
+A pool VM is a sandbox of the template's ready shape, named ``pool-<hex>``, that never
+held tenant data: a clone of the ready state, woken with its own identity, warmed with
+one ``true`` (under TCG the code paths a hit needs are then translated already), and
+paused. A hit hands it over (the new sandbox's record takes over the VM, its volume
+and run directory as they are, and the guest gets a fresh identity), so a create costs
+a record, a ``cont`` and one guest call instead of a restore.
+
+The pool refills in the background, one VM at a time. Its target follows demand: the
+number of creates of the template in the last ``window_s`` seconds, clamped to
+``min_size..max_size``. Pool VMs are not kept across node restarts (recovery removes
+them and the pool fills again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from space.node.agent._lifecycle import Registry
+from space.node.api import ExecRequest, NodeError, PoolInfo, SandboxState
+from space.node.core.sandbox import LiveSandbox
+from space.node.core.state import Pending, SandboxRecord
+from space.node.core.template import Template
+
+__all__ = ["POOL_PREFIX", "WarmPool", "hand_over", "make_pool_vm", "pool_vm_id"]
+
+log = logging.getLogger(__name__)
+
+POOL_PREFIX = "pool-"
+#: After a failed refill, wait this long before the next try (a broken template must not
+#: spin the node).
+_RETRY_S = 5.0
+
+
+def pool_vm_id() -> str:
+    return POOL_PREFIX + secrets.token_hex(8)
+
+
+class WarmPool:
+    """The warm pool of one template. ``start`` it; ``close`` deletes its VMs."""
+
+    def __init__(
+        self,
+        template: str,
+        *,
+        make: Callable[[], Awaitable[LiveSandbox]],
+        destroy: Callable[[LiveSandbox], Awaitable[Any]],
+        min_size: int,
+        max_size: int,
+        window_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not 0 <= min_size <= max_size:
+            raise ValueError(f"want 0 <= min_size <= max_size, got {min_size}, {max_size}")
+        self.template = template
+        self.min_size, self.max_size, self.window_s = min_size, max_size, window_s
+        self._make, self._destroy, self._clock = make, destroy, clock
+        self._ready: collections.deque[LiveSandbox] = collections.deque()
+        self._demand: collections.deque[float] = collections.deque()
+        self._hits = self._misses = 0
+        self._wanted = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._discarding: set[asyncio.Future[None]] = set()
+
+    @property
+    def target(self) -> int:
+        """How many paused VMs the pool fills towards now."""
+        now = self._clock()
+        while self._demand and self._demand[0] < now - self.window_s:
+            self._demand.popleft()
+        return max(self.min_size, min(self.max_size, len(self._demand)))
+
+    def info(self) -> PoolInfo:
+        return PoolInfo(
+            template=self.template,
+            size=len(self._ready),
+            target=self.target,
+            min_size=self.min_size,
+            max_size=self.max_size,
+            hits=self._hits,
+            misses=self._misses,
+        )
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(
+            self._fill(), name=f"pool-{self.template}"
+        )
+        self._wanted.set()
+
+    def take(self) -> LiveSandbox | None:
+        """A paused pool VM for a create, or None (a miss); counts demand either way."""
+        self._demand.append(self._clock())
+        self._wanted.set()
+        while self._ready:
+            vm = self._ready.popleft()
+            if vm.vm_alive and vm.record.state == SandboxState.PAUSED:
+                self._hits += 1
+                return vm
+            self._discard(vm)
+        self._misses += 1
+        return None
+
+    async def close(self) -> None:
+        """Stop refilling and delete every pool VM."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        while self._ready:
+            await self._destroy(self._ready.popleft())
+
+    async def _fill(self) -> None:
+        while True:
+            # Also wake once a window has passed: demand that stopped lowers the target.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.window_s):
+                    await self._wanted.wait()
+            self._wanted.clear()
+            while len(self._ready) < self.target:
+                try:
+                    self._ready.append(await self._make())
+                except NodeError as exc:
+                    log.warning("pool %s: making a VM failed: %s", self.template, exc)
+                    await asyncio.sleep(_RETRY_S)
+            while len(self._ready) > self.target:
+                await self._destroy(self._ready.pop())
+
+    def _discard(self, vm: LiveSandbox) -> None:
+        """Drop a pool VM that died while waiting (its removal runs in the background)."""
+        task = asyncio.ensure_future(self._destroy(vm))
+        self._discarding.add(task)
+        task.add_done_callback(self._discarding.discard)
+
+
+async def make_pool_vm(node: Registry, template: Template) -> LiveSandbox:
+    """A paused, warmed VM of ``template``'s ready state, not listed among sandboxes."""
+    assert template.ready is not None
+    sid = pool_vm_id()
+    record = SandboxRecord(
+        spec=replace(template.ready_spec, sandbox_id=sid),
+        state=SandboxState.CREATING,
+        created_at=time.time(),
+        template_digest=template.digest,
+        run_dir=str(node.life.config.effective_run_dir / sid),
+    )
+    vm = node.live(record)
+    try:
+        await node.life.create_from_image(vm, template.ready)
+        assert vm.channel is not None
+        stream = await vm.channel.exec(ExecRequest(argv=["true"]))
+        async for _ in stream:
+            pass
+        await vm.pause()
+        node.life.save(vm, SandboxState.PAUSED)
+    except BaseException:
+        await asyncio.shield(node.destroy(vm))
+        raise
+    return vm
+
+
+async def hand_over(node: Registry, pooled: LiveSandbox, sandbox: LiveSandbox) -> None:
+    """Make the paused pool VM ``pooled`` the new sandbox ``sandbox``; RUNNING after.
+
+    The pool VM's record goes first (a crash then leaves a stray VM and volume,
+    removed at the next start). Nothing QEMU has open moves: the sandbox's record names
+    the VM's volume and run directory, which keep their names (QEMU reopens its disk by
+    path when it saves state, so a renamed volume would break hibernate, snapshot and
+    fork; issue 12). Only the console log, which QEMU holds open and never reopens,
+    takes the sandbox's name. The record is written with a pending identity, then the
+    VM runs and gets its fresh identity. On failure the caller destroys ``sandbox``,
+    which owns the VM by then.
+    """
+    life = node.life
+    channel, pooled.channel = pooled.channel, None  # kept open: unwatch would close it
+    await pooled.unwatch()
+    sandbox.vm, pooled.vm = pooled.vm, None
+    life.store.remove(pooled.sandbox_id)
+    await asyncio.to_thread(_rename, pooled.config.console_log, sandbox.config.console_log)
+    sandbox.record = replace(
+        sandbox.record, run_dir=pooled.record.run_dir, volume=pooled.record.volume
+    )
+    sandbox.config = replace(
+        pooled.config, sandbox_id=sandbox.sandbox_id, console_log=sandbox.config.console_log
+    )
+    assert sandbox.vm is not None
+    sandbox.vm.config = sandbox.config
+    pending = Pending("identity", SandboxState.PAUSED, fresh=True)
+    life.save(sandbox, SandboxState.RUNNING, pending=pending)
+    await sandbox.resume()
+    sandbox.watch(life.on_vm_exit, life.config.console_max_bytes)
+    if channel is None or channel.closed:
+        await sandbox.connect(hello_timeout_s=life.config.boot_timeout_s)
+    else:  # a HELLO less: the pool's session only ever ran its warm-up `true`
+        channel.reassign(sandbox.sandbox_id)
+        sandbox.channel = channel
+    await life.settle_identity(sandbox)
+
+
+def _rename(source: Path, target: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.rename(source, target)

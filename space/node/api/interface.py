@@ -1,0 +1,446 @@
+"""What a node offers the control plane: the seam between the two layers.
+
+The control plane holds a ``NodeService`` per node: in the embedded default it is the
+in-process ``space.node.agent.node.Node``; for a node on another host it is
+``space.node.http.client.RemoteNode``, which speaks the node's HTTP API. Both satisfy this
+Protocol, so the control plane never knows which it has.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+__all__ = [
+    "BuildEvent",
+    "BuildFailed",
+    "BuildLog",
+    "BuildStream",
+    "BuildSucceeded",
+    "EgressEvent",
+    "ExecEvent",
+    "ExecExited",
+    "ExecOutput",
+    "ExecRequest",
+    "ExecStream",
+    "FileReader",
+    "FileStat",
+    "NodeInfo",
+    "NodeService",
+    "PoolInfo",
+    "ProcessInfo",
+    "SandboxSpec",
+    "SandboxState",
+    "SandboxStatus",
+    "SecretGrant",
+    "SnapshotInfo",
+    "TemplateInfo",
+]
+
+
+class SandboxState(enum.StrEnum):
+    CREATING = "creating"
+    RUNNING = "running"
+    #: vCPUs stopped, memory kept; resumed by ``resume_sandbox`` or any guest operation.
+    PAUSED = "paused"
+    #: Memory and device state saved in the sandbox's own volume, no VMM, no RAM held;
+    #: resumed by ``resume_sandbox`` or any guest operation, processes carrying on.
+    HIBERNATED = "hibernated"
+    STOPPED = "stopped"
+    ERROR = "error"
+    DELETED = "deleted"
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxSpec:
+    sandbox_id: str
+    template: str = "base"
+    cpus: int = 1
+    memory_mib: int = 256
+    disk_mib: int = 2048
+    #: Environment every exec in this sandbox starts with (request env overrides it).
+    env: dict[str, str] = field(default_factory=dict)
+    #: Start from this snapshot (its disk and memory, processes running) instead of
+    #: booting the template. template, cpus, memory_mib and disk_mib must equal the
+    #: snapshot's (``SnapshotInfo``); the new sandbox gets a fresh identity.
+    from_snapshot: str | None = None
+    #: Egress policy as JSON (space.node.api.egress_policy.EgressPolicy.parse); None or no
+    #: rules means no network at all, DNS included.
+    egress: dict[str, object] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxStatus:
+    sandbox_id: str
+    state: SandboxState
+    template: str
+    cpus: int
+    memory_mib: int
+    disk_mib: int
+    created_at: float
+    #: Process id of the VMM on the node, while it runs.
+    vmm_pid: int | None = None
+    error: str | None = None
+    #: The snapshot this sandbox last came from or took (its parent in the snapshot tree).
+    head_snapshot: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotInfo:
+    """A read-only, restorable copy of a sandbox's disk and memory, taken while paused.
+
+    Listed only once every part of it is durably written. ``parent_id`` is the snapshot
+    the sandbox had last come from or taken when this one was taken: the snapshot tree.
+    """
+
+    snapshot_id: str
+    #: The sandbox it was taken of (which may since have been deleted).
+    sandbox_id: str
+    parent_id: str | None
+    created_at: float
+    template: str
+    cpus: int
+    memory_mib: int
+    disk_mib: int
+    #: Bytes of saved memory: device state plus the guest RAM pages written to disk.
+    memory_bytes: int
+    #: Disk bytes only this snapshot holds (freed by deleting it); None if not measured.
+    exclusive_bytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ExecRequest:
+    argv: list[str] | None = None
+    cmd: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    user: str = "user"
+    timeout_s: float | None = None
+    background: bool = False
+    #: Stdin, sent whole then closed; None means stdin is /dev/null.
+    stdin: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ExecOutput:
+    stream: Literal["stdout", "stderr"]
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ExecExited:
+    exit_code: int | None
+    signal: int | None
+    timed_out: bool = False
+
+
+ExecEvent = ExecOutput | ExecExited
+
+
+@dataclass(frozen=True, slots=True)
+class EgressEvent:
+    """One decision of the node's egress gateway for a sandbox: a connection, an HTTP
+    request on it, or a DNS query. Secrets appear by name only, never by value."""
+
+    time: float
+    #: "dns", "tcp", "tls" or "http".
+    protocol: str
+    #: The name the sandbox asked for (DNS name, SNI or Host), if any.
+    host: str | None
+    #: The address the gateway connected to (or would have), if it got that far.
+    address: str | None
+    port: int | None
+    #: "allow" or "deny".
+    decision: str
+    #: Why, in a few words ("policy", "no rule for host", "blocked address: metadata").
+    reason: str
+    bytes_out: int = 0
+    bytes_in: int = 0
+    #: Names of the secrets injected into this request.
+    secrets: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SecretGrant:
+    """One secret a sandbox may use, as the egress gateway applies it. The value never
+    enters the guest, the node's disk or a log: the guest holds ``placeholder`` (in
+    its environment as ``env``), and the gateway puts ``value`` in its place only on
+    requests to a host matching one of ``hosts`` (domain patterns, as in egress rules).
+
+    ``injection`` "placeholder": every occurrence of the placeholder in the request's
+    header values and URL is replaced. "header": header ``header`` is set to
+    ``format`` with ``{value}`` replaced, on every request to those hosts.
+    """
+
+    name: str
+    value: str
+    placeholder: str
+    hosts: tuple[str, ...]
+    env: str | None = None
+    injection: Literal["placeholder", "header"] = "placeholder"
+    header: str | None = None
+    format: str = "{value}"
+
+    def __repr__(self) -> str:  # never the value, wherever a grant is printed
+        return (
+            f"SecretGrant(name={self.name!r}, hosts={self.hosts!r}, injection={self.injection!r})"
+        )
+
+
+class ExecStream(Protocol):
+    """A started process: ``pid`` and ``process_id`` are known, output follows.
+
+    Iterating yields ExecOutput events as produced and ends after one ExecExited (a
+    background exec yields nothing). ``aclose`` abandons the stream: a foreground process
+    is killed, a background one keeps running.
+    """
+
+    pid: int
+    process_id: str
+
+    def __aiter__(self) -> AsyncIterator[ExecEvent]: ...
+
+    async def aclose(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class FileStat:
+    name: str
+    path: str
+    type: Literal["file", "dir", "symlink", "other"]
+    size: int
+    mode: int
+    mtime: float
+    owner: str
+
+
+class FileReader(Protocol):
+    """An opened guest file: ``stat`` is known, the bytes follow in chunks."""
+
+    stat: FileStat
+
+    def __aiter__(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessInfo:
+    process_id: str
+    pid: int
+    argv: list[str] | None
+    cmd: str | None
+    running: bool
+    exit_code: int | None
+    signal: int | None
+    started_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class PoolInfo:
+    """A node's warm pool of one template: VMs woken from its ready state, paused."""
+
+    template: str
+    #: Paused VMs waiting now, and how many the pool is filling towards.
+    size: int
+    target: int
+    min_size: int
+    max_size: int
+    #: Creates served from the pool, and creates of the ready shape it could not serve.
+    hits: int
+    misses: int
+
+
+@dataclass(frozen=True, slots=True)
+class TemplateInfo:
+    """One tag of a template on a node: what sandboxes created from it start with.
+
+    ``name`` is ``base`` for the node's built-in template (never built from a spec). A
+    sandbox names a template as ``name`` (tag ``latest``), ``name:tag`` or
+    ``name@digest``; its cpus, memory_mib and disk_mib are the defaults of such
+    sandboxes, and sandboxes of exactly that shape start from the ready state.
+    """
+
+    name: str
+    tag: str
+    #: The content digest of the build (its last step's), 64 lowercase hex digits.
+    digest: str
+    created_at: float
+    #: The spec's ``base``: ``debian:<release>``, ``template:<name>:<tag>`` or
+    #: ``template@<digest>`` (``debian:<release>`` for ``base`` itself).
+    base: str
+    cpus: int
+    memory_mib: int
+    disk_mib: int
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str | None = None
+    start: str | None = None
+    #: Whether its ready state (booted, start command running, memory saved) exists.
+    ready: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class BuildLog:
+    """One line of a template build's log: a step starting, cached, or its output."""
+
+    line: str
+
+
+@dataclass(frozen=True, slots=True)
+class BuildSucceeded:
+    template: TemplateInfo
+
+
+@dataclass(frozen=True, slots=True)
+class BuildFailed:
+    """The build stopped: the previous version of the template (if any) is unchanged."""
+
+    #: The stable error code (``build_failed`` for a failing step, else a NodeError code).
+    code: str
+    message: str
+    #: The position (from 0) of the failing step in the plan, if a step failed.
+    step: int | None = None
+
+
+BuildEvent = BuildLog | BuildSucceeded | BuildFailed
+
+
+class BuildStream(Protocol):
+    """A running build: log lines as they come, then one BuildSucceeded or BuildFailed.
+
+    ``aclose`` stops listening; the build itself carries on to its end on the node.
+    """
+
+    build_id: str
+
+    def __aiter__(self) -> AsyncIterator[BuildEvent]: ...
+
+    async def aclose(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    node_id: str
+    accelerator: Literal["kvm", "tcg"]
+    templates: list[str]
+    sandboxes: int
+    pools: list[PoolInfo] = field(default_factory=list)
+    #: Changes each time the node agent starts: what it holds in memory only (secret
+    #: grants) must be sent again.
+    boot_id: str = ""
+
+
+class NodeService(Protocol):
+    """Operations on one node. Every method raises space.node.api.errors.NodeError leaves.
+
+    create and delete are idempotent per sandbox id; create returns once the guest
+    daemon answered its hello (state RUNNING). pause, hibernate and resume are
+    idempotent too (pausing a PAUSED sandbox returns its status; resume accepts PAUSED
+    and HIBERNATED) and raise Conflict, naming the state, where the state does not
+    allow them. Every guest operation (exec, attach, processes, files) on a PAUSED or
+    HIBERNATED sandbox resumes it first.
+
+    snapshot_sandbox is idempotent per snapshot id and accepts RUNNING, PAUSED and
+    HIBERNATED sandboxes (each keeps its state). restore_sandbox rolls a sandbox back
+    in place (disk, memory, processes) and leaves it RUNNING. fork_sandbox makes one new
+    RUNNING sandbox per child id from a live (or paused, or hibernated) sandbox, which
+    keeps its state after a brief pause. Every restore and fork gives the guest a fresh
+    identity: hostname, machine-id, reseeded RNG, new session, clock set to the host's.
+    A sandbox may be restored to, or created from, any snapshot on the node whose
+    template, cpus, memory_mib and disk_mib equal its own (InvalidArgument otherwise);
+    the control plane restricts that to the tenant's own snapshots. get_snapshot and
+    list_snapshots measure ``exclusive_bytes``; delete_snapshot is idempotent (children
+    in the tree are re-parented to its parent). Unknown ids raise NotFound.
+
+    build_template reads a build context: a tar stream (plain or gzip) holding the spec
+    as ``space.toml`` at its root and the files its copy steps name, only regular files
+    and directories (space.node.templates.context has the limits). A bad archive or spec
+    raises InvalidArgument (TemplateSpecError, with the key path) before any event; the
+    build then runs on the node, its log streamed, and ends with BuildSucceeded (the tag
+    now names the new build) or BuildFailed (the tag still names the previous build).
+    Steps whose digest the node has built before are reused. list_templates lists every
+    tag, ``base:latest`` included. delete_template takes ``name`` or ``name:tag`` (that
+    tag) or ``name@digest`` (every tag of that build); sandboxes already created from it
+    are unaffected. ``base`` cannot be deleted (Conflict); unknown refs raise NotFound.
+
+    set_egress replaces a sandbox's egress policy (in any state but deleted); it takes
+    effect for new connections and DNS queries within a second. A malformed policy
+    raises InvalidArgument and leaves the old one. None means no network. egress_log
+    returns the sandbox's most recent egress decisions, oldest first, at most ``limit``.
+    set_secrets replaces the secrets the sandbox's gateway may inject; the node keeps
+    them in memory only (never on disk), so the control plane sends them again after
+    a node restart (``info().boot_id`` changes). The placeholders are the guest's to
+    see; they reach its environment through the spec's ``env``.
+    """
+
+    async def info(self) -> NodeInfo: ...
+
+    async def create_sandbox(self, spec: SandboxSpec) -> SandboxStatus: ...
+
+    async def delete_sandbox(self, sandbox_id: str) -> None: ...
+
+    async def pause_sandbox(self, sandbox_id: str) -> SandboxStatus: ...
+
+    async def resume_sandbox(self, sandbox_id: str) -> SandboxStatus: ...
+
+    async def hibernate_sandbox(self, sandbox_id: str) -> SandboxStatus: ...
+
+    async def snapshot_sandbox(self, sandbox_id: str, snapshot_id: str) -> SnapshotInfo: ...
+
+    async def list_snapshots(self) -> list[SnapshotInfo]: ...
+
+    async def get_snapshot(self, snapshot_id: str) -> SnapshotInfo: ...
+
+    async def delete_snapshot(self, snapshot_id: str) -> None: ...
+
+    async def restore_sandbox(self, sandbox_id: str, snapshot_id: str) -> SandboxStatus: ...
+
+    async def fork_sandbox(self, sandbox_id: str, child_ids: list[str]) -> list[SandboxStatus]: ...
+
+    async def get_sandbox(self, sandbox_id: str) -> SandboxStatus: ...
+
+    async def list_sandboxes(self) -> list[SandboxStatus]: ...
+
+    async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecStream: ...
+
+    async def attach(self, sandbox_id: str, process_id: str) -> ExecStream: ...
+
+    async def list_processes(self, sandbox_id: str) -> list[ProcessInfo]: ...
+
+    async def kill_process(self, sandbox_id: str, process_id: str, signal: int = 9) -> None: ...
+
+    async def read_file(self, sandbox_id: str, path: str, user: str = "user") -> FileReader: ...
+
+    async def write_file(
+        self,
+        sandbox_id: str,
+        path: str,
+        data: AsyncIterable[bytes],
+        *,
+        user: str = "user",
+        mode: int = 0o644,
+    ) -> FileStat: ...
+
+    async def list_dir(self, sandbox_id: str, path: str, user: str = "user") -> list[FileStat]: ...
+
+    async def stat(self, sandbox_id: str, path: str, user: str = "user") -> FileStat: ...
+
+    async def make_dir(self, sandbox_id: str, path: str, user: str = "user") -> FileStat: ...
+
+    async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None: ...
+
+    async def rename(self, sandbox_id: str, src: str, dst: str, user: str = "user") -> FileStat: ...
+
+    async def set_egress(self, sandbox_id: str, policy: dict[str, object] | None) -> None: ...
+
+    async def egress_log(self, sandbox_id: str, *, limit: int = 100) -> list[EgressEvent]: ...
+
+    async def set_secrets(self, sandbox_id: str, grants: list[SecretGrant]) -> None: ...
+
+    async def build_template(self, context: AsyncIterable[bytes]) -> BuildStream: ...
+
+    async def list_templates(self) -> list[TemplateInfo]: ...
+
+    async def delete_template(self, ref: str) -> None: ...

@@ -1,0 +1,321 @@
+"""The machinery under GuestChannel: frame reading and validation, stream bookkeeping,
+flow control and failure handling. Public operations live in space.node.channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TypeVar, cast
+
+from space.node.api import (
+    InvalidArgument,
+    ResourceExhausted,
+    Timeout,
+    Unavailable,
+    error_for_code,
+)
+from space.node.channel import _parse as parse
+from space.node.channel._streams import (
+    GRANT_THRESHOLD_BYTES,
+    Data,
+    EventParser,
+    Final,
+    GuestStream,
+    ResultParser,
+)
+from space.protocol import (
+    DATA_CHUNK_BYTES,
+    MAX_PING_BYTES,
+    MAX_STREAMS,
+    Channel,
+    Frame,
+    FrameKind,
+    ProtocolError,
+    check_length,
+    decode_credit,
+    decode_data,
+    decode_eof,
+    decode_json,
+    encode_credit,
+    encode_data_frame,
+    encode_eof,
+    encode_frame,
+    encode_json,
+    length_prefix_bytes,
+    parse_body,
+    unpack_length,
+)
+
+__all__ = ["DEFAULT_REQUEST_TIMEOUT_S", "MAX_LIST_ITEMS", "ChannelCore"]
+
+_log = logging.getLogger("space.node.channel")
+T = TypeVar("T")
+
+#: Deadline of a non-streaming request, and of each wait inside a file transfer.
+DEFAULT_REQUEST_TIMEOUT_S = 30.0
+#: Most entries a file.list or process.list answer may carry in total.
+MAX_LIST_ITEMS = 10_000
+#: Bytes we may have queued towards a guest that does not read (PONG floods) before we
+#: call it a violation.
+MAX_UNREAD_BYTES = 8 * 1024 * 1024
+_GUEST_MAY_NOT_SEND = (FrameKind.HELLO, FrameKind.OPEN, FrameKind.SIGNAL, FrameKind.CANCEL)
+
+
+class ChannelCore:
+    """State and frame handling of one channel; see space.node.channel.GuestChannel."""
+
+    hello: dict[str, object]
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        sandbox_id: str,
+        request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+    ) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._sandbox_id = sandbox_id
+        self._request_timeout_s = request_timeout_s
+        self._streams: dict[int, GuestStream] = {}
+        self._next_id = 1
+        self._pings: dict[bytes, asyncio.Future[None]] = {}
+        self._closed = False
+        self._failure: Unavailable | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self.hello = {}
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def reassign(self, sandbox_id: str) -> None:
+        """Name another sandbox in errors from now on: a pool VM handed over keeps its
+        channel (the guest session held no tenant's requests)."""
+        self._sandbox_id = sandbox_id
+
+    async def close(self) -> None:
+        """Close the channel; pending calls raise Unavailable. Idempotent."""
+        self._shutdown(Unavailable("guest channel closed", sandbox_id=self._sandbox_id))
+        if self._reader_task is not None and self._reader_task is not asyncio.current_task():
+            self._reader_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reader_task
+        await self._close_writer()
+
+    async def _close_writer(self) -> None:
+        self._writer.close()
+        with contextlib.suppress(Exception):
+            await self._writer.wait_closed()
+
+    def _fail(self, reason: str) -> None:
+        """The channel broke: log once, fail everything pending, close the writer."""
+        if self._closed:
+            return
+        _log.error("guest channel of sandbox %s closed: %s", self._sandbox_id, reason)
+        self._shutdown(Unavailable(f"guest channel broken: {reason}", sandbox_id=self._sandbox_id))
+        self._writer.close()
+
+    def _shutdown(self, failure: Unavailable) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._failure = failure
+        for stream in self._streams.values():
+            stream.finish(Final(error=failure))
+        self._streams.clear()
+        for waiter in self._pings.values():
+            if not waiter.done():
+                waiter.set_exception(failure)
+        self._pings.clear()
+
+    def _unavailable(self) -> Unavailable:
+        return self._failure or Unavailable("guest channel closed", sandbox_id=self._sandbox_id)
+
+    # -- reading --
+
+    async def _read_frame(self) -> Frame:
+        length = unpack_length(await self._reader.readexactly(length_prefix_bytes()))
+        check_length(length)  # before a byte of the body is buffered
+        return parse_body(await self._reader.readexactly(length))
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                self._dispatch(await self._read_frame())
+        except ProtocolError as exc:
+            self._fail(f"protocol violation: {exc}")
+        except asyncio.IncompleteReadError as exc:
+            self._fail("EOF" if not exc.partial else f"EOF inside a frame ({len(exc.partial)} B)")
+        except OSError as exc:
+            self._fail(f"read failed: {exc}")
+
+    def _dispatch(self, frame: Frame) -> None:
+        kind = frame.kind
+        if kind in _GUEST_MAY_NOT_SEND or (kind is FrameKind.RESULT and frame.stream == 0):
+            raise ProtocolError(f"the guest may not send {kind.name} on stream {frame.stream}")
+        if kind in (FrameKind.PING, FrameKind.PONG):
+            self._on_ping_pong(frame)
+            return
+        stream = self._streams.get(frame.stream)
+        if stream is None:
+            if kind is not FrameKind.CREDIT:  # CREDIT may cross our stream's end
+                raise ProtocolError(f"{kind.name} for unknown stream {frame.stream}")
+            decode_credit(frame.payload)
+            return
+        if kind is FrameKind.DATA:
+            channel, data = decode_data(frame.payload)
+            stream.on_data(channel, data, len(frame.payload))
+        elif kind is FrameKind.EOF:
+            if decode_eof(frame.payload) is Channel.INPUT:
+                raise ProtocolError("the guest sent EOF on INPUT")
+        elif kind is FrameKind.CREDIT:
+            stream.on_credit(decode_credit(frame.payload))
+        elif kind is FrameKind.EVENT:
+            stream.on_event(decode_json(frame.payload))
+        else:
+            self._on_result(stream, decode_json(frame.payload))
+
+    def _on_ping_pong(self, frame: Frame) -> None:
+        if frame.stream != 0 or len(frame.payload) > MAX_PING_BYTES:
+            raise ProtocolError("malformed PING/PONG")
+        if frame.kind is FrameKind.PONG:
+            waiter = self._pings.pop(frame.payload, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+            return
+        if self._writer.transport.get_write_buffer_size() > MAX_UNREAD_BYTES:
+            raise ProtocolError("the guest does not read what we send")
+        self._writer.write(encode_frame(FrameKind.PONG, 0, frame.payload))
+
+    def _on_result(self, stream: GuestStream, message: dict[str, object]) -> None:
+        ok = message.get("ok")
+        if ok is False:
+            code, text = parse.parse_error(message)
+            final = Final(error=error_for_code(code, text, sandbox_id=self._sandbox_id))
+        elif ok is True:
+            final = Final(value=stream.parse_result(message))
+        else:
+            raise ProtocolError("RESULT without a boolean 'ok'")
+        # Only a valid RESULT ends the stream: on a violation it is failed with the rest.
+        del self._streams[stream.id]
+        stream.finish(final)
+
+    # -- writing --
+
+    async def _send(self, kind: FrameKind, stream_id: int, payload: bytes = b"") -> None:
+        await self._send_frame(encode_frame(kind, stream_id, payload))
+
+    async def _send_frame(self, frame: bytes) -> None:
+        if self._closed:
+            raise self._unavailable()
+        try:
+            self._writer.write(frame)
+            await self._writer.drain()
+        except (OSError, RuntimeError) as exc:
+            self._fail(f"write failed: {exc}")
+            raise self._unavailable() from None
+
+    # -- streams --
+
+    async def _open_stream(
+        self,
+        request: Mapping[str, object],
+        parse_result: ResultParser,
+        parse_event: EventParser | None = None,
+        *,
+        max_events: int = 0,
+        accepts_data: bool = False,
+    ) -> GuestStream:
+        if self._closed:
+            raise self._unavailable()
+        if len(self._streams) >= MAX_STREAMS:
+            raise ResourceExhausted(
+                f"{MAX_STREAMS} streams already open", sandbox_id=self._sandbox_id
+            )
+        stream_id, self._next_id = self._next_id, self._next_id + 2
+        op = str(request["op"])
+        stream = GuestStream(stream_id, op, parse_result, parse_event, max_events, accepts_data)
+        self._streams[stream_id] = stream
+        try:
+            await self._send(FrameKind.OPEN, stream_id, encode_json(dict(request)))
+        except ProtocolError as exc:  # the request itself is too large
+            del self._streams[stream_id]
+            raise InvalidArgument(str(exc), sandbox_id=self._sandbox_id) from None
+        return stream
+
+    async def _next_item(self, stream: GuestStream, timeout_s: float | None = None) -> object:
+        """The stream's next item; DATA is credited back, a failed RESULT is raised."""
+        async with asyncio.timeout(timeout_s):
+            item = await stream.queue.get()
+        if isinstance(item, Data) and not stream.done and not self._closed:
+            stream.unacked += item.payload_size
+            if stream.unacked >= GRANT_THRESHOLD_BYTES:
+                grant, stream.unacked = stream.unacked, 0
+                stream.recv_allowed += grant
+                await self._send(FrameKind.CREDIT, stream.id, encode_credit(grant))
+        if isinstance(item, Final):
+            if item.error is not None:
+                raise item.error
+            return item.value
+        return item
+
+    async def _abandon(self, stream: GuestStream) -> None:
+        """Stop caring about a stream: CANCEL it; its late frames are read and dropped."""
+        if stream.abandoned or stream.done:
+            return
+        stream.abandoned = True
+        while not stream.queue.empty():
+            stream.queue.get_nowait()
+        if not self._closed:
+            with contextlib.suppress(Unavailable):
+                await self._send(FrameKind.CANCEL, stream.id)
+
+    async def _call(self, stream: GuestStream, operation: Callable[[], Awaitable[T]]) -> T:
+        """Run ``operation`` under the request timeout; abandon the stream on any failure."""
+        try:
+            async with asyncio.timeout(self._request_timeout_s):
+                return await operation()
+        except TimeoutError:
+            await self._abandon(stream)
+            raise Timeout(
+                f"{stream.op} took longer than {self._request_timeout_s} s",
+                sandbox_id=self._sandbox_id,
+            ) from None
+        except BaseException:
+            await asyncio.shield(self._abandon(stream))
+            raise
+
+    async def _request(
+        self,
+        request: Mapping[str, object],
+        parse_result: Callable[[dict[str, object]], T],
+        parse_event: EventParser | None = None,
+        max_events: int = 0,
+    ) -> T:
+        stream = await self._open_stream(request, parse_result, parse_event, max_events=max_events)
+        # List batches are absorbed by their parse_event, so the next item is the RESULT.
+        return cast(T, await self._call(stream, lambda: self._next_item(stream)))
+
+    async def _send_input(self, stream: GuestStream, chunks: list[bytes]) -> None:
+        for chunk in chunks:
+            await self._send_chunk(stream, chunk)
+        if not stream.done:
+            await self._send(FrameKind.EOF, stream.id, encode_eof(Channel.INPUT))
+
+    async def _send_chunk(self, stream: GuestStream, chunk: bytes) -> None:
+        step = DATA_CHUNK_BYTES - 1
+        view = memoryview(chunk)
+        for start in range(0, len(view), step):
+            data = view[start : start + step]
+            while stream.send_credit < len(data) + 1 and not stream.done:
+                stream.credit_changed.clear()
+                async with asyncio.timeout(self._request_timeout_s):
+                    await stream.credit_changed.wait()
+            if stream.done:
+                return  # the guest answered early (an error): the caller reads it
+            stream.send_credit -= len(data) + 1
+            await self._send_frame(encode_data_frame(stream.id, Channel.INPUT, data))

@@ -1,0 +1,358 @@
+"""The host's end of the guest channel: one GuestChannel per VM connection.
+
+It speaks docs/protocol.md over an asyncio stream pair. Everything the guest sends is
+treated as hostile: a frame's length is checked before its body is read, every frame
+and JSON message is validated, and per-stream memory is bounded by the credit window.
+Any violation (or EOF) closes this channel only: it logs one error on the
+"space.node.channel" logger, fails every pending call with Unavailable and marks
+``closed``; the node reconnects by opening a new GuestChannel.
+
+Every method raises space.node.api.errors leaves carrying the sandbox id: guest RESULT
+errors map through ``error_for_code``; a non-streaming call that takes longer than
+``request_timeout_s`` raises Timeout (and abandons its stream with CANCEL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections.abc import AsyncIterable
+
+from space.node.api import (
+    ExecRequest,
+    ExecStream,
+    FileReader,
+    FileStat,
+    InvalidArgument,
+    NodeError,
+    ProcessInfo,
+    Timeout,
+    Unavailable,
+)
+from space.node.channel import _parse as parse
+from space.node.channel._core import DEFAULT_REQUEST_TIMEOUT_S, MAX_LIST_ITEMS, ChannelCore
+from space.node.channel._streams import (
+    ChannelExecStream,
+    ChannelFileReader,
+    GuestStream,
+    ResultParser,
+)
+from space.protocol import (
+    PROTOCOL_VERSION,
+    Frame,
+    FrameKind,
+    Identity,
+    ProtocolError,
+    decode_json,
+    encode_frame,
+    encode_json,
+)
+
+__all__ = ["DEFAULT_REQUEST_TIMEOUT_S", "GuestChannel"]
+
+
+class GuestChannel(ChannelCore):
+    """A session with one guest's spaced; see the module docstring for the error contract."""
+
+    # -- lifecycle --
+
+    @classmethod
+    async def open(
+        cls,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        sandbox_id: str,
+        hello_timeout_s: float = 60.0,
+    ) -> GuestChannel:
+        """Send HELLO and wait for the guest's; the channel then owns ``writer``.
+
+        Raises Timeout if no HELLO comes within ``hello_timeout_s``, Unavailable if the
+        connection drops, the first frame is not a valid HELLO, or no version is shared.
+        On failure the writer is closed.
+        """
+        channel = cls(reader, writer, sandbox_id)
+        session = secrets.token_hex(16)
+        hello: dict[str, object] = {"versions": [PROTOCOL_VERSION], "session": session}
+        try:
+            async with asyncio.timeout(hello_timeout_s):
+                writer.write(encode_frame(FrameKind.HELLO, 0, encode_json(hello)))
+                await writer.drain()
+                channel.hello = channel._check_hello(await channel._read_frame(), session)
+        except TimeoutError:
+            await channel._close_writer()
+            raise Timeout(
+                f"no HELLO from the guest within {hello_timeout_s} s", sandbox_id=sandbox_id
+            ) from None
+        except (ProtocolError, asyncio.IncompleteReadError, OSError) as exc:
+            await channel._close_writer()
+            raise Unavailable(f"guest HELLO failed: {exc}", sandbox_id=sandbox_id) from None
+        channel._reader_task = asyncio.get_running_loop().create_task(channel._read_loop())
+        return channel
+
+    @staticmethod
+    def _check_hello(frame: Frame, session: str) -> dict[str, object]:
+        if frame.kind is not FrameKind.HELLO or frame.stream != 0:
+            raise ProtocolError(f"expected HELLO, got {frame.kind.name}")
+        answer = decode_json(frame.payload)
+        if answer.get("version") != PROTOCOL_VERSION or isinstance(answer.get("version"), bool):
+            error = str(answer.get("error"))[:200]
+            raise ProtocolError(f"guest speaks no common version: {error}")
+        if answer.get("session") != session:
+            raise ProtocolError("guest HELLO answers another session")
+        parse.require_str(answer, "agent", max_chars=256)
+        parse.require_str(answer, "boot_id", optional=True, max_chars=256)
+        parse.require_str(answer, "hostname", optional=True, max_chars=256)
+        return answer
+
+    # -- public operations --
+
+    async def exec(self, request: ExecRequest) -> ExecStream:
+        """Start a process; returns once it runs (EVENT started).
+
+        Raises the guest's error (e.g. NotFound for a missing cwd or program),
+        InvalidArgument for a malformed request, Timeout, Unavailable.
+        """
+        if (request.argv is None) == (request.cmd is None):
+            raise InvalidArgument("give exactly one of argv and cmd", sandbox_id=self._sandbox_id)
+        if request.background and request.stdin is not None:
+            raise InvalidArgument("a background exec takes no stdin", sandbox_id=self._sandbox_id)
+        message: dict[str, object] = {
+            "op": "exec",
+            "env": dict(request.env),
+            "user": request.user,
+            "stdin": request.stdin is not None,
+            "timeout_s": request.timeout_s,
+            "background": request.background,
+        }
+        message |= {"argv": list(request.argv)} if request.argv is not None else {}
+        message |= {"cmd": request.cmd} if request.cmd is not None else {}
+        message |= {"cwd": request.cwd} if request.cwd is not None else {}
+        return await self._start_process(message, request.background, request.stdin)
+
+    async def attach(self, process_id: str) -> ExecStream:
+        """Follow a background process: its buffered output (last 1 MiB), then live."""
+        return await self._start_process(
+            {"op": "process.attach", "process_id": process_id}, False, None
+        )
+
+    async def _start_process(
+        self, message: dict[str, object], background: bool, stdin: bytes | None
+    ) -> ExecStream:
+        parse_result: ResultParser = (
+            (lambda m: parse.parse_started(m)) if background else parse.parse_exited
+        )
+
+        def started(event: dict[str, object]) -> object:
+            parse.expect_event(event, "started")
+            return parse.parse_started(event)
+
+        stream = await self._open_stream(
+            message, parse_result, started, max_events=1, accepts_data=not background
+        )
+
+        async def start() -> tuple[int, str]:
+            started = await self._next_item(stream)
+            assert isinstance(started, tuple)
+            return int(started[0]), str(started[1])
+
+        pid, process_id = await self._call(stream, start)
+        feeder = None
+        if stdin is not None:  # fed alongside the output, so a pipe-full stdin cannot stall us
+            feeder = asyncio.get_running_loop().create_task(self._feed_stdin(stream, stdin))
+
+        async def abandon() -> None:
+            if feeder is not None:
+                feeder.cancel()
+            await self._abandon(stream)
+
+        return ChannelExecStream(
+            pid, process_id, lambda: self._next_item(stream), abandon, background
+        )
+
+    async def _feed_stdin(self, stream: GuestStream, stdin: bytes) -> None:
+        # A failure here shows up on the stream itself (its RESULT or the channel's end).
+        with contextlib.suppress(NodeError, TimeoutError):
+            await self._send_input(stream, [stdin])
+
+    async def list_processes(self) -> list[ProcessInfo]:
+        collected: list[ProcessInfo] = []
+
+        def batch(message: dict[str, object]) -> None:
+            parse.expect_event(message, "processes")
+            items = parse.require_list(message, "processes", MAX_LIST_ITEMS - len(collected))
+            collected.extend(parse.parse_process(item) for item in items)
+
+        def result(message: dict[str, object]) -> list[ProcessInfo]:
+            batch({"event": "processes", **message})
+            return collected
+
+        return await self._request({"op": "process.list"}, result, batch, max_events=MAX_LIST_ITEMS)
+
+    async def kill_process(self, process_id: str, signal: int = 9) -> None:
+        await self._request({"op": "process.kill", "process_id": process_id, "signal": signal}, _ok)
+
+    async def read_file(self, path: str, user: str = "user") -> FileReader:
+        """Open a guest file for reading; returns once its Stat is known.
+
+        Raises NotFound, PermissionDenied, InvalidArgument (a directory, a symlink, not a
+        regular file), Timeout, Unavailable. Chunks follow as the reader is iterated;
+        each wait is bounded by the request timeout.
+        """
+
+        def stat_event(event: dict[str, object]) -> object:
+            parse.expect_event(event, "stat")
+            return parse.parse_stat(event.get("stat"))
+
+        def size_result(message: dict[str, object]) -> object:
+            return parse.require_int(message, "size")
+
+        stream = await self._open_stream(
+            {"op": "file.read", "path": path, "user": user},
+            size_result,
+            stat_event,
+            max_events=1,
+            accepts_data=True,
+        )
+        stat = await self._call(stream, lambda: self._next_item(stream))
+        assert isinstance(stat, FileStat)
+        return ChannelFileReader(
+            stat,
+            lambda: self._call(stream, lambda: self._next_item(stream)),
+            lambda: self._abandon(stream),
+        )
+
+    async def write_file(
+        self, path: str, data: AsyncIterable[bytes], *, user: str = "user", mode: int = 0o644
+    ) -> FileStat:
+        """Write a guest file atomically (temp file, fsync, rename) from ``data``.
+
+        Streams as the guest's credit allows, so memory stays bounded. Cancelling (or an
+        error in ``data``) abandons the write: the guest discards the temp file and the
+        old content stays. Raises the guest's error, Timeout (no progress for the
+        request timeout), Unavailable.
+        """
+        request = {"op": "file.write", "path": path, "user": user, "mode": mode}
+        stream = await self._open_stream(request, _stat_result)
+        try:
+            async for chunk in data:
+                if not isinstance(chunk, bytes | bytearray | memoryview):
+                    raise InvalidArgument("write_file data must yield bytes")
+                await self._send_chunk(stream, bytes(chunk))
+                if stream.done:
+                    break
+            await self._send_input(stream, [])
+        except TimeoutError:
+            await self._abandon(stream)
+            raise Timeout(f"writing {path} made no progress", sandbox_id=self._sandbox_id) from None
+        except BaseException:
+            await asyncio.shield(self._abandon(stream))
+            raise
+        value = await self._call(stream, lambda: self._next_item(stream))
+        assert isinstance(value, FileStat)
+        return value
+
+    async def list_dir(self, path: str, user: str = "user") -> list[FileStat]:
+        """Entries of a guest directory (lstat; at most 10,000)."""
+        collected: list[FileStat] = []
+
+        def batch(message: dict[str, object]) -> None:
+            parse.expect_event(message, "entries")
+            items = parse.require_list(message, "entries", MAX_LIST_ITEMS - len(collected))
+            collected.extend(parse.parse_stat(item) for item in items)
+
+        def result(message: dict[str, object]) -> list[FileStat]:
+            batch({"event": "entries", "entries": message.get("entries")})
+            return collected
+
+        request = {"op": "file.list", "path": path, "user": user}
+        return await self._request(request, result, batch, max_events=MAX_LIST_ITEMS)
+
+    async def stat(self, path: str, user: str = "user") -> FileStat:
+        request = {"op": "file.stat", "path": path, "user": user}
+        return await self._request(request, _stat_result)
+
+    async def make_dir(self, path: str, user: str = "user") -> FileStat:
+        """mkdir -p; an existing directory is fine (idempotent)."""
+        request = {"op": "file.mkdir", "path": path, "user": user}
+        return await self._request(request, _stat_result)
+
+    async def remove(self, path: str, *, recursive: bool = False) -> None:
+        await self._request({"op": "file.remove", "path": path, "recursive": recursive}, _ok)
+
+    async def rename(self, src: str, dst: str, user: str = "user") -> FileStat:
+        request = {"op": "file.rename", "src": src, "dst": dst, "user": user}
+        return await self._request(request, _stat_result)
+
+    async def system_info(self) -> dict[str, object]:
+        return await self._request({"op": "system.info"}, _system_info)
+
+    async def set_identity(
+        self,
+        *,
+        hostname: str | None = None,
+        machine_id: str | None = None,
+        entropy: bytes | None = None,
+        time_ns: int | None = None,
+    ) -> list[str]:
+        """Give the guest a new identity: wall clock, RNG entropy, hostname, machine-id.
+
+        Meant for right after the HELLO of a restored, forked or resumed VM, before any
+        user request. ``time_ns`` is the wall clock in ns since the epoch (the guest's
+        ends up behind it by the channel's latency); ``entropy`` is 32 to 512 bytes from
+        a CSPRNG; see space.protocol.Identity for the other limits. The guest applies
+        the clock first and stops at the first failure (what came before stays applied).
+
+        Returns the names applied, in the guest's order (all of those given). Raises
+        InvalidArgument for no or malformed arguments (nothing is sent), the guest's
+        error (e.g. PermissionDenied), Timeout, Unavailable. Idempotent: sending the
+        same values again changes nothing more (entropy is mixed in once more).
+        """
+        try:
+            identity = Identity(
+                hostname=hostname, machine_id=machine_id, entropy=entropy, time_ns=time_ns
+            )
+        except ProtocolError as exc:
+            raise InvalidArgument(str(exc), sandbox_id=self._sandbox_id) from None
+        requested = identity.fields()
+        return await self._request(
+            identity.to_request(), lambda message: parse.parse_applied(message, requested)
+        )
+
+    async def ping(self, timeout_s: float = 5.0) -> float:
+        """Round trip to spaced in seconds; raises Timeout or Unavailable."""
+        if self._closed:
+            raise self._unavailable()
+        token = secrets.token_bytes(8)
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pings[token] = waiter
+        started = time.monotonic()
+        try:
+            await self._send(FrameKind.PING, 0, token)
+            async with asyncio.timeout(timeout_s):
+                await waiter
+        except TimeoutError:
+            raise Timeout(f"no PONG within {timeout_s} s", sandbox_id=self._sandbox_id) from None
+        finally:
+            self._pings.pop(token, None)
+        return time.monotonic() - started
+
+
+def _ok(message: dict[str, object]) -> None:
+    return None
+
+
+def _stat_result(message: dict[str, object]) -> FileStat:
+    return parse.parse_stat(message.get("stat"))
+
+
+def _system_info(message: dict[str, object]) -> dict[str, object]:
+    info: dict[str, object] = {
+        "hostname": parse.require_str(message, "hostname", max_chars=256),
+        "boot_id": parse.require_str(message, "boot_id", max_chars=256),
+        "uptime_s": parse.require_number(message, "uptime_s"),
+        "agent": parse.require_str(message, "agent", max_chars=256),
+    }
+    return info

@@ -1,0 +1,148 @@
+"""Configuration of one node agent.
+
+``NodeConfig`` is a plain frozen value; nothing here starts processes. The only side
+effect is ``resolve_node_id``, which persists a generated node id in the data dir so it
+stays stable across restarts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from space.node.api import InvalidArgument
+from space.node.network.resolvers import parse_resolvers, system_resolvers
+
+__all__ = ["Accel", "NodeConfig", "resolve_node_id"]
+
+Accel = Literal["auto", "kvm", "tcg"]
+
+_NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_KEYRING = "/usr/share/keyrings/debian-archive-keyring.gpg"
+#: The Debian release of the guest image (space/node/images/_rootfs.py) and its updates.
+DEFAULT_APT_SOURCES = (
+    f"deb [signed-by={_KEYRING}] http://deb.debian.org/debian bookworm main",
+    f"deb [signed-by={_KEYRING}] http://deb.debian.org/debian bookworm-updates main",
+    f"deb [signed-by={_KEYRING}] http://deb.debian.org/debian-security bookworm-security main",
+)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Where a node keeps its state and how it runs VMs.
+
+    ``pool_path`` is an existing btrfs mount to use; None means a loop-mounted file
+    ``data_dir/pool.img`` of ``pool_size_gib`` (sparse) mounted at ``data_dir/pool``.
+    ``node_id`` None means: generated once and persisted in ``data_dir/node_id``.
+    ``run_dir`` holds the VMs' unix sockets and pid files; None means a short path under
+    /run/space derived from ``data_dir`` (unix socket paths are limited to 107 bytes, so
+    sockets cannot live under an arbitrarily deep data dir).
+    """
+
+    data_dir: Path = Path("/var/lib/space")
+    pool_path: Path | None = None
+    pool_size_gib: int = 20
+    image_cache_dir: Path = Path("/var/cache/space/images")
+    accel: Accel = "auto"
+    node_id: str | None = None
+    max_sandboxes: int = 64
+    boot_timeout_s: float = 60.0
+    run_dir: Path | None = None
+    qemu_binary: str = "qemu-system-x86_64"
+    #: Bytes of serial console kept per sandbox (older output is rotated away).
+    console_max_bytes: int = 1 << 20
+    #: Make each template's ready state at start (one boot, then kept in the pool), so
+    #: sandboxes of its shape start from memory instead of booting.
+    ready_state: bool = True
+    #: Warm pool per template (needs its ready state): paused VMs woken from it, handed
+    #: out on create. The pool follows recent demand between these sizes; 0 and 0 (the
+    #: default) means no pool. Each waiting VM holds its RAM but no CPU.
+    warm_pool_min: int = 0
+    warm_pool_max: int = 0
+    #: VMs started (booted or woken from memory) at once; more creates wait their turn.
+    max_parallel_starts: int = 4
+    #: Longest a template build's run step or package install may take.
+    build_step_timeout_s: float = 1800.0
+    #: Where template builds fetch packages from (apt one-line sources; the host
+    #: fetches, the build VM has no network).
+    apt_sources: tuple[str, ...] = DEFAULT_APT_SOURCES
+    #: DNS servers ("address" or "address:port", IPv4) the egress gateway resolves
+    #: allowed names with; empty means the host's /etc/resolv.conf nameservers.
+    egress_resolvers: tuple[str, ...] = ()
+    #: CA bundle the egress gateway verifies upstream TLS servers with; None means the
+    #: host's (/etc/ssl/certs/ca-certificates.crt). Upstream TLS is always verified.
+    egress_upstream_ca: Path | None = None
+
+    def __post_init__(self) -> None:
+        counts = {
+            "max_sandboxes": (self.max_sandboxes, 1),
+            "max_parallel_starts": (self.max_parallel_starts, 1),
+            "warm_pool_min": (self.warm_pool_min, 0),
+            "warm_pool_max": (self.warm_pool_max, self.warm_pool_min),
+        }
+        for name, (value, least) in counts.items():
+            if not isinstance(value, int) or value < least:
+                raise InvalidArgument(
+                    f"{name} must be an integer of at least {least}, got {value!r}"
+                )
+        try:
+            parse_resolvers(self.egress_resolvers)
+        except ValueError as exc:
+            raise InvalidArgument(f"egress_resolvers: {exc}") from exc
+        if not all(isinstance(line, str) and line.startswith("deb ") for line in self.apt_sources):
+            raise InvalidArgument(
+                f"apt_sources must be one-line 'deb ...' sources: {self.apt_sources!r}"
+            )
+
+    @property
+    def effective_run_dir(self) -> Path:
+        """The directory for sockets and pid files (see the class docstring)."""
+        if self.run_dir is not None:
+            return self.run_dir
+        tag = hashlib.sha256(str(self.data_dir.resolve()).encode()).hexdigest()[:12]
+        return Path("/run/space") / tag
+
+    @property
+    def effective_upstream_ca(self) -> Path:
+        return self.egress_upstream_ca or Path("/etc/ssl/certs/ca-certificates.crt")
+
+    @property
+    def effective_resolvers(self) -> list[str]:
+        return list(self.egress_resolvers) or system_resolvers()
+
+    @property
+    def effective_pool_path(self) -> Path:
+        return self.pool_path if self.pool_path is not None else self.data_dir / "pool"
+
+
+def resolve_node_id(config: NodeConfig) -> str:
+    """Return the configured node id, else the one persisted in the data dir.
+
+    Creates ``data_dir`` and ``data_dir/node_id`` on first use. Raises ValueError for a
+    configured id that is not a short path-safe token.
+    """
+    if config.node_id is not None:
+        if not _NODE_ID_RE.match(config.node_id):
+            raise ValueError(f"invalid node id {config.node_id!r}")
+        return config.node_id
+    path = config.data_dir / "node_id"
+    try:
+        stored = path.read_text().strip()
+        if _NODE_ID_RE.match(stored):
+            return stored
+    except FileNotFoundError:
+        pass
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    node_id = "node-" + secrets.token_hex(6)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        f.write(node_id + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return node_id

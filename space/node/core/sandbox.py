@@ -1,0 +1,323 @@
+"""One sandbox's live parts on the node: its record, QEMU, guest channel and watcher.
+
+Private to space.node.agent.node: the Node owns the lifecycle and the locking; this module
+knows how to bring a sandbox's VM up, reconnect to it and take it apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TypeVar
+
+from space.node.api import Conflict, NodeError, SandboxState, Timeout, Unavailable
+from space.node.channel import GuestChannel
+from space.node.core.state import Pending, SandboxRecord
+from space.node.network import netns
+from space.node.vmm.accel import Accelerator
+from space.node.vmm.qemu import QemuVM, VmConfig, console_tail, trim_console
+
+__all__ = [
+    "MEMORY_FILE",
+    "NIC_MARKER",
+    "STATE_FILE",
+    "LiveSandbox",
+    "has_nic",
+    "hostname_for",
+    "kill_strays",
+    "not_allowed",
+    "settled",
+    "vm_config_for",
+    "with_console",
+]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_CONSOLE_CHECK_S = 5.0
+#: QEMU run states in which the vCPUs are stopped but ``cont`` runs them again.
+_STOPPED_STATES = frozenset({"paused", "postmigrate", "prelaunch", "finish-migrate"})
+_CONSOLE_TAIL_BYTES = 2048
+
+
+def hostname_for(sandbox_id: str) -> str:
+    """A valid hostname derived from the sandbox id (lowercase, [a-z0-9-], <= 63)."""
+    name = re.sub(r"[^a-z0-9-]+", "-", sandbox_id.lower()).strip("-")[:63].strip("-")
+    return name or "sandbox"
+
+
+#: Files in a sandbox volume next to kernel, initrd and rootfs.img: the guest RAM, and
+#: the saved device state (present while hibernated, and in snapshots).
+MEMORY_FILE = "memory.ram"
+STATE_FILE = "vmstate"
+#: Present in a volume whose VM has a NIC. A saved VM must be woken with the devices it
+#: was saved with, and volumes saved before sandboxes had networks have none.
+NIC_MARKER = "nic"
+
+
+def has_nic(volume: Path) -> bool:
+    return (volume / NIC_MARKER).exists()
+
+
+def vm_config_for(
+    record: SandboxRecord, *, volume: Path, base_cmdline: str, accel: Accelerator, console_log: Path
+) -> VmConfig:
+    """The VM of a sandbox: kernel, initrd, rootfs and RAM all live in its own volume."""
+    spec = record.spec
+    return VmConfig(
+        memory_file=volume / MEMORY_FILE,
+        sandbox_id=spec.sandbox_id,
+        run_dir=Path(record.run_dir),
+        kernel=volume / "kernel",
+        initrd=volume / "initrd",
+        rootfs=volume / "rootfs.img",
+        kernel_cmdline=(
+            f"{base_cmdline} space.hostname={hostname_for(spec.sandbox_id)} {netns.KERNEL_ARG}"
+        ).strip(),
+        console_log=console_log,
+        cpus=spec.cpus,
+        memory_mib=spec.memory_mib,
+        accel=accel,
+        netns=netns.netns_path(netns.netns_name(Path(record.run_dir))),
+    )
+
+
+@dataclass(eq=False)
+class LiveSandbox:
+    """A sandbox known to the node. ``lock`` serialises its lifecycle operations."""
+
+    record: SandboxRecord
+    config: VmConfig
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    vm: QemuVM | None = None
+    channel: GuestChannel | None = None
+    watcher: asyncio.Task[None] | None = None
+    #: The egress CA certificate (PEM) installed in this guest's filesystem, if any.
+    trusted_ca: bytes | None = None
+
+    @property
+    def sandbox_id(self) -> str:
+        return self.record.sandbox_id
+
+    @property
+    def volume(self) -> Path:
+        return self.config.rootfs.parent
+
+    @property
+    def state_file(self) -> Path:
+        return self.volume / STATE_FILE
+
+    @property
+    def vm_alive(self) -> bool:
+        return self.vm is not None and self.vm.alive
+
+    async def launch(self, *, qemu_binary: str, incoming: bool = False) -> QemuVM:
+        """Start this sandbox's QEMU (``incoming``: paused, waiting for a saved state).
+
+        A VM booted afresh gets a NIC in its own network namespace (made here, closed
+        until the egress policy opens it); a saved VM gets one only if it had one.
+        """
+        config = replace(self.config, incoming=incoming)
+        if not incoming:
+            (self.volume / NIC_MARKER).touch()
+        if config.netns is not None and has_nic(self.volume):
+            await netns.create(config.netns.name)
+        else:
+            config = replace(config, netns=None)
+        self.vm = await QemuVM.launch(config, qemu_binary=qemu_binary)
+        return self.vm
+
+    async def save_state(self) -> int:
+        """Pause the VM and save its device state into the volume; returns its size.
+
+        The guest RAM is in the volume already (a file mapping): with the state it makes
+        the volume a complete memory image. The VM stays paused.
+        """
+        vm = self._running_vm()
+        await vm.pause()
+        return await vm.save_state(self.state_file)
+
+    def console_tail(self) -> str:
+        return console_tail(self.config.console_log, _CONSOLE_TAIL_BYTES)
+
+    async def connect(self, *, hello_timeout_s: float) -> GuestChannel:
+        """Open a fresh guest channel (a new HELLO, a new guest session)."""
+        if self.vm is None or not self.vm.alive:
+            raise Unavailable("the sandbox's VM is not running", sandbox_id=self.sandbox_id)
+        reader, writer = await self.vm.open_agent()
+        try:
+            channel = await GuestChannel.open(
+                reader, writer, sandbox_id=self.sandbox_id, hello_timeout_s=hello_timeout_s
+            )
+        except BaseException:
+            writer.close()
+            raise
+        self.channel = channel
+        return channel
+
+    async def pause(self) -> None:
+        """Stop the vCPUs; returns once QEMU confirmed. Unavailable if it cannot."""
+        await self._running_vm().pause()
+
+    async def resume(self) -> None:
+        """Restart the vCPUs; returns once QEMU confirmed. Unavailable if it cannot."""
+        await self._running_vm().resume()
+
+    async def vm_is_paused(self) -> bool:
+        """Whether QEMU's vCPUs are stopped, by QMP ``query-status``.
+
+        Without a working QMP connection the persisted record is believed instead.
+        """
+        try:
+            return await self._running_vm().query_status() in _STOPPED_STATES
+        except Unavailable:
+            return self.record.state == SandboxState.PAUSED
+
+    def _running_vm(self) -> QemuVM:
+        if self.vm is None or not self.vm.alive:
+            raise Unavailable("the sandbox's VM is not running", sandbox_id=self.sandbox_id)
+        return self.vm
+
+    def watch(self, on_exit: Callable[[LiveSandbox], None], console_max_bytes: int) -> None:
+        """Start the watcher: keeps the console bounded, reports an unexpected exit."""
+        self.watcher = asyncio.create_task(
+            self._watch(on_exit, console_max_bytes), name=f"watch-{self.sandbox_id}"
+        )
+
+    async def _watch(self, on_exit: Callable[[LiveSandbox], None], console_max_bytes: int) -> None:
+        vm = self.vm
+        if vm is None:
+            return
+        while vm.alive:
+            trim_console(self.config.console_log, console_max_bytes)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_CONSOLE_CHECK_S):
+                    await vm.wait_exited()
+        on_exit(self)
+
+    async def teardown(self) -> None:
+        """Stop the watcher, close the channel, stop QEMU (quit, TERM, KILL); idempotent."""
+        await self.unwatch()
+        if self.vm is not None:
+            vm, self.vm = self.vm, None
+            await vm.stop()
+
+    async def disconnect(self) -> None:
+        """Stop watching and drop channel and QMP; QEMU keeps running."""
+        await self.unwatch()
+        if self.vm is not None:
+            await self.vm.detach()
+
+    async def unwatch(self) -> None:
+        """Stop the watcher and close the guest channel; QEMU and QMP stay."""
+        if self.watcher is not None:
+            watcher, self.watcher = self.watcher, None
+            if watcher is not asyncio.current_task():
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watcher
+        if self.channel is not None:
+            channel, self.channel = self.channel, None
+            with contextlib.suppress(NodeError, OSError):
+                await channel.close()
+
+    def mark(
+        self, state: SandboxState, *, error: str | None = None, pending: Pending | None = None
+    ) -> SandboxRecord:
+        """Set the record's state (and the VM's pid, if it runs); returns the record."""
+        pid = self.vm.pid if self.vm is not None and self.vm.alive else None
+        record = self.record.with_state(state, vmm_pid=pid, error=error)
+        self.record = replace(record, pending=pending)
+        return self.record
+
+
+async def kill_strays(
+    run_root: Path, expected: dict[str, int | None], say: Callable[[str], None]
+) -> None:
+    """Kill QEMUs of this node (sockets under ``run_root``) that no record names by pid.
+
+    ``expected`` maps run directory names (a sandbox's id, or the pool VM it was made
+    from) to the pid its record names.
+    """
+    for pid, name in _qemus_under(run_root):
+        if expected.get(name) == pid:
+            continue
+        say(f"killing stray qemu pid {pid} ({name})")
+        with contextlib.suppress(NodeError):
+            vm = await QemuVM.adopt(_vm_config_stub(run_root, name), pid)
+            await vm.kill()
+
+
+def _qemus_under(run_root: Path) -> list[tuple[int, str]]:
+    """(pid, sandbox id) of every process whose command line has a socket in run_root."""
+    marker = f"path={run_root}/".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if marker in argv:
+            sid = argv.split(marker, 1)[1].split(b"/", 1)[0].decode(errors="replace")
+            found.append((int(proc.name), sid))
+    return found
+
+
+def _vm_config_stub(run_root: Path, sandbox_id: str) -> VmConfig:
+    """Enough of a VmConfig to recognise and stop a QEMU by its sockets."""
+    return VmConfig(
+        sandbox_id=sandbox_id,
+        run_dir=run_root / sandbox_id,
+        kernel=Path(),
+        initrd=Path(),
+        rootfs=Path(),
+        kernel_cmdline="",
+        console_log=Path("/dev/null"),
+    )
+
+
+async def settled(transition: Awaitable[T]) -> T:
+    """Run ``transition`` to its end even if the caller is cancelled meanwhile.
+
+    Every lifecycle transition records its steps; abandoning one half-way would leave
+    the record and the VM disagreeing until the next node start.
+    """
+    task = asyncio.ensure_future(transition)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):  # the cancellation is what the caller gets
+            await task
+        raise
+
+
+def not_allowed(operation: str, sandbox: LiveSandbox) -> Conflict:
+    state = sandbox.record.state.value
+    return Conflict(
+        f"cannot {operation} sandbox {sandbox.sandbox_id}: it is {state}",
+        sandbox_id=sandbox.sandbox_id,
+    )
+
+
+def with_console(exc: BaseException, sandbox_id: str, tail: str) -> BaseException:
+    """The error to raise for a failed boot: a node error carrying the console tail.
+
+    Cancellation and node errors that are not about the VM (bad arguments) pass as is.
+    """
+    if not isinstance(exc, Exception):
+        return exc
+    if isinstance(exc, NodeError):
+        if not isinstance(exc, Unavailable | Timeout):
+            return exc
+        return type(exc)(f"{exc.message}; console tail:\n{tail[-1500:]}", sandbox_id=sandbox_id)
+    return Unavailable(
+        f"{type(exc).__name__}: {exc}; console tail:\n{tail[-1500:]}", sandbox_id=sandbox_id
+    )

@@ -1,0 +1,79 @@
+"""Checks of what a node is asked to do, before anything is done.
+
+Private to space.node.agent.node. Every function raises space.node.api.errors.InvalidArgument
+(or NotFound for a missing template or snapshot) and changes nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from space.node.api import InvalidArgument, NodeError, SandboxSpec, SnapshotInfo
+from space.node.core.template import Template
+
+__all__ = ["MAX_FORK_CHILDREN", "check_compatible", "check_id", "check_spec"]
+
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_LIMITS = {"cpus": (1, 8), "memory_mib": (128, 16384), "disk_mib": (1, 65536)}
+#: Most children one fork makes (each is a VM: the node's capacity bounds it too).
+MAX_FORK_CHILDREN = 16
+
+
+def check_id(value: object, kind: str = "sandbox id") -> str:
+    """``value`` if it is a valid sandbox or snapshot id ([A-Za-z0-9_.-], at most 63)."""
+    if not isinstance(value, str) or not _ID_RE.match(value):
+        raise InvalidArgument(f"invalid {kind} {value!r}: want [A-Za-z0-9_.-], at most 63")
+    return value
+
+
+def check_spec(spec: SandboxSpec, resolve: Callable[[str], Template]) -> Template:
+    """The template of a valid ``spec``; resources within limits, env of strings.
+
+    ``resolve`` finds a template by reference (NotFound, InvalidArgument).
+    """
+    check_id(spec.sandbox_id)
+    for name, (low, high) in _LIMITS.items():
+        value = getattr(spec, name)
+        if not isinstance(value, int) or not low <= value <= high:
+            raise InvalidArgument(
+                f"{name} must be within {low}..{high}, got {value!r}", sandbox_id=spec.sandbox_id
+            )
+    if not isinstance(spec.template, str):
+        raise InvalidArgument("template must be a string", sandbox_id=spec.sandbox_id)
+    try:
+        template = resolve(spec.template)
+    except NodeError as exc:
+        exc.sandbox_id = spec.sandbox_id
+        raise
+    _check_disk(spec, template)
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in spec.env.items()):
+        raise InvalidArgument("env must map strings to strings", sandbox_id=spec.sandbox_id)
+    return template
+
+
+def _check_disk(spec: SandboxSpec, template: Template) -> None:
+    if spec.disk_mib < template.min_disk_mib:
+        raise InvalidArgument(
+            f"disk_mib must be at least the template's {template.min_disk_mib}, "
+            f"got {spec.disk_mib}",
+            sandbox_id=spec.sandbox_id,
+        )
+    # A disk a guest wrote is never grown by the host (it would parse it).
+    if not template.pristine and spec.disk_mib != template.min_disk_mib:
+        raise InvalidArgument(
+            f"template {spec.template} has a disk of {template.min_disk_mib} MiB; "
+            f"disk_mib must be that, got {spec.disk_mib}",
+            sandbox_id=spec.sandbox_id,
+        )
+
+
+def check_compatible(spec: SandboxSpec, snapshot: SnapshotInfo) -> None:
+    """A sandbox of ``spec`` can run ``snapshot``'s memory: same template and resources."""
+    for name in ("template", "cpus", "memory_mib", "disk_mib"):
+        ours, theirs = getattr(spec, name), getattr(snapshot, name)
+        if ours != theirs:
+            raise InvalidArgument(
+                f"snapshot {snapshot.snapshot_id} has {name}={theirs!r}, the sandbox {ours!r}",
+                sandbox_id=spec.sandbox_id,
+            )
