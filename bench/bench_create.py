@@ -82,16 +82,17 @@ async def _timed_create(api: tuple[str, str]) -> float:
 
 def _path_setters(node: Node) -> list[Callable[[], None]]:
     """One function per path that switches the node to it."""
-    catalog, base = node._catalog, node._catalog.resolve("base")
+    catalog = node.templates.catalog
+    base = catalog.resolve("base")
     ready_state = base.ready
     cow = node.pool.create_sandbox_volume
-    warm = node._pools.pop(base.digest)
+    warm = node.pools.by_digest.pop(base.digest)
 
     async def copying(
-        sandbox_id: str, template: TemplateVolume, *, disk_mib: int, grow: bool = True
+        volume: str, template: TemplateVolume, *, disk_mib: int, grow: bool = True
     ) -> Path:
         del grow  # the base image is pristine: it is always grown
-        return await full_copy_volume(node.pool, sandbox_id, template, disk_mib=disk_mib)
+        return await full_copy_volume(node.pool, volume, template, disk_mib=disk_mib)
 
     def full_copy() -> None:
         catalog.set_ready(base.digest, None)
@@ -104,11 +105,11 @@ def _path_setters(node: Node) -> list[Callable[[], None]]:
     def ready() -> None:
         catalog.set_ready(base.digest, ready_state)
         node.pool.create_sandbox_volume = cow  # type: ignore[method-assign]
-        node._pools.pop(base.digest, None)
+        node.pools.by_digest.pop(base.digest, None)
 
     def pooled() -> None:
         ready()
-        node._pools[base.digest] = warm
+        node.pools.by_digest[base.digest] = warm
 
     return [full_copy, clone, ready, pooled]
 
@@ -122,7 +123,7 @@ async def _pool_full(node: Node, timeout_s: float = 300.0) -> None:
 
 
 async def bench(node: Node, api: tuple[str, str], runs: int) -> dict[str, list[float]]:
-    if node._catalog.resolve("base").ready is None:
+    if node.templates.catalog.resolve("base").ready is None:
         raise RuntimeError("the node made no ready state for the base template")
     results: dict[str, list[float]] = {name: [] for name in PATHS}
     setters = _path_setters(node)

@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._stats import summary
 from space.node.agent import Node
-from space.node.agent._lifecycle import preflush
 from space.node.api import ExecExited, ExecRequest, SandboxSpec
 from space.node.core.config import NodeConfig
+from space.node.core.sandbox import preflush
 from tests.integration.conftest import release_data_dir
 
 _SANDBOX = "bench-lifecycle"

@@ -1,7 +1,7 @@
 """Pause and resume on real VMs: vCPUs stop, memory stays, resume is immediate.
 
 Each test boots one VM (TCG boots take seconds on these machines). QEMU's own run state
-is read through the node's QMP client (``Node._sandboxes``): QMP allows one client per
+is read through the node's QMP client (``Node._registry``): QMP allows one client per
 socket, so the test cannot open a second one.
 """
 
@@ -64,7 +64,7 @@ async def _one(data: bytes) -> AsyncIterator[bytes]:
 
 
 def _qmp_status(h: NodeHarness, sandbox_id: str) -> str:
-    vm = h.node._sandboxes[sandbox_id].vm
+    vm = h.node._registry.get(sandbox_id).vm
     assert vm is not None
     return h.run(vm.query_status())
 

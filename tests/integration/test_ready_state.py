@@ -34,7 +34,7 @@ def _field(path: Path, key: str) -> str:
 def test_sandboxes_of_the_ready_shape_start_from_the_ready_state_each_its_own(
     node: NodeHarness,
 ) -> None:
-    template = node.node._catalog.resolve("base")
+    template = node.node.templates.catalog.resolve("base")
     assert template.ready is not None and template.ready_mark.is_file()
     for sid in ("warm-1", "warm-2"):
         status = node.run(node.node.create_sandbox(SandboxSpec(sid, memory_mib=256)))
@@ -53,7 +53,7 @@ def test_sandboxes_of_the_ready_shape_start_from_the_ready_state_each_its_own(
 
 
 def test_another_shape_boots_from_the_template_itself(node: NodeHarness) -> None:
-    template = node.node._catalog.resolve("base")
+    template = node.node.templates.catalog.resolve("base")
     node.run(node.node.create_sandbox(SandboxSpec("big-disk", disk_mib=3072)))
     assert _field(node.node.pool.sandbox_path("big-disk"), "Parent UUID") == _field(
         template.volume.path, "UUID"
@@ -62,9 +62,9 @@ def test_another_shape_boots_from_the_template_itself(node: NodeHarness) -> None
 
 
 def test_a_restarted_node_reuses_the_ready_state(node: NodeHarness) -> None:
-    ready = node.node._catalog.resolve("base").ready
+    ready = node.node.templates.catalog.resolve("base").ready
     assert ready is not None
     before = _field(ready, "UUID")
     node.restart()
-    after = node.node._catalog.resolve("base").ready
+    after = node.node.templates.catalog.resolve("base").ready
     assert after is not None and _field(after, "UUID") == before

@@ -60,3 +60,14 @@ def test_negative_the_checker_notices_a_cross_layer_import(tmp_path: Path) -> No
     # A sibling whose name merely starts like an allowed one is no way in either.
     assert not allowed("space.node.api_private", ALLOWED["control"])
     assert not allowed("space.node.http.server", ALLOWED["control"])
+
+
+def test_benchmarks_import_only_public_modules() -> None:
+    bench = PACKAGE.parent / "bench"
+    offending = {
+        f"{path.name}: {name}"
+        for path in sorted(bench.glob("*.py"))
+        for name in space_imports(path)
+        if any(part.startswith("_") for part in name.split("."))
+    }
+    assert offending == set()

@@ -1,6 +1,6 @@
 """The network of a template build VM: the spec's ``build_egress`` policy, for run steps.
 
-Private to space.node. A build VM boots with a NIC in its own namespace like any
+Private to space.node.agent. A build VM boots with a NIC in its own namespace like any
 sandbox (closed). If the spec allows anything, the gateway serves the namespace under
 that policy with a CA of the build VM's own, and nftables opens. The CA is trusted by
 the guest only while a run step runs: it is removed before the step's disk becomes a

@@ -1,6 +1,6 @@
 """Template builds: a spec's steps run in one build VM, each result kept as a layer.
 
-Private to space.node. A build resolves the spec's base, plans its steps (each keyed by
+Private to space.node.agent. A build resolves the spec's base, plans its steps (each keyed by
 a digest of everything up to it, space.node.templates.steps) and skips every step whose
 layer the pool already holds. From the first missing one it boots a build VM on a clone
 of the last layer (or the base), and after each step syncs the guest, pauses the VM for
@@ -25,11 +25,11 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from space.node.agent._build_network import BuildNetwork
 from space.node.agent._catalog import Build, Catalog
 from space.node.agent._hidden import boot_hidden, channel_of
-from space.node.agent._lifecycle import Registry
 from space.node.api import ExecExited, ExecOutput, ExecRequest, ExecStream, NodeError, Unavailable
 from space.node.channel import GuestChannel
 from space.node.core.sandbox import LiveSandbox
@@ -50,6 +50,9 @@ from space.node.templates import (
     template_digest,
 )
 from space.node.templates.packages import fetch_debs
+
+if TYPE_CHECKING:
+    from space.node.agent._registry import Registry
 
 __all__ = ["BuildStepFailed", "Planned", "build_layers", "plan_build"]
 

@@ -1,10 +1,11 @@
 """Template builds as the node runs them: one at a time, in the background, logged.
 
-Private to space.node.agent.node. ``Builds.start`` unpacks the build context, reads and
-plans the spec (raising before anything runs), then runs the build in a task whose log
-a BuildStream follows. The task builds the layers (space.node.agent._builder), publishes the
-template's subvolume, has the node make its ready state, and only then moves the tag.
-A listener that goes away does not stop the build. The work directory goes in the end.
+Private to space.node.agent (``Templates`` runs them). ``Builds.start`` unpacks the
+build context, reads and plans the spec (raising before anything runs), then runs the
+build in a task whose log a BuildStream follows. The task builds the layers
+(space.node.agent._builder), publishes the template's subvolume, has the node make its
+ready state, and only then moves the tag. A listener that goes away does not stop the
+build. The work directory goes in the end.
 """
 
 from __future__ import annotations
@@ -17,14 +18,17 @@ import shutil
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from space.node.agent._builder import BuildStepFailed, Planned, build_layers, plan_build
 from space.node.agent._catalog import Catalog
-from space.node.agent._lifecycle import Registry
 from space.node.api import BuildEvent, BuildFailed, BuildLog, BuildSucceeded, NodeError
 from space.node.core.template import Template
 from space.node.templates import load_spec
 from space.node.templates.context import unpack_context
+
+if TYPE_CHECKING:
+    from space.node.agent._registry import Registry
 
 __all__ = ["Builds"]
 
@@ -89,7 +93,7 @@ class Builds:
 
     def __init__(
         self,
-        registry: Callable[[], Registry],
+        registry: Registry,
         catalog: Catalog,
         work_root: Path,
         make_ready: Callable[[Template], Awaitable[Template]],
@@ -152,7 +156,7 @@ class Builds:
             shutil.rmtree(work, ignore_errors=True)
 
     async def _build(self, planned: Planned, events: _Log) -> Template:
-        registry = self._registry()
+        registry = self._registry
         volume = await build_layers(registry, planned, events.say)
         spec = planned.spec
         await registry.life.pool.publish_template(spec.name, planned.digest, volume)

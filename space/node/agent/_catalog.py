@@ -1,6 +1,6 @@
 """The templates of a node by reference: ``base`` and every tag of every built template.
 
-Private to space.node. A built template's builds and tags are kept in one JSON record
+Private to space.node.agent. A built template's builds and tags are kept in one JSON record
 per name (``data_dir/templates/<name>.json``); the record is replaced atomically, so a
 tag moves to a new build only once that build is complete, and a failed build leaves
 it where it was. The subvolumes themselves are in the pool (space.node.storage.btrfs).

@@ -1,15 +1,15 @@
 """VMs the node runs for itself: template build VMs and the VMs ready states are taken
 from. Never listed, never handed to a tenant, removed by recovery after a restart.
 
-Private to space.node.
+Private to space.node.agent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import TYPE_CHECKING
 
-from space.node.agent._lifecycle import Registry
 from space.node.agent._pool import POOL_PREFIX
 from space.node.api import ExecOutput, ExecRequest, SandboxSpec, SandboxState, Unavailable
 from space.node.channel import GuestChannel
@@ -17,6 +17,9 @@ from space.node.core.sandbox import LiveSandbox
 from space.node.core.state import SandboxRecord
 from space.node.core.template import BASE, Shape, Template
 from space.node.storage.btrfs import TemplateVolume
+
+if TYPE_CHECKING:
+    from space.node.agent._registry import Registry
 
 __all__ = ["HIDDEN_PREFIXES", "boot_hidden", "channel_of", "is_hidden", "start_command"]
 

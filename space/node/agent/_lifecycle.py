@@ -1,7 +1,7 @@
 """Transitions through saved memory: hibernate, wake, snapshot, restore, fork.
 
-Private to space.node.agent.node, which validates, holds the sandbox's lock around each
-call and keeps the registry. A sandbox's guest RAM is a file in its volume
+Used by the node's services (space.node.agent), which validate, hold the sandbox's lock
+around each call and keep the registry. A sandbox's guest RAM is a file in its volume
 (``memory.ram``, mapped shared by QEMU); saving the VM's state adds ``vmstate`` (device
 state, a few hundred KiB). Volume = disk + memory image, so:
 
@@ -23,19 +23,24 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
 
-from space.node.agent._build_network import BuildNetwork
-from space.node.api import EgressPolicy, NodeError, SandboxState, SnapshotInfo, Unavailable
+from space.node.api import NodeError, SandboxState, SnapshotInfo, Unavailable
 from space.node.core.config import NodeConfig
-from space.node.core.sandbox import MEMORY_FILE, STATE_FILE, LiveSandbox, hostname_for
-from space.node.core.state import Pending, SandboxRecord, SnapshotStore, StateStore
+from space.node.core.sandbox import (
+    MEMORY_FILE,
+    STATE_FILE,
+    LiveSandbox,
+    fsync_file,
+    hostname_for,
+    preflush,
+)
+from space.node.core.state import Pending, SnapshotStore, StateStore
 from space.node.storage.btrfs import BtrfsPool, snapshot_subvolume
 
-__all__ = ["Lifecycle", "Registry", "memory_bytes", "preflush"]
+__all__ = ["Lifecycle", "memory_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -49,25 +54,6 @@ def memory_bytes(volume: Path) -> int:
         with contextlib.suppress(FileNotFoundError):
             total += (volume / name).stat().st_blocks * 512
     return total
-
-
-async def preflush(volume: Path) -> None:
-    """Write a running VM's dirty RAM and disk pages out while it still runs.
-
-    A btrfs snapshot flushes the source's dirty data first; done here, before the
-    pause, that flush only finds the pages of the last moments. Best effort.
-    """
-    for name in (MEMORY_FILE, "rootfs.img"):
-        with contextlib.suppress(OSError):
-            await asyncio.to_thread(_fsync, volume / name)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Lifecycle:
@@ -162,7 +148,7 @@ class Lifecycle:
         self.save(sandbox, prior, pending=Pending("hibernate", prior))
         try:
             await sandbox.save_state()
-            await asyncio.to_thread(_fsync, sandbox.volume / MEMORY_FILE)
+            await asyncio.to_thread(fsync_file, sandbox.volume / MEMORY_FILE)
         except BaseException:
             await asyncio.shield(self.thaw(sandbox, prior))
             raise
@@ -280,7 +266,7 @@ class Lifecycle:
         state); the sandbox is left paused, to be deleted."""
         await preflush(sandbox.volume)
         await sandbox.save_state()
-        await asyncio.to_thread(_fsync, sandbox.volume / MEMORY_FILE)
+        await asyncio.to_thread(fsync_file, sandbox.volume / MEMORY_FILE)
         await snapshot_subvolume(sandbox.volume, image, read_only=True)
 
     async def fork(self, parent: LiveSandbox, children: list[LiveSandbox]) -> None:
@@ -322,16 +308,3 @@ class Lifecycle:
             self.save(sandbox, prior)
         else:
             await self.thaw(sandbox, prior)
-
-
-@dataclass(frozen=True, slots=True)
-class Registry:
-    """What recovery and builds need of the Node: its sandboxes, how to make and unmake
-    one, and the network of a build VM."""
-
-    life: Lifecycle
-    sandboxes: dict[str, LiveSandbox]
-    live: Callable[[SandboxRecord], LiveSandbox]
-    destroy: Callable[[LiveSandbox], Awaitable[None]]
-    remove_leftovers: Callable[[str], Awaitable[None]]
-    build_network: Callable[[LiveSandbox, EgressPolicy], AbstractAsyncContextManager[BuildNetwork]]

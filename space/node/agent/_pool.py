@@ -25,15 +25,17 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from space.node.agent._lifecycle import Registry
 from space.node.api import ExecRequest, NodeError, PoolInfo, SandboxState
 from space.node.core.sandbox import LiveSandbox
 from space.node.core.state import Pending, SandboxRecord
 from space.node.core.template import Template
 
-__all__ = ["POOL_PREFIX", "WarmPool", "hand_over", "make_pool_vm", "pool_vm_id"]
+if TYPE_CHECKING:
+    from space.node.agent._registry import Registry
+
+__all__ = ["POOL_PREFIX", "Pools", "WarmPool", "hand_over", "make_pool_vm", "pool_vm_id"]
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +144,64 @@ class WarmPool:
         task = asyncio.ensure_future(self._destroy(vm))
         self._discarding.add(task)
         task.add_done_callback(self._discarding.discard)
+
+
+class Pools:
+    """The warm pools of the node's templates (one per template with a ready state)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+        #: Warm pools by template digest (public: bench/bench_create.py takes the base
+        #: template's out to time the other ways of creating, and puts it back).
+        self.by_digest: dict[str, WarmPool] = {}
+
+    def start(self, template: Template) -> None:
+        """Start ``template``'s pool if pools are on and it has a ready state and none yet."""
+        config = self._registry.config
+        if config.warm_pool_max <= 0 or template.ready is None or template.digest in self.by_digest:
+            return
+        warm = WarmPool(
+            f"{template.name}:{template.tag}" if template.tag else template.name,
+            make=lambda: make_pool_vm(self._registry, template),
+            destroy=self._registry.destroy,
+            min_size=config.warm_pool_min,
+            max_size=config.warm_pool_max,
+        )
+        self.by_digest[template.digest] = warm
+        warm.start()
+
+    async def create(self, sandbox: LiveSandbox, ready: Path) -> None:
+        """Make ``sandbox`` from a ready state: a pool VM handed over if one waits, else
+        a clone of the ready state woken. On failure the caller destroys ``sandbox``."""
+        registry = self._registry
+        warm = self.by_digest.get(sandbox.record.template_digest)
+        pooled = warm.take() if warm is not None else None
+        if pooled is None:
+            async with registry.starts:
+                await registry.life.create_from_image(sandbox, ready)
+            return
+        try:
+            await hand_over(registry, pooled, sandbox)
+        except BaseException:  # the caller destroys the sandbox, VM included
+            with contextlib.suppress(NodeError):
+                await registry.pool.delete_sandbox_volume(pooled.record.volume)
+            registry.store.remove(pooled.sandbox_id)
+            raise
+
+    async def drop(self, digest: str) -> None:
+        """Close the pool of the template of ``digest`` (its VMs are deleted), if any."""
+        warm = self.by_digest.pop(digest, None)
+        if warm is not None:
+            await warm.close()
+
+    def infos(self) -> list[PoolInfo]:
+        return [warm.info() for warm in self.by_digest.values()]
+
+    async def close(self) -> None:
+        """Close every pool (their VMs hold no tenant data: they are deleted)."""
+        for warm in self.by_digest.values():
+            await warm.close()
+        self.by_digest.clear()
 
 
 async def make_pool_vm(node: Registry, template: Template) -> LiveSandbox:

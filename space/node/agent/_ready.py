@@ -1,6 +1,6 @@
 """Ready states: a template's VM booted, its start command running, its memory saved.
 
-Private to space.node. Made once per template build and kept beside the template's
+Private to space.node.agent. Made once per template build and kept beside the template's
 subvolume, published by a marker file written last: sandboxes of the template's shape
 start from a CoW clone of it instead of booting (space.node.agent._lifecycle wakes it).
 """
@@ -10,10 +10,13 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from space.node.agent._hidden import boot_hidden, channel_of, start_command
-from space.node.agent._lifecycle import Registry
 from space.node.core.template import Template
+
+if TYPE_CHECKING:
+    from space.node.agent._registry import Registry
 
 __all__ = ["ensure_ready", "is_ready"]
 

@@ -3,7 +3,7 @@
 Every persisted sandbox is re-adopted (its QEMU outlives the node agent), finished or
 undone: an operation recorded as ``pending`` was interrupted, and the VM's own run state
 says how far it got. Snapshot subvolumes without a record were never published and go;
-so do volumes, console logs and QEMUs no record claims. Private to space.node.agent.node.
+so do volumes, console logs and QEMUs no record claims. Run by ``Node.start``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from space.node.agent._hidden import is_hidden
-from space.node.agent._lifecycle import Lifecycle, Registry
+from space.node.agent._lifecycle import Lifecycle
+from space.node.agent._registry import Registry
 from space.node.api import NodeError, SandboxState, Unavailable
 from space.node.core.sandbox import MEMORY_FILE, LiveSandbox, kill_strays
 from space.node.core.state import SandboxRecord

@@ -1,7 +1,7 @@
 """What a node offers the control plane: the seam between the two layers.
 
 The control plane holds a ``NodeService`` per node: in the embedded default it is the
-in-process ``space.node.agent.node.Node``; for a node on another host it is
+in-process ``space.node.agent.Node``; for a node on another host it is
 ``space.node.http.client.RemoteNode``, which speaks the node's HTTP API. Both satisfy this
 Protocol, so the control plane never knows which it has.
 """

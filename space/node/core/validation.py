@@ -1,7 +1,7 @@
 """Checks of what a node is asked to do, before anything is done.
 
-Private to space.node.agent.node. Every function raises space.node.api.errors.InvalidArgument
-(or NotFound for a missing template or snapshot) and changes nothing.
+For the node agent (space.node.agent). Every function raises InvalidArgument (or
+NotFound for a missing template or snapshot) and changes nothing.
 """
 
 from __future__ import annotations

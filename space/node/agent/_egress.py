@@ -1,21 +1,23 @@
 """The egress side of a node: each sandbox's namespace, policy and audit log.
 
-Private to space.node.agent.node: ``Node`` inherits these. A sandbox's namespace is made
-when its VM first starts (space.node.core.sandbox) and goes with the sandbox; here the
-gateway is told about it and its nftables opened or closed to match the policy. The
-policy is part of the sandbox's persisted spec, so a restarted node applies it again.
-Every method raises space.node.api.errors leaves only.
+``SandboxNetwork`` is the plumbing: it tells the gateway about a sandbox's namespace,
+opens or closes its nftables to match the policy, installs the sandbox's CA in its
+guest and takes it all down again. ``Egress`` is the service behind the NodeService
+calls (set_egress, set_secrets, egress_log). A sandbox's namespace is made when its VM
+first starts (space.node.core.sandbox) and goes with the sandbox. The policy is part of
+the sandbox's persisted spec, so a restarted node applies it again. Every method raises
+space.node.api errors only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from space.node.agent._build_network import BuildNetwork, open_build_network
 from space.node.agent._hidden import is_hidden
@@ -30,13 +32,15 @@ from space.node.api import (
     check_grants,
 )
 from space.node.core.sandbox import LiveSandbox, has_nic
-from space.node.core.state import StateStore
 from space.node.egress.audit import AuditLog
 from space.node.network import ca, netns
 from space.node.network.gateway_client import GatewayProcess
 from space.node.network.trust import install_ca
 
-__all__ = ["EgressOps", "parse_policy"]
+if TYPE_CHECKING:
+    from space.node.agent._registry import Registry
+
+__all__ = ["Egress", "SandboxNetwork", "parse_policy"]
 
 log = logging.getLogger(__name__)
 
@@ -51,54 +55,18 @@ def parse_policy(policy: dict[str, object] | None, sandbox_id: str) -> EgressPol
         raise InvalidArgument(f"egress policy: {exc.message}", sandbox_id=sandbox_id) from exc
 
 
-class EgressOps(ABC):
-    """Policies and audit logs of the node's sandboxes."""
+class SandboxNetwork:
+    """The network of the node's sandboxes: gateway, namespaces, CAs and audit logs."""
 
-    _store: StateStore
-    _sandboxes: dict[str, LiveSandbox]
-    _gateway: GatewayProcess
-    _audit: AuditLog
-    _run_root: Path
-    _ca_dir: Path
+    def __init__(
+        self, gateway: GatewayProcess, *, audit: AuditLog, ca_dir: Path, run_root: Path
+    ) -> None:
+        self.gateway = gateway
+        self.audit = audit
+        self._ca_dir = ca_dir
+        self._run_root = run_root
 
-    @abstractmethod
-    def _lock(self, sandbox_id: str) -> asyncio.Lock: ...
-
-    @abstractmethod
-    def _get(self, sandbox_id: str) -> LiveSandbox: ...
-
-    async def set_egress(self, sandbox_id: str, policy: dict[str, object] | None) -> None:
-        """Replace the sandbox's egress policy; new connections and DNS follow it at
-        once and connections it no longer allows are cut. Persisted first. Raises
-        NotFound, InvalidArgument (the policy; the old one stays), Unavailable."""
-        canonical = parse_policy(policy, sandbox_id).to_json()
-        async with self._lock(sandbox_id):
-            sandbox = self._get(sandbox_id)
-            spec = replace(sandbox.record.spec, egress=canonical)
-            sandbox.record = replace(sandbox.record, spec=spec)
-            self._store.save(sandbox.record)
-            await self._apply_egress(sandbox)
-
-    async def set_secrets(self, sandbox_id: str, grants: list[SecretGrant]) -> None:
-        """Replace the secrets the gateway may inject for the sandbox (held in memory
-        by the gateway only). Raises NotFound, InvalidArgument (a grant; the old ones
-        stay), Unavailable."""
-        try:
-            check_grants(grants)
-        except InvalidArgument as exc:
-            raise InvalidArgument(f"secrets: {exc.message}", sandbox_id=sandbox_id) from exc
-        async with self._lock(sandbox_id):
-            self._get(sandbox_id)
-            await self._gateway.set_secrets(sandbox_id, grants)
-
-    async def egress_log(self, sandbox_id: str, *, limit: int = 100) -> list[EgressEvent]:
-        """The sandbox's latest ``limit`` (1..1000) egress decisions, oldest first."""
-        if not 1 <= limit <= MAX_LOG_EVENTS:
-            raise InvalidArgument(f"limit must be 1..{MAX_LOG_EVENTS}", sandbox_id=sandbox_id)
-        self._get(sandbox_id)
-        return await asyncio.to_thread(self._audit.read, sandbox_id, limit)
-
-    async def _apply_egress(self, sandbox: LiveSandbox) -> None:
+    async def apply(self, sandbox: LiveSandbox) -> None:
         """Tell the gateway and nftables the sandbox's policy (a VM without a NIC has no
         namespace: nothing to do). Opening goes gateway first, closing nftables first,
         so the guest never reaches a gateway that does not know its policy."""
@@ -111,12 +79,12 @@ class EgressOps(ABC):
             await netns.set_open(name, False)
         ca_file = ca.ensure_ca(self._ca_dir, sandbox.sandbox_id)
         path = netns.netns_path(name)
-        await self._gateway.attach(sandbox.sandbox_id, path, policy.to_json(), ca_file)
+        await self.gateway.attach(sandbox.sandbox_id, path, policy.to_json(), ca_file)
         if not policy.closed:
             await self._trust(sandbox, ca_file)
             await netns.set_open(name, True)
 
-    async def _trust_after_resume(self, sandbox: LiveSandbox) -> None:
+    async def trust_after_resume(self, sandbox: LiveSandbox) -> None:
         """A policy opened while the sandbox was paused or hibernated could not install
         the CA in its guest then; it is installed now (a no-op once it is there). The
         sandbox runs either way, so a failure is logged, not raised."""
@@ -142,37 +110,37 @@ class EgressOps(ABC):
         await install_ca(channel, pem, ca.subject_hash(pem))
         sandbox.trusted_ca = pem
 
-    def _build_network(
+    def for_build(
         self, vm: LiveSandbox, policy: EgressPolicy
     ) -> AbstractAsyncContextManager[BuildNetwork]:
-        return open_build_network(self._gateway, self._ca_dir, self._audit, vm, policy)
+        return open_build_network(self.gateway, self._ca_dir, self.audit, vm, policy)
 
-    async def _drop_network(self, sandbox_id: str, run_dir: Path) -> None:
+    async def drop(self, sandbox_id: str, run_dir: Path) -> None:
         """Detach the gateway and delete the namespace and audit log; logs failures."""
         try:
             if not is_hidden(sandbox_id):
-                await self._gateway.detach(sandbox_id)
+                await self.gateway.detach(sandbox_id)
             await netns.delete(netns.netns_name(run_dir))
             ca.remove_ca(self._ca_dir, sandbox_id)
         except (NodeError, OSError) as exc:
             log.error("sandbox %s: removing its network failed: %s", sandbox_id, exc)
-        await asyncio.to_thread(self._audit.remove, sandbox_id)
+        await asyncio.to_thread(self.audit.remove, sandbox_id)
 
-    async def _network_at_start(self, say: Callable[[str], None]) -> None:
+    async def at_start(self, sandboxes: Iterable[LiveSandbox], say: Callable[[str], None]) -> None:
         """Apply every sandbox's policy again (an adopted gateway keeps its connections
         through that), detach the gateway from sandboxes gone meanwhile, and delete
         namespaces no sandbox owns."""
         owned = set()
-        for sandbox in self._sandboxes.values():
+        for sandbox in sandboxes:
             owned.add(netns.netns_name(sandbox.config.run_dir))
             if sandbox.record.state == SandboxState.ERROR:
                 continue
             try:
-                await self._apply_egress(sandbox)
+                await self.apply(sandbox)
             except NodeError as exc:
                 say(f"sandbox {sandbox.sandbox_id}: applying its egress policy failed: {exc}")
         try:
-            await self._gateway.retain()
+            await self.gateway.retain()
         except NodeError as exc:
             say(f"detaching stale sandboxes from the egress gateway failed: {exc}")
         for name in netns.node_netns(self._run_root):
@@ -182,3 +150,42 @@ class EgressOps(ABC):
                     await netns.delete(name)
                 except (Unavailable, OSError) as exc:
                     say(f"cannot remove {name}: {exc}")
+
+
+class Egress:
+    """Policies, secrets and audit logs of the node's sandboxes."""
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+        self._network = registry.network
+
+    async def set_egress(self, sandbox_id: str, policy: dict[str, object] | None) -> None:
+        """Replace the sandbox's egress policy; new connections and DNS follow it at
+        once and connections it no longer allows are cut. Persisted first. Raises
+        NotFound, InvalidArgument (the policy; the old one stays), Unavailable."""
+        canonical = parse_policy(policy, sandbox_id).to_json()
+        async with self._registry.lock(sandbox_id):
+            sandbox = self._registry.get(sandbox_id)
+            spec = replace(sandbox.record.spec, egress=canonical)
+            sandbox.record = replace(sandbox.record, spec=spec)
+            self._registry.store.save(sandbox.record)
+            await self._network.apply(sandbox)
+
+    async def set_secrets(self, sandbox_id: str, grants: list[SecretGrant]) -> None:
+        """Replace the secrets the gateway may inject for the sandbox (held in memory
+        by the gateway only). Raises NotFound, InvalidArgument (a grant; the old ones
+        stay), Unavailable."""
+        try:
+            check_grants(grants)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"secrets: {exc.message}", sandbox_id=sandbox_id) from exc
+        async with self._registry.lock(sandbox_id):
+            self._registry.get(sandbox_id)
+            await self._network.gateway.set_secrets(sandbox_id, grants)
+
+    async def egress_log(self, sandbox_id: str, *, limit: int = 100) -> list[EgressEvent]:
+        """The sandbox's latest ``limit`` (1..1000) egress decisions, oldest first."""
+        if not 1 <= limit <= MAX_LOG_EVENTS:
+            raise InvalidArgument(f"limit must be 1..{MAX_LOG_EVENTS}", sandbox_id=sandbox_id)
+        self._registry.get(sandbox_id)
+        return await asyncio.to_thread(self._network.audit.read, sandbox_id, limit)

@@ -1,18 +1,19 @@
 """The guest operations of a node: each goes to the sandbox's guest channel.
 
-Private to space.node.agent.node: ``Node`` inherits them. A PAUSED or HIBERNATED sandbox
-is resumed first, transparently, and a channel that broke while QEMU lives is reopened.
-Every method raises space.node.api.errors leaves only.
+``Node`` delegates exec, processes and files to ``GuestOps``. A PAUSED or HIBERNATED
+sandbox is resumed first, transparently, and a channel that broke while QEMU lives is
+reopened (``channel``, public for benchmarks that time the channel itself). Every
+method raises space.node.api errors only.
 """
 
 from __future__ import annotations
 
 import logging
-from abc import ABC, abstractmethod
 from collections.abc import AsyncIterable
 from dataclasses import replace
 
-from space.node.agent._lifecycle import Lifecycle
+from space.node.agent._registry import Registry
+from space.node.agent._sandboxes import Sandboxes
 from space.node.api import (
     ExecRequest,
     ExecStream,
@@ -23,8 +24,6 @@ from space.node.api import (
     Unavailable,
 )
 from space.node.channel import GuestChannel
-from space.node.core.config import NodeConfig
-from space.node.core.sandbox import LiveSandbox
 from space.node.network.trust import TRUST_ENV
 
 __all__ = ["GuestOps"]
@@ -32,35 +31,30 @@ __all__ = ["GuestOps"]
 log = logging.getLogger(__name__)
 
 
-class GuestOps(ABC):
+class GuestOps:
     """Exec, processes and files of the node's sandboxes."""
 
-    config: NodeConfig
-    _life: Lifecycle
-
-    @abstractmethod
-    def _get(self, sandbox_id: str) -> LiveSandbox: ...
-
-    @abstractmethod
-    async def _switch_locked(self, sandbox: LiveSandbox, target: SandboxState) -> None: ...
+    def __init__(self, registry: Registry, sandboxes: Sandboxes) -> None:
+        self._registry = registry
+        self._sandboxes = sandboxes
 
     async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecStream:
-        record = self._get(sandbox_id).record
+        record = self._registry.get(sandbox_id).record
         env = {**TRUST_ENV, **record.template_env, **record.spec.env, **request.env}
         request = replace(request, env=env, cwd=request.cwd or record.workdir)
-        return await (await self._channel(sandbox_id)).exec(request)
+        return await (await self.channel(sandbox_id)).exec(request)
 
     async def attach(self, sandbox_id: str, process_id: str) -> ExecStream:
-        return await (await self._channel(sandbox_id)).attach(process_id)
+        return await (await self.channel(sandbox_id)).attach(process_id)
 
     async def list_processes(self, sandbox_id: str) -> list[ProcessInfo]:
-        return await (await self._channel(sandbox_id)).list_processes()
+        return await (await self.channel(sandbox_id)).list_processes()
 
     async def kill_process(self, sandbox_id: str, process_id: str, signal: int = 9) -> None:
-        await (await self._channel(sandbox_id)).kill_process(process_id, signal)
+        await (await self.channel(sandbox_id)).kill_process(process_id, signal)
 
     async def read_file(self, sandbox_id: str, path: str, user: str = "user") -> FileReader:
-        return await (await self._channel(sandbox_id)).read_file(path, user)
+        return await (await self.channel(sandbox_id)).read_file(path, user)
 
     async def write_file(
         self,
@@ -71,37 +65,37 @@ class GuestOps(ABC):
         user: str = "user",
         mode: int = 0o644,
     ) -> FileStat:
-        channel = await self._channel(sandbox_id)
+        channel = await self.channel(sandbox_id)
         return await channel.write_file(path, data, user=user, mode=mode)
 
     async def list_dir(self, sandbox_id: str, path: str, user: str = "user") -> list[FileStat]:
-        return await (await self._channel(sandbox_id)).list_dir(path, user)
+        return await (await self.channel(sandbox_id)).list_dir(path, user)
 
     async def stat(self, sandbox_id: str, path: str, user: str = "user") -> FileStat:
-        return await (await self._channel(sandbox_id)).stat(path, user)
+        return await (await self.channel(sandbox_id)).stat(path, user)
 
     async def make_dir(self, sandbox_id: str, path: str, user: str = "user") -> FileStat:
-        return await (await self._channel(sandbox_id)).make_dir(path, user)
+        return await (await self.channel(sandbox_id)).make_dir(path, user)
 
     async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
-        await (await self._channel(sandbox_id)).remove(path, recursive=recursive)
+        await (await self.channel(sandbox_id)).remove(path, recursive=recursive)
 
     async def rename(self, sandbox_id: str, src: str, dst: str, user: str = "user") -> FileStat:
-        return await (await self._channel(sandbox_id)).rename(src, dst, user)
+        return await (await self.channel(sandbox_id)).rename(src, dst, user)
 
-    async def _channel(self, sandbox_id: str) -> GuestChannel:
+    async def channel(self, sandbox_id: str) -> GuestChannel:
         """The sandbox's open channel, reconnecting once if it broke but QEMU lives.
 
         A PAUSED or HIBERNATED sandbox is resumed first (under its lock), transparently.
         """
-        sandbox = self._get(sandbox_id)
+        sandbox = self._registry.get(sandbox_id)
         asleep = (SandboxState.PAUSED, SandboxState.HIBERNATED)
         if sandbox.record.state in asleep:
             async with sandbox.lock:
-                sandbox = self._get(sandbox_id)
+                sandbox = self._registry.get(sandbox_id)
                 if sandbox.record.state in asleep:
                     log.info("sandbox %s: resuming it for a guest operation", sandbox_id)
-                    await self._switch_locked(sandbox, SandboxState.RUNNING)
+                    await self._sandboxes.switch_locked(sandbox, SandboxState.RUNNING)
         if sandbox.record.state != SandboxState.RUNNING:
             raise Unavailable(
                 f"sandbox is {sandbox.record.state.value}: {sandbox.record.error or ''}".strip(),
@@ -114,6 +108,6 @@ class GuestOps(ABC):
             if sandbox.channel is not None and not sandbox.channel.closed:
                 return sandbox.channel
             log.info("sandbox %s: guest channel closed, reconnecting", sandbox_id)
-            channel = await sandbox.connect(hello_timeout_s=self.config.boot_timeout_s)
-            await self._life.settle_identity(sandbox)
+            channel = await sandbox.connect(hello_timeout_s=self._registry.config.boot_timeout_s)
+            await self._registry.life.settle_identity(sandbox)
             return channel

@@ -1,0 +1,97 @@
+"""The templates of a node: builds, listing, deletion, and each build's ready state.
+
+``Node`` delegates the template calls of NodeService here and asks, at start, to remove
+builds no tag names and to make each build's ready state (and so start its warm pool,
+space.node.agent._pool). Every method raises space.node.api errors only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable, Callable
+from dataclasses import replace
+
+from space.node.agent._builds import Builds
+from space.node.agent._pool import Pools
+from space.node.agent._ready import ensure_ready
+from space.node.agent._registry import Registry
+from space.node.api import BuildStream, NodeError, TemplateInfo
+from space.node.core.template import Template, ready_paths
+from space.node.storage.btrfs import TemplateVolume
+
+__all__ = ["Templates"]
+
+
+class Templates:
+    """Templates of the node: built from specs, each with a ready state and a pool."""
+
+    def __init__(self, registry: Registry, pools: Pools) -> None:
+        self._registry = registry
+        self._pools = pools
+        #: The node's templates by name, tag and digest (public: bench/bench_create.py
+        #: takes the base template's ready state away to time creates without it).
+        self.catalog = registry.catalog
+        self._builds = Builds(
+            registry,
+            registry.catalog,
+            registry.config.data_dir / "builds",
+            self._make_ready,
+            self._drop_build,
+        )
+
+    async def build_template(self, context: AsyncIterable[bytes]) -> BuildStream:
+        """Build a template from a context archive; see NodeService. The build runs in
+        the background, one at a time per node; its log is the returned stream."""
+        return await self._builds.start(context)
+
+    async def list_templates(self) -> list[TemplateInfo]:
+        return [template.info() for template in self.catalog.tagged()]
+
+    async def delete_template(self, ref: str) -> None:
+        """Untag ``ref``; a build no tag names any more loses its pool, ready state and
+        subvolume. Sandboxes made from it keep running (their volumes are their own)."""
+        for orphan in self.catalog.remove(ref):
+            await self._drop_build(orphan)
+
+    async def close(self) -> None:
+        """Cancel running builds (their build VMs are removed; tags do not move)."""
+        await self._builds.close()
+
+    async def remove_untagged(self, say: Callable[[str], None]) -> None:
+        """Delete template subvolumes no tag names: builds cut short or failed."""
+        kept = {(t.name, t.digest) for t in self.catalog.builds()}
+        for volume in self._registry.pool.templates():
+            if (volume.name, volume.digest) not in kept:
+                say(f"removing template {volume.name}@{volume.digest[:12]}: no tag names it")
+                await self._delete_build_files(volume)
+
+    async def ready_at_start(self, template: Template, say: Callable[[str], None]) -> None:
+        """Make (or find) a template's ready state and start its pool; a failure is
+        logged and its sandboxes boot instead."""
+        if self._registry.config.ready_state and not template.ready_mark.is_file():
+            say(f"template {template.name}: making its ready state (one boot)")
+        try:
+            await self._make_ready(template)
+        except NodeError as exc:
+            say(f"template {template.name}: no ready state ({exc}); sandboxes will boot")
+
+    async def _make_ready(self, template: Template) -> Template:
+        """Give ``template`` its ready state (made once per build) and its warm pool."""
+        if not self._registry.config.ready_state:
+            return template
+        path = await ensure_ready(self._registry, template)
+        self.catalog.set_ready(template.digest, path)
+        ready = replace(template, ready=path)
+        self._pools.start(ready)
+        return ready
+
+    async def _drop_build(self, template: Template) -> None:
+        await self._pools.drop(template.digest)
+        self.catalog.set_ready(template.digest, None)
+        await self._delete_build_files(template.volume)
+
+    async def _delete_build_files(self, volume: TemplateVolume) -> None:
+        """A build's ready state (its mark first: unpublished) and its subvolume."""
+        ready, mark = ready_paths(volume)
+        mark.unlink(missing_ok=True)
+        await self._registry.pool.delete_template_image(ready)
+        await self._registry.pool.delete_template(volume)
