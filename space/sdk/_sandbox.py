@@ -1,4 +1,7 @@
-"""``AsyncSandbox``: the async core of the SDK. The sync ``Sandbox`` wraps it."""
+"""``AsyncSandbox``, the async core of the SDK, and ``AsyncSandboxes``, the calls that
+make or list sandboxes (``AsyncSpace.sandboxes``; ``AsyncSandbox.create`` and its
+sibling classmethods run them on a connection of their own). The sync ``Sandbox`` wraps
+both."""
 
 from __future__ import annotations
 
@@ -156,7 +159,8 @@ class AsyncSandboxes:
 class AsyncSandbox:
     """A sandbox (one VM) and a connection to the API that manages it.
 
-    Make one with ``await AsyncSandbox.create()`` or ``await AsyncSandbox.connect(id)``.
+    Make one with ``await AsyncSandbox.create()`` or ``await AsyncSandbox.connect(id)``
+    (or through an ``AsyncSpace``, sharing its connection: ``space.sandboxes.create()``).
     ``async with`` kills the sandbox on exit; ``close()`` only drops the connection and
     leaves the sandbox running. The API URL and key come from the arguments, else from
     SPACE_API_URL / SPACE_API_KEY, else http://127.0.0.1:8080 and no key.
