@@ -88,10 +88,10 @@ def _path_setters(node: Node) -> list[Callable[[], None]]:
     warm = node._pools.pop(base.digest)
 
     async def copying(
-        sandbox_id: str, template: TemplateVolume, *, disk_mib: int, grow: bool = True
+        volume: str, template: TemplateVolume, *, disk_mib: int, grow: bool = True
     ) -> Path:
         del grow  # the base image is pristine: it is always grown
-        return await full_copy_volume(node.pool, sandbox_id, template, disk_mib=disk_mib)
+        return await full_copy_volume(node.pool, volume, template, disk_mib=disk_mib)
 
     def full_copy() -> None:
         catalog.set_ready(base.digest, None)
