@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from space.sdk import (
     AsyncSandbox,
+    AsyncSpace,
     AuthenticationError,
     CommandExitError,
     CommandHandle,
@@ -22,6 +23,7 @@ from space.sdk import (
     ResourceExhausted,
     Sandbox,
     SandboxInfo,
+    Space,
     SpaceError,
     Timeout,
     Unavailable,
@@ -29,6 +31,7 @@ from space.sdk import (
 
 __all__ = [
     "AsyncSandbox",
+    "AsyncSpace",
     "AuthenticationError",
     "CommandExitError",
     "CommandHandle",
@@ -43,6 +46,7 @@ __all__ = [
     "ResourceExhausted",
     "Sandbox",
     "SandboxInfo",
+    "Space",
     "SpaceError",
     "Timeout",
     "Unavailable",

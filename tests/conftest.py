@@ -1,13 +1,40 @@
-"""Suite-wide rules: tests that boot VMs need root, and fail loudly instead of skipping."""
+"""Suite-wide rules: tests that boot VMs need root, and fail loudly instead of skipping;
+a failed VM test's report carries the tails of its node's and platform's logs."""
 
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Generator
 
 import pytest
+
+from tests import logs
+
+#: When the test began (its setup), so only logs it may have written are shown.
+_STARTED = pytest.StashKey[float]()
+#: Slack for file systems whose mtimes are coarser than time.time().
+_MTIME_SLACK_S = 2.0
 
 
 @pytest.fixture(autouse=True)
 def _vm_tests_need_root(request: pytest.FixtureRequest) -> None:
     if request.node.get_closest_marker("vm") and os.geteuid() != 0:
         pytest.fail("this test boots QEMU VMs on a btrfs pool: run the suite as root")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_STARTED] = time.time() - _MTIME_SLACK_S
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Add the logs of the registered data dirs (tests/logs.py) to a failed vm test."""
+    report = yield
+    if report.failed and item.get_closest_marker("vm") is not None:
+        since = item.stash.get(_STARTED, 0.0)
+        report.sections.extend(logs.failure_sections(since))
+    return report

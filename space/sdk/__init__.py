@@ -7,11 +7,20 @@ and network, templates, and secrets.
         print(sbx.commands.run("python3 -c 'print(6 * 7)'").stdout)
 
 The API URL and key come from ``api_url=``/``api_key=``, else SPACE_API_URL /
-SPACE_API_KEY. Errors are ``space.sdk.errors.SpaceError`` and its leaves.
+SPACE_API_KEY. Each classmethod call above opens its own connection; ``Space`` (or
+``AsyncSpace``) holds one that many calls share:
+
+    from space import Space
+
+    with Space(api_key=key) as space, space.sandboxes.create() as sbx:
+        print(space.templates.list(), sbx.commands.run("uname -r").stdout)
+
+Errors are ``space.sdk.errors.SpaceError`` and its leaves.
 """
 
 from __future__ import annotations
 
+from space.sdk._client import AsyncSpace
 from space.sdk._commands import AsyncCommandHandle, AsyncCommands
 from space.sdk._files import AsyncFiles, ByteStream
 from space.sdk._http import ConnectionConfig
@@ -30,7 +39,16 @@ from space.sdk._models import (
 from space.sdk._network import AsyncNetwork, allow
 from space.sdk._sandbox import AsyncSandbox
 from space.sdk._secrets import AsyncSecrets
-from space.sdk._sync import CommandHandle, Commands, Files, Network, Sandbox, Secrets, Template
+from space.sdk._sync import (
+    CommandHandle,
+    Commands,
+    Files,
+    Network,
+    Sandbox,
+    Secrets,
+    Space,
+    Template,
+)
 from space.sdk._templates import AsyncTemplate
 from space.sdk.errors import (
     AuthenticationError,
@@ -54,6 +72,7 @@ __all__ = [
     "AsyncNetwork",
     "AsyncSandbox",
     "AsyncSecrets",
+    "AsyncSpace",
     "AsyncTemplate",
     "AuthenticationError",
     "BuildError",
@@ -81,6 +100,7 @@ __all__ = [
     "SecretInfo",
     "Secrets",
     "SnapshotInfo",
+    "Space",
     "SpaceError",
     "Template",
     "TemplateInfo",

@@ -7,12 +7,13 @@ from httpx crosses the SDK's public API.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -31,9 +32,10 @@ __all__ = [
     "DEFAULT_API_URL",
     "ApiClient",
     "ConnectionConfig",
-    "client_config",
     "json_object",
     "listed",
+    "one_call",
+    "same_contract",
 ]
 
 DEFAULT_API_URL = "http://127.0.0.1:8080"
@@ -162,7 +164,7 @@ class ApiClient:
         )
         if self._client.is_closed:
             raise Conflict(
-                "this connection is closed (the sandbox was killed or closed)",
+                "this connection is closed (its sandbox or AsyncSpace was killed or closed)",
                 operation=operation,
                 sandbox_id=sandbox_id,
             )
@@ -179,16 +181,51 @@ class ApiClient:
                 await response.aclose()
 
 
-def client_config(
+@asynccontextmanager
+async def one_call(
     api_url: str | None,
     api_key: str | None,
     request_timeout_s: float | None,
     transport: httpx.AsyncBaseTransport | None,
-) -> ConnectionConfig:
-    """The connection of one SDK call: its arguments, else the environment's."""
-    return ConnectionConfig.resolve(
-        api_url, api_key, request_timeout_s=request_timeout_s, transport=transport
+    *,
+    keep_open: bool = False,
+) -> AsyncIterator[ApiClient]:
+    """The connection of one classmethod call (``AsyncSandbox.list(api_key=...)``...).
+
+    Made from its arguments, else SPACE_API_URL / SPACE_API_KEY, then defaults. Closed
+    when the block ends, or with ``keep_open`` only when it raises: a sandbox the call
+    made keeps the connection and closes it itself.
+    """
+    api = ApiClient(
+        ConnectionConfig.resolve(
+            api_url, api_key, request_timeout_s=request_timeout_s, transport=transport
+        )
     )
+    try:
+        yield api
+    except BaseException:
+        await api.aclose()
+        raise
+    if not keep_open:
+        await api.aclose()
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def same_contract(core: Callable[..., Any]) -> Callable[[_F], _F]:
+    """Give a connection-taking classmethod the docstring of the ``AsyncSpace`` call it
+    wraps, so the contract is written once."""
+
+    def document(function: _F) -> _F:
+        function.__doc__ = (
+            f"{inspect.cleandoc(core.__doc__ or '')}\n\n"
+            "The connection is this call's own: ``api_url``/``api_key``, else SPACE_API_URL"
+            " / SPACE_API_KEY. ``AsyncSpace`` shares one connection across calls."
+        )
+        return function
+
+    return document
 
 
 def listed(body: Any, key: str, operation: str) -> list[Any]:

@@ -1,10 +1,12 @@
-"""``AsyncSandbox``: the async core of the SDK. The sync ``Sandbox`` wraps it."""
+"""``AsyncSandbox``, the async core of the SDK, and ``AsyncSandboxes``, the calls that
+make or list sandboxes (``AsyncSpace.sandboxes``; ``AsyncSandbox.create`` and its
+sibling classmethods run them on a connection of their own). The sync ``Sandbox`` wraps
+both."""
 
 from __future__ import annotations
 
 import builtins
 import enum
-import re
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, Final
@@ -13,21 +15,19 @@ import httpx
 
 from space.sdk._commands import AsyncCommands
 from space.sdk._files import AsyncFiles
-from space.sdk._http import ApiClient, client_config, json_object, listed
+from space.sdk._http import ApiClient, json_object, listed, one_call, same_contract
 from space.sdk._models import PoolInfo, SandboxInfo, SnapshotInfo
 from space.sdk._network import AsyncNetwork
-from space.sdk.errors import InvalidArgument, NotFound
+from space.sdk._sandbox_requests import create_body, secret_names, segment, snapshot_id
+from space.sdk.errors import NotFound
 
-__all__ = ["KEEP", "AsyncSandbox"]
+__all__ = ["KEEP", "AsyncSandbox", "AsyncSandboxes"]
 
 #: A create may boot a VM cold (seconds under TCG) or wait for a template: allow longer.
 CREATE_TIMEOUT_S = 180.0
 #: Hibernate, resume, snapshot, restore and fork save or load guest memory (seconds under
 #: TCG for a few hundred MiB): they get the create's allowance, not a plain request's.
 LIFECYCLE_TIMEOUT_S = CREATE_TIMEOUT_S
-#: What the SDK accepts as an id in a URL path: the API's ids (``sb-``/hex...) and no
-#: ``/`` or leading dot, so an id can never name another resource.
-_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
 class _Keep(enum.Enum):
@@ -43,32 +43,22 @@ class _Keep(enum.Enum):
 KEEP: Final = _Keep.KEEP
 
 
-class AsyncSandbox:
-    """A sandbox (one VM) and a connection to the API that manages it.
+class AsyncSandboxes:
+    """``space.sandboxes`` of an ``AsyncSpace``: create, find and list sandboxes, list
+    and delete snapshots, list warm pools, over that client's one connection.
 
-    Make one with ``await AsyncSandbox.create()`` or ``await AsyncSandbox.connect(id)``.
-    ``async with`` kills the sandbox on exit; ``close()`` only drops the connection and
-    leaves the sandbox running. The API URL and key come from the arguments, else from
-    SPACE_API_URL / SPACE_API_KEY, else http://127.0.0.1:8080 and no key.
+    Sandboxes made here share it: their ``close()`` leaves it open, and closing the
+    ``AsyncSpace`` closes theirs. (``AsyncSandbox.create`` and its siblings run the same
+    calls on a connection of their own, which the sandbox made keeps.)
     """
 
-    def __init__(self, info: SandboxInfo, api: ApiClient) -> None:
-        self._info = info
+    def __init__(self, api: ApiClient, *, hand_over: bool = False) -> None:
         self._api = api
-        self.commands = AsyncCommands(api, info.sandbox_id)
-        self.files = AsyncFiles(api, info.sandbox_id)
-        self.network = AsyncNetwork(api, info.sandbox_id)
+        # hand_over: the sandbox made is the only user of ``api`` and closes it.
+        self._hand_over = hand_over
 
-    def __repr__(self) -> str:
-        return f"<AsyncSandbox {self.sandbox_id} template={self._info.template}>"
-
-    @property
-    def sandbox_id(self) -> str:
-        return self._info.sandbox_id
-
-    @classmethod
     async def create(
-        cls,
+        self,
         template: str | None = None,
         *,
         cpus: int | None = None,
@@ -81,10 +71,6 @@ class AsyncSandbox:
         metadata: Mapping[str, str] | None = None,
         egress: Mapping[str, Any] | None = None,
         secrets: Sequence[str] | None = None,
-        api_url: str | None = None,
-        api_key: str | None = None,
-        request_timeout_s: float | None = None,
-        _transport: httpx.AsyncBaseTransport | None = None,
     ) -> AsyncSandbox:
         """Create a sandbox and return once it runs.
 
@@ -105,32 +91,127 @@ class AsyncSandbox:
         ``from_snapshot``, a ``secrets`` that is a string: nothing is sent then; an
         unknown secret, named by the server), NotFound (template or snapshot),
         ResourceExhausted (quota, no capacity), AuthenticationError, Unavailable,
-        Timeout (after 180 s). A cancellation mid-way may leave a sandbox behind that
-        ``list()`` shows.
+        Timeout (after 180 s). Not idempotent. A cancellation mid-way may leave a
+        sandbox behind that ``list()`` shows.
         """
-        body = _create_body(template, cpus, memory_mib, disk_mib, from_snapshot)
+        body = create_body(template, cpus, memory_mib, disk_mib, from_snapshot)
         body.update(timeout_s=timeout_s, env=dict(env or {}), metadata=dict(metadata or {}))
         if idle_timeout_s is not None:
             body["idle_timeout_s"] = idle_timeout_s
         if egress is not None:
             body["egress"] = dict(egress)
         if secrets is not None:
-            body["secrets"] = _secret_names(secrets)
-        api = ApiClient(client_config(api_url, api_key, request_timeout_s, _transport))
-        try:
-            answer = await api.request_json(
-                "POST",
-                "/v1/sandboxes",
-                operation="sandbox.create",
-                json_body=body,
-                timeout_s=CREATE_TIMEOUT_S,
-            )
-            return cls(SandboxInfo.from_wire(json_object(answer)), api)
-        except BaseException:
-            await api.aclose()
-            raise
+            body["secrets"] = secret_names(secrets)
+        answer = await self._api.request_json(
+            "POST",
+            "/v1/sandboxes",
+            operation="sandbox.create",
+            json_body=body,
+            timeout_s=CREATE_TIMEOUT_S,
+        )
+        return self._sandbox(SandboxInfo.from_wire(json_object(answer)))
+
+    async def connect(self, sandbox_id: str) -> AsyncSandbox:
+        """Attach to an existing sandbox. Raises NotFound if it does not exist. Read-only."""
+        return self._sandbox(await _get_info(self._api, sandbox_id))
+
+    async def list(self) -> builtins.list[SandboxInfo]:
+        """Every sandbox of the key's tenant. Read-only."""
+        body = await self._api.request_json("GET", "/v1/sandboxes", operation="sandbox.list")
+        sandboxes = listed(body, "sandboxes", operation="sandbox.list")
+        return [SandboxInfo.from_wire(json_object(s)) for s in sandboxes]
+
+    async def list_snapshots(self, *, sandbox_id: str | None = None) -> builtins.list[SnapshotInfo]:
+        """Every snapshot of the key's tenant, or only those taken of ``sandbox_id``.
+
+        The snapshots form a forest by ``parent_id`` (a parent may be missing from a
+        per-sandbox listing). Raises NotFound for an unknown ``sandbox_id``. Read-only.
+        """
+        path = "/v1/snapshots"
+        if sandbox_id is not None:
+            path = f"/v1/sandboxes/{segment(sandbox_id, 'sandbox id')}/snapshots"
+        return await _get_snapshots(self._api, path, sandbox_id)
+
+    async def list_pools(self) -> builtins.list[PoolInfo]:
+        """The warm pools of ``base`` and the tenant's own templates on every node, by
+        node id then template (in the tenant's names).
+
+        A node that does not answer is left out rather than failing the call. Raises
+        AuthenticationError for a missing or unknown key. Read-only.
+        """
+        body = await self._api.request_json("GET", "/v1/pools", operation="pool.list")
+        return [PoolInfo.from_wire(json_object(p)) for p in listed(body, "pools", "pool.list")]
+
+    async def delete_snapshot(self, snapshot: SnapshotInfo | str) -> None:
+        """Delete a snapshot; its children in the tree are re-parented to its parent.
+
+        Idempotent: deleting a snapshot that is already gone succeeds. Sandboxes made or
+        restored from it are unaffected. Raises InvalidArgument for a malformed id
+        (nothing is sent).
+        """
+        path = f"/v1/snapshots/{snapshot_id(snapshot)}"
+        await self._api.request_json("DELETE", path, operation="snapshot.delete")
+
+    def _sandbox(self, info: SandboxInfo) -> AsyncSandbox:
+        return AsyncSandbox(info, self._api, owns_api=self._hand_over)
+
+
+class AsyncSandbox:
+    """A sandbox (one VM) and a connection to the API that manages it.
+
+    Make one with ``await AsyncSandbox.create()`` or ``await AsyncSandbox.connect(id)``
+    (or through an ``AsyncSpace``, sharing its connection: ``space.sandboxes.create()``).
+    ``async with`` kills the sandbox on exit; ``close()`` only drops the connection and
+    leaves the sandbox running. The API URL and key come from the arguments, else from
+    SPACE_API_URL / SPACE_API_KEY, else http://127.0.0.1:8080 and no key.
+    """
+
+    def __init__(self, info: SandboxInfo, api: ApiClient, *, owns_api: bool = True) -> None:
+        self._info = info
+        self._api = api
+        # False for a sandbox of an AsyncSpace: the connection is the client's to close.
+        self._owns_api = owns_api
+        self.commands = AsyncCommands(api, info.sandbox_id)
+        self.files = AsyncFiles(api, info.sandbox_id)
+        self.network = AsyncNetwork(api, info.sandbox_id)
+
+    def __repr__(self) -> str:
+        return f"<AsyncSandbox {self.sandbox_id} template={self._info.template}>"
+
+    @property
+    def sandbox_id(self) -> str:
+        return self._info.sandbox_id
 
     @classmethod
+    @same_contract(AsyncSandboxes.create)
+    async def create(
+        cls,
+        template: str | None = None,
+        *,
+        cpus: int | None = None,
+        memory_mib: int | None = None,
+        disk_mib: int | None = None,
+        timeout_s: int | None = 300,
+        idle_timeout_s: int | None = None,
+        from_snapshot: SnapshotInfo | str | None = None,
+        env: Mapping[str, str] | None = None,
+        metadata: Mapping[str, str] | None = None,
+        egress: Mapping[str, Any] | None = None,
+        secrets: Sequence[str] | None = None,
+        api_url: str | None = None,
+        api_key: str | None = None,
+        request_timeout_s: float | None = None,
+        _transport: httpx.AsyncBaseTransport | None = None,
+    ) -> AsyncSandbox:
+        async with one_call(api_url, api_key, request_timeout_s, _transport, keep_open=True) as api:
+            return await AsyncSandboxes(api, hand_over=True).create(
+                template, cpus=cpus, memory_mib=memory_mib, disk_mib=disk_mib,
+                timeout_s=timeout_s, idle_timeout_s=idle_timeout_s, from_snapshot=from_snapshot,
+                env=env, metadata=metadata, egress=egress, secrets=secrets,
+            )  # fmt: skip
+
+    @classmethod
+    @same_contract(AsyncSandboxes.connect)
     async def connect(
         cls,
         sandbox_id: str,
@@ -140,16 +221,11 @@ class AsyncSandbox:
         request_timeout_s: float | None = None,
         _transport: httpx.AsyncBaseTransport | None = None,
     ) -> AsyncSandbox:
-        """Attach to an existing sandbox. Raises NotFound if it does not exist."""
-        api = ApiClient(client_config(api_url, api_key, request_timeout_s, _transport))
-        try:
-            info = await _get_info(api, sandbox_id)
-        except BaseException:
-            await api.aclose()
-            raise
-        return cls(info, api)
+        async with one_call(api_url, api_key, request_timeout_s, _transport, keep_open=True) as api:
+            return await AsyncSandboxes(api, hand_over=True).connect(sandbox_id)
 
     @classmethod
+    @same_contract(AsyncSandboxes.list)
     async def list(
         cls,
         *,
@@ -158,16 +234,11 @@ class AsyncSandbox:
         request_timeout_s: float | None = None,
         _transport: httpx.AsyncBaseTransport | None = None,
     ) -> builtins.list[SandboxInfo]:
-        """Every sandbox of the key's tenant."""
-        api = ApiClient(client_config(api_url, api_key, request_timeout_s, _transport))
-        try:
-            body = await api.request_json("GET", "/v1/sandboxes", operation="sandbox.list")
-        finally:
-            await api.aclose()
-        sandboxes = listed(body, "sandboxes", operation="sandbox.list")
-        return [SandboxInfo.from_wire(json_object(s)) for s in sandboxes]
+        async with one_call(api_url, api_key, request_timeout_s, _transport) as api:
+            return await AsyncSandboxes(api).list()
 
     @classmethod
+    @same_contract(AsyncSandboxes.list_snapshots)
     async def list_snapshots(
         cls,
         *,
@@ -177,21 +248,11 @@ class AsyncSandbox:
         request_timeout_s: float | None = None,
         _transport: httpx.AsyncBaseTransport | None = None,
     ) -> builtins.list[SnapshotInfo]:
-        """Every snapshot of the key's tenant, or only those taken of ``sandbox_id``.
-
-        The snapshots form a forest by ``parent_id`` (a parent may be missing from a
-        per-sandbox listing). Raises NotFound for an unknown ``sandbox_id``.
-        """
-        path = "/v1/snapshots"
-        if sandbox_id is not None:
-            path = f"/v1/sandboxes/{_segment(sandbox_id, 'sandbox id')}/snapshots"
-        api = ApiClient(client_config(api_url, api_key, request_timeout_s, _transport))
-        try:
-            return await _get_snapshots(api, path, sandbox_id)
-        finally:
-            await api.aclose()
+        async with one_call(api_url, api_key, request_timeout_s, _transport) as api:
+            return await AsyncSandboxes(api).list_snapshots(sandbox_id=sandbox_id)
 
     @classmethod
+    @same_contract(AsyncSandboxes.list_pools)
     async def list_pools(
         cls,
         *,
@@ -200,20 +261,11 @@ class AsyncSandbox:
         request_timeout_s: float | None = None,
         _transport: httpx.AsyncBaseTransport | None = None,
     ) -> builtins.list[PoolInfo]:
-        """The warm pools of ``base`` and the tenant's own templates on every node, by
-        node id then template (in the tenant's names).
-
-        A node that does not answer is left out rather than failing the call. Raises
-        AuthenticationError for a missing or unknown key. Read-only.
-        """
-        api = ApiClient(client_config(api_url, api_key, request_timeout_s, _transport))
-        try:
-            body = await api.request_json("GET", "/v1/pools", operation="pool.list")
-        finally:
-            await api.aclose()
-        return [PoolInfo.from_wire(json_object(p)) for p in listed(body, "pools", "pool.list")]
+        async with one_call(api_url, api_key, request_timeout_s, _transport) as api:
+            return await AsyncSandboxes(api).list_pools()
 
     @classmethod
+    @same_contract(AsyncSandboxes.delete_snapshot)
     async def delete_snapshot(
         cls,
         snapshot: SnapshotInfo | str,
@@ -223,19 +275,8 @@ class AsyncSandbox:
         request_timeout_s: float | None = None,
         _transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        """Delete a snapshot; its children in the tree are re-parented to its parent.
-
-        Idempotent: deleting a snapshot that is already gone succeeds. Sandboxes made or
-        restored from it are unaffected. Raises InvalidArgument for a malformed id.
-        """
-        snapshot_id = _snapshot_id(snapshot)
-        api = ApiClient(client_config(api_url, api_key, request_timeout_s, _transport))
-        try:
-            await api.request_json(
-                "DELETE", f"/v1/snapshots/{snapshot_id}", operation="snapshot.delete"
-            )
-        finally:
-            await api.aclose()
+        async with one_call(api_url, api_key, request_timeout_s, _transport) as api:
+            await AsyncSandboxes(api).delete_snapshot(snapshot)
 
     async def get_info(self) -> SandboxInfo:
         """Fresh information about this sandbox (state, expiry...). NotFound once gone."""
@@ -335,7 +376,7 @@ class AsyncSandbox:
             f"/v1/sandboxes/{self.sandbox_id}/restore",
             operation="sandbox.restore",
             sandbox_id=self.sandbox_id,
-            json_body={"snapshot_id": _snapshot_id(snapshot)},
+            json_body={"snapshot_id": snapshot_id(snapshot)},
             timeout_s=LIFECYCLE_TIMEOUT_S,
         )
         self._info = SandboxInfo.from_wire(json_object(answer))
@@ -345,8 +386,9 @@ class AsyncSandbox:
         """Make ``n`` (1 to 16) running copies of this sandbox: disk, memory, processes.
 
         Each child has a fresh guest identity and its own connection with this one's
-        configuration (close or kill each); this sandbox keeps its state after a brief
-        pause. Not idempotent. Raises InvalidArgument (``n`` out of range),
+        configuration (close or kill each; children of a sandbox made through an
+        ``AsyncSpace`` share that client's connection instead); this sandbox keeps its
+        state after a brief pause. Not idempotent. Raises InvalidArgument (``n`` out of range),
         ResourceExhausted (quota, no capacity), Conflict, NotFound. A cancellation
         mid-way may leave children behind that ``list()`` shows.
         """
@@ -360,7 +402,13 @@ class AsyncSandbox:
         )
         children = listed(answer, "sandboxes", operation="sandbox.fork")
         infos = [SandboxInfo.from_wire(json_object(child)) for child in children]
-        return [AsyncSandbox(info, ApiClient(self._api.config)) for info in infos]
+        return [self._sibling(info) for info in infos]
+
+    def _sibling(self, info: SandboxInfo) -> AsyncSandbox:
+        """A sandbox on a connection like this one's: its own, or the same AsyncSpace's."""
+        if self._owns_api:
+            return AsyncSandbox(info, ApiClient(self._api.config))
+        return AsyncSandbox(info, self._api, owns_api=False)
 
     async def _transition(self, action: str) -> SandboxInfo:
         body = await self._api.request_json(
@@ -374,7 +422,7 @@ class AsyncSandbox:
         return self._info
 
     async def kill(self) -> bool:
-        """Delete the sandbox and close the connection.
+        """Delete the sandbox and close the connection (see ``close``).
 
         Idempotent: returns False if the sandbox was already gone. Cancelling mid-way
         may leave the sandbox running; call again.
@@ -387,14 +435,19 @@ class AsyncSandbox:
                 sandbox_id=self.sandbox_id,
             )
         except NotFound:
-            await self._api.aclose()
+            await self.close()
             return False
-        await self._api.aclose()
+        await self.close()
         return True
 
     async def close(self) -> None:
-        """Close the connection to the API; the sandbox keeps running. Idempotent."""
-        await self._api.aclose()
+        """Close the connection to the API; the sandbox keeps running. Idempotent.
+
+        A sandbox made through an ``AsyncSpace`` shares that client's connection, which
+        stays open (``AsyncSpace.aclose`` closes it).
+        """
+        if self._owns_api:
+            await self._api.aclose()
 
     async def __aenter__(self) -> AsyncSandbox:
         return self
@@ -421,44 +474,3 @@ async def _get_snapshots(
     operation = "snapshot.list"
     body = await api.request_json("GET", path, operation=operation, sandbox_id=sandbox_id)
     return [SnapshotInfo.from_wire(json_object(s)) for s in listed(body, "snapshots", operation)]
-
-
-def _create_body(
-    template: str | None,
-    cpus: int | None,
-    memory_mib: int | None,
-    disk_mib: int | None,
-    from_snapshot: SnapshotInfo | str | None,
-) -> dict[str, Any]:
-    """The sizing part of a create body: only what was given (the API defaults the rest)."""
-    given = {"template": template, "cpus": cpus, "memory_mib": memory_mib, "disk_mib": disk_mib}
-    body: dict[str, Any] = {key: value for key, value in given.items() if value is not None}
-    if from_snapshot is not None:
-        if body:
-            raise InvalidArgument(
-                f"from_snapshot sets template, cpus, memory_mib and disk_mib; got {sorted(body)}",
-                operation="sandbox.create",
-            )
-        body["from_snapshot"] = _snapshot_id(from_snapshot)
-    return body
-
-
-def _secret_names(secrets: Sequence[str]) -> builtins.list[str]:
-    # A string is a sequence of one-letter names: surely a mistake.
-    if isinstance(secrets, str):
-        raise InvalidArgument(
-            "secrets is a list of names, not a string", operation="sandbox.create"
-        )
-    return [str(name) for name in secrets]
-
-
-def _snapshot_id(snapshot: SnapshotInfo | str) -> str:
-    value = snapshot.snapshot_id if isinstance(snapshot, SnapshotInfo) else snapshot
-    return _segment(value, "snapshot id")
-
-
-def _segment(value: str, what: str) -> str:
-    """``value`` if it can stand as one URL path segment; else InvalidArgument."""
-    if not isinstance(value, str) or not _ID.match(value):
-        raise InvalidArgument(f"not a valid {what}: {value!r}")
-    return value

@@ -22,20 +22,34 @@ from concurrent.futures import Future
 from types import TracebackType
 from typing import Any, Concatenate, Generic, Literal, ParamSpec, TypeVar, overload
 
+import httpx
+
+from space.sdk._client import AsyncSpace
 from space.sdk._commands import DEFAULT_COMMAND_TIMEOUT_S, AsyncCommandHandle, AsyncCommands
 from space.sdk._events import OutputCallback
 from space.sdk._files import AsyncFiles, ByteStream
+from space.sdk._http import ConnectionConfig
 from space.sdk._models import CommandResult
 from space.sdk._network import AsyncNetwork
-from space.sdk._sandbox import AsyncSandbox
-from space.sdk._secrets import AsyncSecrets
-from space.sdk._templates import AsyncTemplate
+from space.sdk._sandbox import AsyncSandbox, AsyncSandboxes
+from space.sdk._secrets import AsyncSecrets, AsyncSecretStore
+from space.sdk._templates import AsyncTemplate, AsyncTemplates
 from space.sdk.errors import InvalidArgument
 
-__all__ = ["CommandHandle", "Commands", "Files", "Network", "Sandbox", "Secrets", "Template"]
+__all__ = [
+    "CommandHandle",
+    "Commands",
+    "Files",
+    "Network",
+    "Sandbox",
+    "Secrets",
+    "Space",
+    "Template",
+]
 
 P = ParamSpec("P")
 R = TypeVar("R")
+T = TypeVar("T")
 A = TypeVar("A")
 
 
@@ -131,18 +145,25 @@ def _sandbox_factory(
     return call
 
 
-def _sandbox_list(
-    method: Callable[
-        Concatenate[AsyncSandbox, P], Coroutine[Any, Any, builtins.list[AsyncSandbox]]
-    ],
-) -> Callable[Concatenate[_Facade[AsyncSandbox], P], builtins.list[Sandbox]]:
-    """The sync twin of an AsyncSandbox method making sandboxes, returning Sandboxes."""
+def _blocking_into(
+    convert: Callable[[R], T],
+) -> Callable[
+    [Callable[Concatenate[A, P], Coroutine[Any, Any, R]]],
+    Callable[Concatenate[_Facade[A], P], T],
+]:
+    """The sync twin of an async method whose result ``convert`` wraps (an AsyncSandbox
+    becomes a Sandbox)."""
 
-    @functools.wraps(method)
-    def call(self: _Facade[AsyncSandbox], /, *args: P.args, **kwargs: P.kwargs) -> list[Sandbox]:
-        return [Sandbox(inner) for inner in _LOOP.run(method(self._inner, *args, **kwargs))]
+    def wrap(
+        method: Callable[Concatenate[A, P], Coroutine[Any, Any, R]],
+    ) -> Callable[Concatenate[_Facade[A], P], T]:
+        @functools.wraps(method)
+        def call(self: _Facade[A], /, *args: P.args, **kwargs: P.kwargs) -> T:
+            return convert(_LOOP.run(method(self._inner, *args, **kwargs)))
 
-    return call
+        return call
+
+    return wrap
 
 
 class CommandHandle(_Facade[AsyncCommandHandle]):
@@ -258,6 +279,10 @@ class Network(_Facade[AsyncNetwork]):
     log = _blocking(AsyncNetwork.log)
 
 
+def _sandboxes(inners: builtins.list[AsyncSandbox]) -> builtins.list[Sandbox]:
+    return [Sandbox(inner) for inner in inners]
+
+
 class Sandbox(_Facade[AsyncSandbox]):
     """A sandbox (sync). See AsyncSandbox; ``with Sandbox.create() as sbx`` kills on exit."""
 
@@ -289,7 +314,7 @@ class Sandbox(_Facade[AsyncSandbox]):
     snapshot = _blocking(AsyncSandbox.snapshot)
     snapshots = _blocking(AsyncSandbox.snapshots)
     restore = _blocking(AsyncSandbox.restore)
-    fork = _sandbox_list(AsyncSandbox.fork)
+    fork = _blocking_into(_sandboxes)(AsyncSandbox.fork)
     kill = _blocking(AsyncSandbox.kill)
     close = _blocking(AsyncSandbox.close)
 
@@ -320,6 +345,89 @@ class Secrets:
     list = staticmethod(_blocking_static(AsyncSecrets.list))
     get = staticmethod(_blocking_static(AsyncSecrets.get))
     delete = staticmethod(_blocking_static(AsyncSecrets.delete))
+
+
+class Sandboxes(_Facade[AsyncSandboxes]):
+    """``space.sandboxes`` of a ``Space`` (sync). See AsyncSandboxes."""
+
+    create = _blocking_into(Sandbox)(AsyncSandboxes.create)
+    connect = _blocking_into(Sandbox)(AsyncSandboxes.connect)
+    list = _blocking(AsyncSandboxes.list)
+    list_snapshots = _blocking(AsyncSandboxes.list_snapshots)
+    list_pools = _blocking(AsyncSandboxes.list_pools)
+    delete_snapshot = _blocking(AsyncSandboxes.delete_snapshot)
+
+
+class Templates(_Facade[AsyncTemplates]):
+    """``space.templates`` of a ``Space`` (sync). See AsyncTemplates."""
+
+    build = _blocking(AsyncTemplates.build)
+    list = _blocking(AsyncTemplates.list)
+    delete = _blocking(AsyncTemplates.delete)
+
+
+class SecretStore(_Facade[AsyncSecretStore]):
+    """``space.secrets`` of a ``Space`` (sync). See AsyncSecretStore."""
+
+    set = _blocking(AsyncSecretStore.set)
+    list = _blocking(AsyncSecretStore.list)
+    get = _blocking(AsyncSecretStore.get)
+    delete = _blocking(AsyncSecretStore.delete)
+
+
+class Space(_Facade[AsyncSpace]):
+    """A client of the SPACE API (sync): one connection that many calls share.
+
+        with Space(api_key=key) as space:
+            sbx = space.sandboxes.create(template="base")
+            print(sbx.commands.run("echo hi").stdout)
+
+    The arguments, defaults and contract are AsyncSpace's; ``close()`` (or leaving the
+    ``with`` block) closes the connection, idempotently, and kills no sandbox.
+    """
+
+    def __init__(
+        self,
+        api_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        request_timeout_s: float | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        # Made on the loop thread, where every later call on it runs.
+        made = _LOOP.run(
+            _made(AsyncSpace, api_url, api_key, request_timeout_s=request_timeout_s,
+                  transport=transport)
+        )  # fmt: skip
+        super().__init__(made)
+        self.sandboxes = Sandboxes(made.sandboxes)
+        self.templates = Templates(made.templates)
+        self.secrets = SecretStore(made.secrets)
+
+    def __repr__(self) -> str:
+        return f"<Space {self.config.api_url}>"
+
+    @property
+    def config(self) -> ConnectionConfig:
+        """The resolved URL, key and timeouts (frozen)."""
+        return self._inner.config
+
+    close = _blocking(AsyncSpace.aclose)
+
+    def __enter__(self) -> Space:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: builtins.type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+async def _made(factory: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+    return factory(*args, **kwargs)
 
 
 def _iterate(stream: ByteStream) -> Iterator[bytes]:

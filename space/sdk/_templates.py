@@ -1,4 +1,6 @@
-"""``AsyncTemplate``: build, list and delete templates. The sync ``Template`` wraps it."""
+"""``AsyncTemplates`` (``space.templates``): build, list and delete templates; the
+classmethods of ``AsyncTemplate`` make the same calls on a connection of their own. The
+sync ``Template`` wraps them."""
 
 from __future__ import annotations
 
@@ -14,12 +16,12 @@ from urllib.parse import quote
 import httpx
 
 from space.sdk._events import iter_events
-from space.sdk._http import ApiClient, client_config, json_object, listed
+from space.sdk._http import ApiClient, json_object, listed, one_call, same_contract
 from space.sdk._models import TemplateInfo
 from space.sdk._pack import SPEC_NAME, plan_context, stream_context
 from space.sdk.errors import BuildError, InternalError, InvalidArgument
 
-__all__ = ["BUILD_TIMEOUT_S", "AsyncTemplate", "LogCallback"]
+__all__ = ["BUILD_TIMEOUT_S", "AsyncTemplate", "AsyncTemplates", "LogCallback"]
 
 #: A build installs packages and runs commands in a VM: allow it an hour, and half an
 #: hour of silence (one long step) between two log lines.
@@ -31,24 +33,19 @@ _REF = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}(:[a-z0-9][a-z0-9_.-]{0,63}|@[0-9a
 LogCallback = Callable[[str], object]
 
 
-class AsyncTemplate:
-    """Templates of the key's tenant: ``base`` (shared, read-only) and its own builds.
+class AsyncTemplates:
+    """``space.templates`` of an ``AsyncSpace``: build, list and delete templates of the
+    key's tenant (``base``, shared and read-only, and its own builds)."""
 
-    Every method is a classmethod taking the connection like ``AsyncSandbox.create``:
-    ``api_url``/``api_key`` arguments, else SPACE_API_URL / SPACE_API_KEY.
-    """
+    def __init__(self, api: ApiClient) -> None:
+        self._api = api
 
-    @classmethod
     async def build(
-        cls,
+        self,
         path: str | PathLike[str],
         *,
         spec: str = SPEC_NAME,
         on_log: LogCallback | None = None,
-        api_url: str | None = None,
-        api_key: str | None = None,
-        request_timeout_s: float | None = None,
-        _transport: httpx.AsyncBaseTransport | None = None,
     ) -> TemplateInfo:
         """Build the template that ``path/spec`` describes, from the files under ``path``.
 
@@ -62,48 +59,23 @@ class AsyncTemplate:
         stops listening; the build carries on to its end on the server.
         """
         entries = await asyncio.to_thread(plan_context, Path(path), spec)
-        api = ApiClient(client_config(api_url, api_key, request_timeout_s, _transport))
-        try:
-            async with api.stream(
-                "POST",
-                "/v1/templates",
-                operation="template.build",
-                content=stream_context(entries),
-                timeout_s=BUILD_TIMEOUT_S,
-                read_timeout_s=BUILD_SILENCE_S,
-            ) as response:
-                return await _follow(response, on_log)
-        finally:
-            await api.aclose()
+        async with self._api.stream(
+            "POST",
+            "/v1/templates",
+            operation="template.build",
+            content=stream_context(entries),
+            timeout_s=BUILD_TIMEOUT_S,
+            read_timeout_s=BUILD_SILENCE_S,
+        ) as response:
+            return await _follow(response, on_log)
 
-    @classmethod
-    async def list(
-        cls,
-        *,
-        api_url: str | None = None,
-        api_key: str | None = None,
-        request_timeout_s: float | None = None,
-        _transport: httpx.AsyncBaseTransport | None = None,
-    ) -> builtins.list[TemplateInfo]:
+    async def list(self) -> builtins.list[TemplateInfo]:
         """``base`` and the tenant's templates, one per name and tag, sorted. Read-only."""
-        api = ApiClient(client_config(api_url, api_key, request_timeout_s, _transport))
-        try:
-            body = await api.request_json("GET", "/v1/templates", operation="template.list")
-        finally:
-            await api.aclose()
+        body = await self._api.request_json("GET", "/v1/templates", operation="template.list")
         items = listed(body, "templates", operation="template.list")
         return [TemplateInfo.from_wire(json_object(item)) for item in items]
 
-    @classmethod
-    async def delete(
-        cls,
-        ref: str | TemplateInfo,
-        *,
-        api_url: str | None = None,
-        api_key: str | None = None,
-        request_timeout_s: float | None = None,
-        _transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
+    async def delete(self, ref: str | TemplateInfo) -> None:
         """Delete ``name`` / ``name:tag`` (that tag) or ``name@digest`` (every tag of it).
 
         Sandboxes made from it are unaffected. Not idempotent: NotFound once it is gone.
@@ -115,13 +87,58 @@ class AsyncTemplate:
             raise InvalidArgument(
                 f"not a template reference: {text!r}", operation="template.delete"
             )
-        api = ApiClient(client_config(api_url, api_key, request_timeout_s, _transport))
-        try:
-            await api.request_json(
-                "DELETE", f"/v1/templates/{quote(text, safe=':@')}", operation="template.delete"
-            )
-        finally:
-            await api.aclose()
+        await self._api.request_json(
+            "DELETE", f"/v1/templates/{quote(text, safe=':@')}", operation="template.delete"
+        )
+
+
+class AsyncTemplate:
+    """Templates of the key's tenant, one call per connection: every method is a
+    classmethod taking ``api_url``/``api_key`` (else SPACE_API_URL / SPACE_API_KEY), and
+    otherwise the same call as on ``AsyncSpace.templates``."""
+
+    @classmethod
+    @same_contract(AsyncTemplates.build)
+    async def build(
+        cls,
+        path: str | PathLike[str],
+        *,
+        spec: str = SPEC_NAME,
+        on_log: LogCallback | None = None,
+        api_url: str | None = None,
+        api_key: str | None = None,
+        request_timeout_s: float | None = None,
+        _transport: httpx.AsyncBaseTransport | None = None,
+    ) -> TemplateInfo:
+        async with one_call(api_url, api_key, request_timeout_s, _transport) as api:
+            return await AsyncTemplates(api).build(path, spec=spec, on_log=on_log)
+
+    @classmethod
+    @same_contract(AsyncTemplates.list)
+    async def list(
+        cls,
+        *,
+        api_url: str | None = None,
+        api_key: str | None = None,
+        request_timeout_s: float | None = None,
+        _transport: httpx.AsyncBaseTransport | None = None,
+    ) -> builtins.list[TemplateInfo]:
+        async with one_call(api_url, api_key, request_timeout_s, _transport) as api:
+            return await AsyncTemplates(api).list()
+
+    @classmethod
+    @same_contract(AsyncTemplates.delete)
+    async def delete(
+        cls,
+        ref: str | TemplateInfo,
+        *,
+        api_url: str | None = None,
+        api_key: str | None = None,
+        request_timeout_s: float | None = None,
+        _transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        async with one_call(api_url, api_key, request_timeout_s, _transport) as api:
+            await AsyncTemplates(api).delete(ref)
 
 
 async def _follow(response: httpx.Response, on_log: LogCallback | None) -> TemplateInfo:

@@ -24,6 +24,7 @@ from space.node.agent import Node
 from space.node.core.config import NodeConfig
 from space.node.network import netns
 
+from .. import logs
 from .platform import gateway_pids, qemu_pids
 
 T = TypeVar("T")
@@ -85,6 +86,7 @@ def node_config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeConfig
     if os.geteuid() != 0:
         pytest.fail("node tests boot QEMU VMs on a loop-mounted btrfs pool: run them as root")
     data_dir = tmp_path_factory.mktemp("node")
+    logs.register(data_dir)
     yield NodeConfig(data_dir=data_dir, pool_size_gib=8, boot_timeout_s=90.0)
     leaked = release_data_dir(data_dir)
     assert not leaked, f"left behind by the node tests: {leaked}"
@@ -94,6 +96,7 @@ def node_config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeConfig
 def started_node(config: NodeConfig) -> Iterator[NodeHarness]:
     """A Node on ``config`` for one test; on exit every sandbox is deleted, the pool
     unmounted, and nothing of the data dir may be left."""
+    logs.register(config.data_dir, config.effective_run_dir)
     runner = asyncio.Runner()
     try:
         harness = NodeHarness(config, runner, runner.run(Node.start(config)))

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import httpx
 
+from .. import logs
+
 SPACE = [str(Path(sys.executable).parent / "space")]
 READY_TIMEOUT_S = 240.0
 
@@ -150,6 +152,7 @@ def release(data_dir: Path) -> list[str]:
 
 @contextlib.contextmanager
 def running_platform(data_dir: Path, extra_args: list[str] | None = None) -> Iterator[Platform]:
+    logs.register(data_dir)
     platform = Platform(data_dir, extra_args=extra_args or [])
     try:
         platform.start()

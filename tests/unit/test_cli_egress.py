@@ -14,11 +14,6 @@ from tests.unit.test_cli_templates import Served
 from tests.unit.test_sdk_fake_api import API_KEY, FakeApi
 
 
-@pytest.fixture
-def fake() -> FakeApi:
-    return FakeApi()
-
-
 def _space(fake: FakeApi, *args: str) -> Result:
     return CliRunner().invoke(
         main,

@@ -61,11 +61,6 @@ INFO = TemplateInfo(
 BASE = TemplateInfo("base", "latest", "cd" * 32, 1_700_000_000.0, "debian:bookworm", 1, 256, 2048)
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class _FakeBuild:
     """A BuildStream replaying ``events``, then raising ``error`` if given."""
 

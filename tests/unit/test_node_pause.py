@@ -11,11 +11,6 @@ from space.node.core.sandbox import settled
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def test_a_cancelled_transition_still_runs_to_its_end_before_the_cancellation() -> None:
     steps: list[str] = []
 

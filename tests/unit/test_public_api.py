@@ -16,6 +16,7 @@ SDK_NAMES = {
     "Timeout", "Unavailable",
     "AsyncNetwork", "EgressEvent", "Network", "allow",
     "AsyncSecrets", "SecretBinding", "SecretInfo", "Secrets",
+    "AsyncSpace", "Space",
 }  # fmt: skip
 
 TOP_NAMES = {
@@ -23,6 +24,7 @@ TOP_NAMES = {
     "CommandResult", "Conflict", "FileInfo", "InternalError", "InvalidArgument", "NotFound",
     "PermissionDenied", "ProcessInfo", "ResourceExhausted", "Sandbox", "SandboxInfo",
     "SpaceError", "Timeout", "Unavailable",
+    "AsyncSpace", "Space",
 }  # fmt: skip
 
 

@@ -5,32 +5,16 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
 from space.sdk import AsyncCommandHandle, AsyncSandbox, CommandResult
 from space.sdk.errors import CommandExitError, Conflict, InternalError, NotFound, Unavailable
+from tests.unit._sdk_calls import create as _create
 from tests.unit.test_sdk_fake_api import API_KEY, FakeApi
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
-def fake() -> FakeApi:
-    return FakeApi()
-
-
-async def _create(fake: FakeApi, **options: Any) -> AsyncSandbox:
-    return await AsyncSandbox.create(
-        api_url="http://space", api_key=API_KEY, _transport=fake.transport(), **options
-    )
 
 
 async def test_create_posts_the_documented_body_and_returns_the_new_sandbox(

@@ -21,11 +21,6 @@ from tests.unit.fakes import FakeNode, control_app
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def test_sdk_drives_the_control_plane_through_a_whole_session(tmp_path: Path) -> None:
     async with control_app(tmp_path) as h:
         key = h.key("acme")["Authorization"].removeprefix("Bearer ")

@@ -7,28 +7,13 @@ from typing import Any
 
 import pytest
 
-from space.sdk import AsyncSandbox, EgressEvent, Sandbox, allow
+from space.sdk import EgressEvent, Sandbox, allow
 from space.sdk.errors import InternalError, InvalidArgument, NotFound
 from tests.unit._fake_api_egress import CANNED_EVENTS
+from tests.unit._sdk_calls import create as _create
 from tests.unit.test_sdk_fake_api import API_KEY, FakeApi
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
-def fake() -> FakeApi:
-    return FakeApi()
-
-
-async def _create(fake: FakeApi, **options: Any) -> AsyncSandbox:
-    return await AsyncSandbox.create(
-        api_url="http://space", api_key=API_KEY, _transport=fake.transport(), **options
-    )
 
 
 def _egress_requests(fake: FakeApi) -> list[tuple[str, str]]:

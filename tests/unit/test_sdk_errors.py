@@ -23,11 +23,6 @@ from tests.unit.test_sdk_fake_api import API_KEY, FakeApi
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 # The table of docs/api.md, row by row.
 DOCUMENTED = [
     (401, "unauthenticated", AuthenticationError),

@@ -18,16 +18,6 @@ from tests.unit.test_sdk_fake_api import API_KEY, SIZES, FakeApi
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
-def fake() -> FakeApi:
-    return FakeApi()
-
-
 async def _client(fake: FakeApi) -> httpx.AsyncClient:
     return httpx.AsyncClient(
         transport=fake.transport(),

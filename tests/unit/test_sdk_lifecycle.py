@@ -12,32 +12,14 @@ import pytest
 
 from space.sdk import AsyncSandbox, Sandbox, SandboxInfo
 from space.sdk.errors import Conflict, InternalError, InvalidArgument, NotFound
+from tests.unit._sdk_calls import bodies as _bodies
+from tests.unit._sdk_calls import create as _sdk_sandbox
 from tests.unit.test_sdk_fake_api import API_KEY, FakeApi
 
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
-def fake() -> FakeApi:
-    return FakeApi()
-
-
-def _bodies(fake: FakeApi, suffix: str) -> list[Any]:
-    return [body for _, path, body in fake.bodies if path.endswith(suffix)]
-
-
 # pause and resume
-
-
-async def _sdk_sandbox(fake: FakeApi, **options: Any) -> AsyncSandbox:
-    return await AsyncSandbox.create(
-        api_url="http://space", api_key=API_KEY, _transport=fake.transport(), **options
-    )
 
 
 async def test_sdk_pause_and_resume_post_to_the_documented_paths_and_report_the_state(

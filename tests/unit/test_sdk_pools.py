@@ -8,7 +8,8 @@ import pytest
 
 from space.sdk import AsyncSandbox, PoolInfo, Sandbox
 from space.sdk.errors import AuthenticationError, InternalError
-from tests.unit.test_sdk_fake_api import API_KEY, FakeApi
+from tests.unit._sdk_calls import connection as _connection
+from tests.unit.test_sdk_fake_api import FakeApi
 
 pytestmark = pytest.mark.anyio
 
@@ -25,20 +26,6 @@ WIRE_POOL: dict[str, Any] = {
     "hit_rate": 0.75,
 }
 POOL = PoolInfo("n1", "base", 2, 3, 1, 8, 3, 1, 0.75)
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
-def fake() -> FakeApi:
-    return FakeApi()
-
-
-def _connection(fake: FakeApi) -> dict[str, Any]:
-    return {"api_url": "http://space", "api_key": API_KEY, "_transport": fake.transport()}
 
 
 async def test_list_pools_gets_every_pool_in_the_order_answered(fake: FakeApi) -> None:

@@ -18,11 +18,6 @@ pytestmark = pytest.mark.anyio
 VALUE = "sk-sdk-91c3-never-echoed"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def test_set_list_get_delete_and_a_sandbox_using_the_secret(tmp_path: Path) -> None:
     async with control_app(tmp_path) as h:
         key = h.key("acme")["Authorization"].removeprefix("Bearer ")

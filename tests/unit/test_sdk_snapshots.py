@@ -10,6 +10,9 @@ import pytest
 
 from space.sdk import AsyncSandbox, Sandbox, SnapshotInfo
 from space.sdk.errors import Conflict, InternalError, InvalidArgument, NotFound, Unavailable
+from tests.unit._sdk_calls import bodies as _bodies
+from tests.unit._sdk_calls import connection as _connection
+from tests.unit._sdk_calls import create as _create
 from tests.unit.test_sdk_fake_api import API_KEY, FakeApi
 
 pytestmark = pytest.mark.anyio
@@ -29,28 +32,6 @@ WIRE_SNAPSHOT: dict[str, Any] = {
     "memory_bytes": 536870912,
     "exclusive_bytes": None,
 }
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
-def fake() -> FakeApi:
-    return FakeApi()
-
-
-def _connection(fake: FakeApi) -> dict[str, Any]:
-    return {"api_url": "http://space", "api_key": API_KEY, "_transport": fake.transport()}
-
-
-async def _create(fake: FakeApi, **options: Any) -> AsyncSandbox:
-    return await AsyncSandbox.create(**_connection(fake), **options)
-
-
-def _bodies(fake: FakeApi, suffix: str) -> list[Any]:
-    return [body for _, path, body in fake.bodies if path.endswith(suffix)]
 
 
 # take and list

@@ -24,11 +24,6 @@ from space.sdk.errors import CommandExitError, InvalidArgument, NotFound
 from tests.unit.test_sdk_fake_api import API_KEY, FakeApi
 
 
-@pytest.fixture
-def fake() -> FakeApi:
-    return FakeApi()
-
-
 def _create(fake: FakeApi) -> Sandbox:
     return Sandbox.create(api_key=API_KEY, _transport=fake.transport())
 

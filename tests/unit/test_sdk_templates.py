@@ -23,11 +23,6 @@ pytestmark = pytest.mark.anyio
 SPEC = 'name = "py"\ntag = "v1"\nbase = "debian:bookworm"\n'
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def project(root: Path, spec: str = SPEC, spec_name: str = "space.toml") -> Path:
     (root / "app").mkdir(parents=True)
     (root / "app" / "main.py").write_bytes(b"print(1)\n")

@@ -22,11 +22,6 @@ SPEC = b'name = "demo"\nbase = "debian:bookworm"\n'
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 def dest(tmp_path: Path) -> Path:
     path = tmp_path / "ctx"
     path.mkdir()

@@ -1,0 +1,58 @@
+"""What the sandbox calls send: the create body, and the ids they put in URL paths,
+checked before anything is sent (InvalidArgument, with nothing on the wire)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from space.sdk._models import SnapshotInfo
+from space.sdk.errors import InvalidArgument
+
+__all__ = ["create_body", "secret_names", "segment", "snapshot_id"]
+
+#: What the SDK accepts as an id in a URL path: the API's ids (``sb-``/hex...) and no
+#: ``/`` or leading dot, so an id can never name another resource.
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def create_body(
+    template: str | None,
+    cpus: int | None,
+    memory_mib: int | None,
+    disk_mib: int | None,
+    from_snapshot: SnapshotInfo | str | None,
+) -> dict[str, Any]:
+    """The sizing part of a create body: only what was given (the API defaults the rest)."""
+    given = {"template": template, "cpus": cpus, "memory_mib": memory_mib, "disk_mib": disk_mib}
+    body: dict[str, Any] = {key: value for key, value in given.items() if value is not None}
+    if from_snapshot is not None:
+        if body:
+            raise InvalidArgument(
+                f"from_snapshot sets template, cpus, memory_mib and disk_mib; got {sorted(body)}",
+                operation="sandbox.create",
+            )
+        body["from_snapshot"] = snapshot_id(from_snapshot)
+    return body
+
+
+def secret_names(secrets: Sequence[str]) -> list[str]:
+    # A string is a sequence of one-letter names: surely a mistake.
+    if isinstance(secrets, str):
+        raise InvalidArgument(
+            "secrets is a list of names, not a string", operation="sandbox.create"
+        )
+    return [str(name) for name in secrets]
+
+
+def snapshot_id(snapshot: SnapshotInfo | str) -> str:
+    value = snapshot.snapshot_id if isinstance(snapshot, SnapshotInfo) else snapshot
+    return segment(value, "snapshot id")
+
+
+def segment(value: str, what: str) -> str:
+    """``value`` if it can stand as one URL path segment; else InvalidArgument."""
+    if not isinstance(value, str) or not _ID.match(value):
+        raise InvalidArgument(f"not a valid {what}: {value!r}")
+    return value

@@ -1,0 +1,161 @@
+"""``AsyncSpace`` / ``Space``: one client whose calls and sandboxes share one connection
+(issue 13), against the fake API and the control plane over a FakeNode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from space.sdk import AsyncSandbox, AsyncSpace, Sandbox, SecretInfo, Space
+from space.sdk._http import ApiClient, one_call
+from space.sdk.errors import Conflict, InvalidArgument, NotFound
+from tests.unit._sdk_calls import connection
+from tests.unit.fakes import control_app
+from tests.unit.test_sdk_fake_api import API_KEY, FakeApi
+from tests.unit.test_sdk_templates import project
+
+pytestmark = pytest.mark.anyio
+
+
+def _space(fake: FakeApi) -> AsyncSpace:
+    return AsyncSpace("http://space", API_KEY, transport=fake.transport())
+
+
+@pytest.fixture
+def clients(monkeypatch: pytest.MonkeyPatch) -> list[ApiClient]:
+    """Every ApiClient (one connection pool each) the SDK makes during the test."""
+    made: list[ApiClient] = []
+    original = ApiClient.__init__
+
+    def counting(self: ApiClient, *args: object, **kwargs: object) -> None:
+        original(self, *args, **kwargs)  # type: ignore[arg-type]
+        made.append(self)
+
+    monkeypatch.setattr(ApiClient, "__init__", counting)
+    return made
+
+
+async def test_every_call_and_sandbox_of_a_space_share_its_one_connection(
+    fake: FakeApi, clients: list[ApiClient]
+) -> None:
+    async with _space(fake) as space:
+        sandbox = await space.sandboxes.create(cpus=2)
+        again = await space.sandboxes.connect(sandbox.sandbox_id)
+        (child,) = await sandbox.fork(1)
+        listed = await space.sandboxes.list()
+        await space.sandboxes.list_pools()
+        await space.sandboxes.list_snapshots(sandbox_id=sandbox.sandbox_id)
+    assert len(clients) == 1 and clients[0]._client.is_closed
+    assert isinstance(again, AsyncSandbox) and again.sandbox_id == sandbox.sandbox_id
+    assert {s.sandbox_id for s in listed} == {sandbox.sandbox_id, child.sandbox_id}
+    assert all(h["authorization"] == f"Bearer {API_KEY}" for _, _, h in fake.requests)
+
+
+async def test_closing_or_killing_a_sandbox_of_a_space_leaves_the_space_usable(
+    fake: FakeApi,
+) -> None:
+    async with _space(fake) as space:
+        first = await space.sandboxes.create()
+        second = await space.sandboxes.create()
+        await first.close()
+        await first.close()  # idempotent
+        assert await second.kill() is True
+        assert [s.sandbox_id for s in await space.sandboxes.list()] == [first.sandbox_id]
+        assert (await first.get_info()).state == "running"  # its close kept the connection
+
+
+async def test_negative_after_the_space_closes_every_call_raises_conflict_and_kills_nothing(
+    fake: FakeApi,
+) -> None:
+    space = _space(fake)
+    sandbox = await space.sandboxes.create()
+    await space.aclose()
+    await space.aclose()  # idempotent
+    with pytest.raises(Conflict, match="connection is closed"):
+        await space.sandboxes.list()
+    with pytest.raises(Conflict, match="connection is closed"):
+        await sandbox.get_info()
+    assert list(fake.sandboxes) == [sandbox.sandbox_id]
+
+
+async def test_a_space_sends_the_same_requests_as_the_classmethods(fake: FakeApi) -> None:
+    sid = (await AsyncSandbox.create(**connection(fake))).sandbox_id
+    fake.requests.clear()
+    await AsyncSandbox.list_snapshots(sandbox_id=sid, **connection(fake))
+    await AsyncSandbox.delete_snapshot("snp0001", **connection(fake))
+    await AsyncSandbox.list_pools(**connection(fake))
+    by_classmethods = [(method, path) for method, path, _ in fake.requests]
+    fake.requests.clear()
+    async with _space(fake) as space:
+        await space.sandboxes.list_snapshots(sandbox_id=sid)
+        await space.sandboxes.delete_snapshot("snp0001")
+        await space.sandboxes.list_pools()
+    assert [(method, path) for method, path, _ in fake.requests] == by_classmethods
+
+
+async def test_negative_a_malformed_id_is_refused_before_anything_is_sent(fake: FakeApi) -> None:
+    async with _space(fake) as space:
+        with pytest.raises(InvalidArgument):
+            await space.sandboxes.delete_snapshot("../sandboxes")
+        with pytest.raises(InvalidArgument):
+            await space.sandboxes.list_snapshots(sandbox_id="a/b")
+    assert fake.requests == []
+
+
+async def test_the_connection_comes_from_the_environment_when_not_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SPACE_API_URL", "http://from-env:9999/")
+    monkeypatch.setenv("SPACE_API_KEY", "sk-env")
+    async with AsyncSpace(request_timeout_s=5) as space:
+        config = space.config
+    assert (config.api_url, config.api_key, config.request_timeout_s) == (
+        "http://from-env:9999", "sk-env", 5
+    )  # fmt: skip
+    assert "sk-env" not in repr(space)
+
+
+async def test_secrets_and_templates_of_a_space_reach_the_control_plane(tmp_path: Path) -> None:
+    root = project(tmp_path / "p")
+    async with control_app(tmp_path / "data") as h:
+        key = h.key("acme")["Authorization"].removeprefix("Bearer ")
+        async with AsyncSpace(api_key=key, transport=httpx.ASGITransport(app=h.app)) as space:
+            info = await space.secrets.set("TOKEN", "sk-value", ["api.example.com"])
+            got = await space.secrets.get("TOKEN")
+            await space.secrets.delete("TOKEN")
+            await space.secrets.delete("TOKEN")  # idempotent
+            secrets_after = await space.secrets.list()
+            built = await space.templates.build(root)
+            refs = [t.ref for t in await space.templates.list()]
+            await space.templates.delete(built)
+            with pytest.raises(NotFound):
+                await space.templates.delete(built)
+    assert isinstance(info, SecretInfo) and got == info and secrets_after == []
+    assert refs == ["base:latest", "py:v1"]
+
+
+async def test_one_call_closes_its_connection_unless_a_sandbox_keeps_it() -> None:
+    async with one_call("http://x", None, None, None) as plain:
+        pass
+    async with one_call("http://x", None, None, None, keep_open=True) as kept:
+        pass
+    with pytest.raises(RuntimeError):
+        async with one_call("http://x", None, None, None, keep_open=True) as failed:
+            raise RuntimeError("the call failed")
+    assert plain._client.is_closed and failed._client.is_closed
+    assert not kept._client.is_closed
+    await kept.aclose()
+
+
+def test_sync_space_wraps_the_async_one_and_its_sandboxes_are_sandboxes(fake: FakeApi) -> None:
+    with Space("http://space", API_KEY, transport=fake.transport()) as space:
+        with space.sandboxes.create() as sandbox:
+            assert isinstance(sandbox, Sandbox)
+            assert [s.sandbox_id for s in space.sandboxes.list()] == [sandbox.sandbox_id]
+        assert space.sandboxes.list() == []  # the with block killed it, the space lives on
+        kept = space.sandboxes.create()
+    with pytest.raises(Conflict):
+        kept.get_info()
+    assert list(fake.sandboxes) == [kept.sandbox_id]  # closing the space kills nothing
