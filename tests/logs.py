@@ -82,6 +82,6 @@ def _logs(dirs: list[tuple[Path, Path | None]]) -> Iterator[Path]:
 def _default_run_dir(data_dir: Path) -> Path:
     # Imported here: only a failed VM test needs it, and tests/ stays free of node
     # imports at collection time.
-    from space.node.config import NodeConfig
+    from space.node.core.config import NodeConfig
 
     return NodeConfig(data_dir=data_dir).effective_run_dir
