@@ -1,23 +1,23 @@
-"""SDK calls against the fake API that many SDK tests make the same way."""
+"""SDK calls against the real API (tests/unit/_live_api.py) that many SDK tests make."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from space.sdk import AsyncSandbox
-from tests.unit.test_sdk_fake_api import API_KEY, FakeApi
+from tests.unit._live_api import LiveApi
 
 
-def connection(fake: FakeApi) -> dict[str, Any]:
-    """The connection arguments of an SDK classmethod call that reaches ``fake``."""
-    return {"api_url": "http://space", "api_key": API_KEY, "_transport": fake.transport()}
+def connection(api: LiveApi) -> dict[str, Any]:
+    """The connection arguments of an SDK classmethod call that reaches ``api``."""
+    return api.connection()
 
 
-async def create(fake: FakeApi, **options: Any) -> AsyncSandbox:
-    """``AsyncSandbox.create(**options)`` on ``fake``."""
-    return await AsyncSandbox.create(**connection(fake), **options)
+async def create(api: LiveApi, **options: Any) -> AsyncSandbox:
+    """``AsyncSandbox.create(**options)`` on ``api``."""
+    return await AsyncSandbox.create(**connection(api), **options)
 
 
-def bodies(fake: FakeApi, suffix: str) -> list[Any]:
-    """The JSON bodies ``fake`` received on paths ending with ``suffix``, in order."""
-    return [body for _, path, body in fake.bodies if path.endswith(suffix)]
+def bodies(api: LiveApi, suffix: str) -> list[Any]:
+    """The JSON bodies ``api`` received on paths ending with ``suffix``, in order."""
+    return [body for _, path, body in api.bodies if path.endswith(suffix)]

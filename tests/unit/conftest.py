@@ -1,10 +1,13 @@
-"""Fixtures the unit tests share: the async backend and a fresh fake API."""
+"""Fixtures the unit tests share: the async backend and the real API over a FakeNode."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
 import pytest
 
-from tests.unit.test_sdk_fake_api import FakeApi
+from tests.unit._live_api import LiveApi
 
 
 @pytest.fixture
@@ -14,6 +17,15 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture
-def fake() -> FakeApi:
-    """An empty fake API (tests/unit/test_sdk_fake_api.py); a test module may override it."""
-    return FakeApi()
+async def api(tmp_path: Path) -> AsyncIterator[LiveApi]:
+    """The control app over a FakeNode, its lifespan on the test's loop (async tests)."""
+    async with LiveApi(tmp_path / "control").running() as live:
+        yield live
+
+
+@pytest.fixture
+def sync_api(tmp_path: Path) -> Iterator[LiveApi]:
+    """The control app over a FakeNode, its lifespan on the sync SDK's loop thread (tests
+    of ``Sandbox``, ``Space`` and the CLI)."""
+    with LiveApi(tmp_path / "control").serving_sync() as live:
+        yield live

@@ -144,7 +144,9 @@ class FakeNode(FakeTemplates, FakeEgress):
     template the node does not have is NotFound. Egress (set_egress, egress_log) comes
     from FakeEgress. ``grants`` holds each sandbox's secret grants as last set (checked
     as the node checks them), ``grant_pushes`` every set_secrets call in order; ``info``
-    reports ``boot_id`` (change it to play a restarted node agent).
+    reports ``boot_id`` (change it to play a restarted node agent). ``scripts`` maps a
+    command (``cmd``, or ``argv`` joined with spaces) to the events its exec yields (a
+    background one yields them only to ``attach``); others follow ``_script``.
     """
 
     def __init__(self, node_id: str = "local") -> None:
@@ -162,6 +164,7 @@ class FakeNode(FakeTemplates, FakeEgress):
         self.boot_id = "boot-1"
         self.grants: dict[str, list[SecretGrant]] = {}
         self.grant_pushes: list[tuple[str, list[SecretGrant]]] = []
+        self.scripts: dict[str, list[ExecEvent | NodeError]] = {}
 
     def _box(self, method: str, sandbox_id: str) -> _Box:
         self.calls.append((method, sandbox_id))
@@ -332,7 +335,8 @@ class FakeNode(FakeTemplates, FakeEgress):
         if request.cwd is not None and request.cwd not in box.dirs:
             raise NotFound(f"no directory {request.cwd}", sandbox_id=sandbox_id)
         process_id = f"p{len(box.processes) + 1}"
-        events = _script(request)
+        key = request.cmd if request.cmd is not None else " ".join(request.argv or [])
+        events = self.scripts.get(key) or _script(request)
         info = ProcessInfo(
             process_id,
             100 + len(box.processes),
@@ -344,7 +348,7 @@ class FakeNode(FakeTemplates, FakeEgress):
             time.time(),
         )
         box.processes[process_id] = (info, events)
-        stream = FakeExecStream(info.pid, process_id, events)
+        stream = FakeExecStream(info.pid, process_id, [] if request.background else events)
         self.streams.append(stream)
         return stream
 
@@ -353,6 +357,9 @@ class FakeNode(FakeTemplates, FakeEgress):
         if process_id not in box.processes:
             raise NotFound(f"no process {process_id}", sandbox_id=sandbox_id)
         info, events = box.processes[process_id]
+        if info.signal is not None:  # killed: its exit is the signal's
+            events = [e for e in events if not isinstance(e, ExecExited)]
+            events.append(ExecExited(None, info.signal))
         return FakeExecStream(info.pid, process_id, events)
 
     async def list_processes(self, sandbox_id: str) -> list[ProcessInfo]:

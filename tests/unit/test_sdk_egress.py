@@ -11,13 +11,13 @@ from space.sdk import EgressEvent, Sandbox, allow
 from space.sdk.errors import InternalError, InvalidArgument, NotFound
 from tests.unit._fake_api_egress import CANNED_EVENTS
 from tests.unit._sdk_calls import create as _create
-from tests.unit.test_sdk_fake_api import API_KEY, FakeApi
+from tests.unit._live_api import LiveApi
 
 pytestmark = pytest.mark.anyio
 
 
-def _egress_requests(fake: FakeApi) -> list[tuple[str, str]]:
-    return [(method, path) for method, path, _ in fake.requests if "/egress" in path]
+def _egress_requests(api: LiveApi) -> list[tuple[str, str]]:
+    return [(method, path) for method, path, _ in api.requests if "/egress" in path]
 
 
 # allow()
@@ -80,10 +80,10 @@ def test_negative_allow_refuses_a_rule_that_is_not_a_string() -> None:
 # create and sandbox.network
 
 
-async def test_create_sends_the_egress_policy_and_leaves_it_out_when_none(fake: FakeApi) -> None:
-    with_policy = await _create(fake, egress=allow("pypi.org:443"))
-    without = await _create(fake)
-    bodies = [body for method, path, body in fake.bodies if path == "/v1/sandboxes"]
+async def test_create_sends_the_egress_policy_and_leaves_it_out_when_none(api: LiveApi) -> None:
+    with_policy = await _create(api, egress=allow("pypi.org:443"))
+    without = await _create(api)
+    bodies = [body for method, path, body in api.bodies if path == "/v1/sandboxes"]
     assert bodies[0]["egress"] == {"allow": [{"domain": "pypi.org", "ports": [443]}]}
     assert "egress" not in bodies[1]
     assert await with_policy.network.get_policy() == {
@@ -92,24 +92,24 @@ async def test_create_sends_the_egress_policy_and_leaves_it_out_when_none(fake: 
     assert await without.network.get_policy() == {"allow": []}
 
 
-async def test_set_policy_answers_the_canonical_policy(fake: FakeApi) -> None:
-    sandbox = await _create(fake)
+async def test_set_policy_answers_the_canonical_policy(api: LiveApi) -> None:
+    sandbox = await _create(api)
     stored = await sandbox.network.set_policy(allow("pypi.org"))
     assert stored == {"allow": [{"domain": "pypi.org", "ports": [80, 443]}]}
     assert await sandbox.network.get_policy() == stored
 
 
 async def test_negative_set_policy_raises_the_servers_message_and_keeps_the_old_one(
-    fake: FakeApi,
+    api: LiveApi,
 ) -> None:
-    sandbox = await _create(fake, egress=allow("pypi.org"))
+    sandbox = await _create(api, egress=allow("pypi.org"))
     with pytest.raises(InvalidArgument, match=r"allow\[0\]\.ports\[0\]: 0 is not a port"):
         await sandbox.network.set_policy({"allow": [{"domain": "a.org", "ports": [0]}]})
     assert (await sandbox.network.get_policy())["allow"][0]["domain"] == "pypi.org"
 
 
-async def test_log_parses_every_field_of_the_events(fake: FakeApi) -> None:
-    sandbox = await _create(fake)
+async def test_log_parses_every_field_of_the_events(api: LiveApi) -> None:
+    sandbox = await _create(api)
     allowed, denied = await sandbox.network.log()
     assert allowed == EgressEvent(
         time=datetime(2026, 11, 30, 12, 0, 1, 250000, tzinfo=UTC),
@@ -127,10 +127,10 @@ async def test_log_parses_every_field_of_the_events(fake: FakeApi) -> None:
     assert (denied.address, denied.port, denied.secrets) == (None, None, ())
 
 
-async def test_log_sends_its_limit_which_defaults_to_100(fake: FakeApi) -> None:
-    sandbox = await _create(fake)
+async def test_log_sends_its_limit_which_defaults_to_100(api: LiveApi) -> None:
+    sandbox = await _create(api)
     events = [{**CANNED_EVENTS[1], "host": f"h{n}.example"} for n in range(1200)]
-    fake.egress_events[sandbox.sandbox_id] = events
+    api.egress_events[sandbox.sandbox_id] = events
     assert [e.host for e in await sandbox.network.log(1)] == ["h1199.example"]
     assert len(await sandbox.network.log()) == 100
     assert len(await sandbox.network.log(1000)) == 1000
@@ -138,32 +138,32 @@ async def test_log_sends_its_limit_which_defaults_to_100(fake: FakeApi) -> None:
 
 @pytest.mark.parametrize("limit", [0, 1001, -5, True, 2.0])
 async def test_negative_a_log_limit_out_of_range_is_refused_before_sending(
-    fake: FakeApi, limit: Any
+    api: LiveApi, limit: Any
 ) -> None:
-    sandbox = await _create(fake)
+    sandbox = await _create(api)
     with pytest.raises(InvalidArgument, match="limit must be 1 to 1000"):
         await sandbox.network.log(limit)
-    assert _egress_requests(fake) == []
+    assert _egress_requests(api) == []
 
 
-async def test_negative_a_malformed_event_is_an_internal_error(fake: FakeApi) -> None:
-    sandbox = await _create(fake)
-    fake.egress_events[sandbox.sandbox_id] = [{**CANNED_EVENTS[0], "port": "443"}]
+async def test_negative_a_malformed_event_is_an_internal_error(api: LiveApi) -> None:
+    sandbox = await _create(api)
+    api.egress_events[sandbox.sandbox_id] = [{**CANNED_EVENTS[0], "port": "443"}]
     with pytest.raises(InternalError, match="malformed egress event"):
         await sandbox.network.log()
 
 
-async def test_negative_the_network_of_a_deleted_sandbox_is_not_found(fake: FakeApi) -> None:
-    sandbox = await _create(fake)
-    fake.sandboxes.clear()
+async def test_negative_the_network_of_a_deleted_sandbox_is_not_found(api: LiveApi) -> None:
+    sandbox = await _create(api)
+    api.node.boxes.clear()
     with pytest.raises(NotFound):
         await sandbox.network.get_policy()
     with pytest.raises(NotFound):
         await sandbox.network.set_policy(allow())
 
 
-def test_the_sync_sandbox_has_the_same_network(fake: FakeApi) -> None:
-    sandbox = Sandbox.create(api_key=API_KEY, _transport=fake.transport(), egress=allow("x.org"))
+def test_the_sync_sandbox_has_the_same_network(api: LiveApi) -> None:
+    sandbox = Sandbox.create(api_key=api.key, _transport=api.transport(), egress=allow("x.org"))
     assert sandbox.network.get_policy()["allow"][0]["domain"] == "x.org"
     assert sandbox.network.set_policy(allow()) == {"allow": []}
     assert [event.decision for event in sandbox.network.log(limit=5)] == ["allow", "deny"]

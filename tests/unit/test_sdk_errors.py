@@ -18,7 +18,7 @@ from space.sdk.errors import (
     Timeout,
     Unavailable,
 )
-from tests.unit.test_sdk_fake_api import API_KEY, FakeApi
+from tests.unit._live_api import LiveApi
 
 pytestmark = pytest.mark.anyio
 
@@ -42,9 +42,9 @@ async def test_negative_each_documented_error_answer_raises_its_leaf_with_contex
     status: int, code: str, expected: type[SpaceError]
 ) -> None:
     fake = FakeApi()
-    fake.fail_next = (status, code, f"server says {code}")
+    api.fail_next = (status, code, f"server says {code}")
     with pytest.raises(expected) as caught:
-        await AsyncSandbox.list(api_key=API_KEY, _transport=fake.transport())
+        await AsyncSandbox.list(api_key=api.key, _transport=api.transport())
     error = caught.value
     assert type(error) is expected
     assert (error.status_code, error.code, error.message) == (status, code, f"server says {code}")
@@ -55,7 +55,7 @@ async def test_negative_each_documented_error_answer_raises_its_leaf_with_contex
 async def test_negative_a_wrong_api_key_raises_authentication_error() -> None:
     fake = FakeApi()
     with pytest.raises(AuthenticationError):
-        await AsyncSandbox.list(api_key="wrong", _transport=fake.transport())
+        await AsyncSandbox.list(api_key="wrong", _transport=api.transport())
 
 
 @pytest.mark.parametrize(
@@ -66,7 +66,7 @@ async def test_negative_an_error_without_a_json_body_maps_by_status(
 ) -> None:
     transport = httpx.MockTransport(lambda request: httpx.Response(status, text="<html>oops"))
     with pytest.raises(expected, match="oops"):
-        await AsyncSandbox.list(api_key=API_KEY, _transport=transport)
+        await AsyncSandbox.list(api_key=api.key, _transport=transport)
 
 
 @pytest.mark.parametrize(
@@ -86,7 +86,7 @@ async def test_negative_transport_failures_never_escape_as_httpx_errors(
         raise failure
 
     with pytest.raises(expected) as caught:
-        await AsyncSandbox.connect("sbx1", api_key=API_KEY, _transport=httpx.MockTransport(fail))
+        await AsyncSandbox.connect("sbx1", api_key=api.key, _transport=httpx.MockTransport(fail))
     assert caught.value.sandbox_id == "sbx1"
     assert isinstance(caught.value.__cause__, httpx.HTTPError)
 
@@ -94,9 +94,9 @@ async def test_negative_transport_failures_never_escape_as_httpx_errors(
 async def test_negative_an_unreachable_api_url_raises_unavailable() -> None:
     # Port 9 on loopback (discard) has no listener here: a real connection refusal.
     with pytest.raises(Unavailable, match="cannot reach"):
-        await AsyncSandbox.list(api_url="http://127.0.0.1:9", api_key=API_KEY)
+        await AsyncSandbox.list(api_url="http://127.0.0.1:9", api_key=api.key)
 
 
 async def test_negative_a_bad_api_url_scheme_raises_invalid_argument() -> None:
     with pytest.raises(InvalidArgument):
-        await AsyncSandbox.list(api_url="ftp://example.invalid", api_key=API_KEY)
+        await AsyncSandbox.list(api_url="ftp://example.invalid", api_key=api.key)

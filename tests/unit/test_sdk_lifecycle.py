@@ -14,7 +14,7 @@ from space.sdk import AsyncSandbox, Sandbox, SandboxInfo
 from space.sdk.errors import Conflict, InternalError, InvalidArgument, NotFound
 from tests.unit._sdk_calls import bodies as _bodies
 from tests.unit._sdk_calls import create as _sdk_sandbox
-from tests.unit.test_sdk_fake_api import API_KEY, FakeApi
+from tests.unit._live_api import LiveApi
 
 pytestmark = pytest.mark.anyio
 
@@ -23,25 +23,25 @@ pytestmark = pytest.mark.anyio
 
 
 async def test_sdk_pause_and_resume_post_to_the_documented_paths_and_report_the_state(
-    fake: FakeApi,
+    api: LiveApi,
 ) -> None:
-    sandbox = await _sdk_sandbox(fake)
+    sandbox = await _sdk_sandbox(api)
     sid = sandbox.sandbox_id
 
     paused = await sandbox.pause()
-    listed = {info.sandbox_id: info.state for info in await _list(fake)}
+    listed = {info.sandbox_id: info.state for info in await _list(api)}
     resumed = await sandbox.resume()
     await sandbox.close()
 
     assert paused.state == "paused" and listed == {sid: "paused"}
-    assert resumed.state == "running" and fake.sandboxes[sid]["state"] == "running"
-    posts = [path for method, path, _ in fake.requests if method == "POST"]
+    assert resumed.state == "running" and api.node.boxes[sid]["state"] == "running"
+    posts = [path for method, path, _ in api.requests if method == "POST"]
     assert posts[-2:] == [f"/v1/sandboxes/{sid}/pause", f"/v1/sandboxes/{sid}/resume"]
 
 
-async def test_sdk_command_on_a_paused_sandbox_runs_and_leaves_it_running(fake: FakeApi) -> None:
-    fake.scripts["echo hi"] = [("stdout", b"hi\n"), ("exit", 0, None, False)]
-    sandbox = await _sdk_sandbox(fake)
+async def test_sdk_command_on_a_paused_sandbox_runs_and_leaves_it_running(api: LiveApi) -> None:
+    api.scripts["echo hi"] = [("stdout", b"hi\n"), ("exit", 0, None, False)]
+    sandbox = await _sdk_sandbox(api)
     await sandbox.pause()
 
     result = await sandbox.commands.run("echo hi")
@@ -52,28 +52,28 @@ async def test_sdk_command_on_a_paused_sandbox_runs_and_leaves_it_running(fake: 
 
 
 async def test_negative_sdk_pause_of_a_sandbox_in_error_raises_conflict_naming_it(
-    fake: FakeApi,
+    api: LiveApi,
 ) -> None:
-    sandbox = await _sdk_sandbox(fake)
-    fake.sandboxes[sandbox.sandbox_id]["state"] = "error"
+    sandbox = await _sdk_sandbox(api)
+    api.node.boxes[sandbox.sandbox_id]["state"] = "error"
     with pytest.raises(Conflict, match="it is error"):
         await sandbox.pause()
     with pytest.raises(Conflict, match="it is error"):
         await sandbox.resume()
     await sandbox.close()
-    assert fake.sandboxes[sandbox.sandbox_id]["state"] == "error"
+    assert api.node.boxes[sandbox.sandbox_id]["state"] == "error"
 
 
-async def test_negative_sdk_pause_of_a_deleted_sandbox_raises_not_found(fake: FakeApi) -> None:
-    sandbox = await _sdk_sandbox(fake)
-    del fake.sandboxes[sandbox.sandbox_id]
+async def test_negative_sdk_pause_of_a_deleted_sandbox_raises_not_found(api: LiveApi) -> None:
+    sandbox = await _sdk_sandbox(api)
+    del api.node.boxes[sandbox.sandbox_id]
     with pytest.raises(NotFound):
         await sandbox.pause()
     await sandbox.close()
 
 
-def test_sync_sandbox_pause_and_resume_wrap_the_async_core(fake: FakeApi) -> None:
-    sandbox = Sandbox.create(api_url="http://space", api_key=API_KEY, _transport=fake.transport())
+def test_sync_sandbox_pause_and_resume_wrap_the_async_core(api: LiveApi) -> None:
+    sandbox = Sandbox.create(api_url="http://space", api_key=api.key, _transport=api.transport())
     try:
         assert sandbox.pause().state == "paused"
         assert sandbox.get_info().state == "paused"
@@ -86,9 +86,9 @@ def test_sync_sandbox_pause_and_resume_wrap_the_async_core(fake: FakeApi) -> Non
 
 
 async def test_sdk_hibernate_posts_to_its_path_and_resume_wakes_the_sandbox(
-    fake: FakeApi,
+    api: LiveApi,
 ) -> None:
-    sandbox = await _sdk_sandbox(fake)
+    sandbox = await _sdk_sandbox(api)
     sid = sandbox.sandbox_id
 
     hibernated = await sandbox.hibernate()
@@ -97,15 +97,15 @@ async def test_sdk_hibernate_posts_to_its_path_and_resume_wakes_the_sandbox(
     await sandbox.close()
 
     assert (hibernated.state, again.state, resumed.state) == ("hibernated", "hibernated", "running")
-    posts = [path for method, path, _ in fake.requests if method == "POST"]
+    posts = [path for method, path, _ in api.requests if method == "POST"]
     assert posts[-3:] == [f"/v1/sandboxes/{sid}/{a}" for a in ("hibernate", "hibernate", "resume")]
 
 
 async def test_negative_sdk_hibernate_of_a_sandbox_in_error_raises_conflict_keeping_the_message(
-    fake: FakeApi,
+    api: LiveApi,
 ) -> None:
-    sandbox = await _sdk_sandbox(fake)
-    fake.sandboxes[sandbox.sandbox_id]["state"] = "error"
+    sandbox = await _sdk_sandbox(api)
+    api.node.boxes[sandbox.sandbox_id]["state"] = "error"
     with pytest.raises(Conflict) as caught:
         await sandbox.hibernate()
     await sandbox.close()
@@ -114,20 +114,20 @@ async def test_negative_sdk_hibernate_of_a_sandbox_in_error_raises_conflict_keep
     assert (error.status_code, error.details, error.operation) == (
         409, {"state": "error"}, "sandbox.hibernate"
     )  # fmt: skip
-    assert fake.sandboxes[sandbox.sandbox_id]["state"] == "error"
+    assert api.node.boxes[sandbox.sandbox_id]["state"] == "error"
 
 
 # create's lifecycle fields and set_timeouts
 
 
-async def test_create_sends_idle_timeout_and_leaves_unset_sizes_to_the_api(fake: FakeApi) -> None:
-    plain = await _sdk_sandbox(fake)
-    idle = await _sdk_sandbox(fake, idle_timeout_s=60, timeout_s=None)
+async def test_create_sends_idle_timeout_and_leaves_unset_sizes_to_the_api(api: LiveApi) -> None:
+    plain = await _sdk_sandbox(api)
+    idle = await _sdk_sandbox(api, idle_timeout_s=60, timeout_s=None)
     info = await idle.get_info()
     await plain.close()
     await idle.close()
 
-    first, second = _bodies(fake, "/v1/sandboxes")
+    first, second = _bodies(api, "/v1/sandboxes")
     assert "idle_timeout_s" not in first and not {"template", "cpus"} & first.keys()
     assert (second["idle_timeout_s"], second["timeout_s"]) == (60, None)
     assert (info.idle_timeout_s, info.max_lifetime_s, info.cpus) == (60, None, 1)
@@ -144,24 +144,24 @@ async def test_create_sends_idle_timeout_and_leaves_unset_sizes_to_the_api(fake:
     ],
 )
 async def test_set_timeouts_sends_exactly_the_arguments_given_none_included(
-    fake: FakeApi, arguments: dict[str, Any]
+    api: LiveApi, arguments: dict[str, Any]
 ) -> None:
-    sandbox = await _sdk_sandbox(fake, idle_timeout_s=90, timeout_s=300)
+    sandbox = await _sdk_sandbox(api, idle_timeout_s=90, timeout_s=300)
     info = await sandbox.set_timeouts(**arguments)
     await sandbox.close()
 
-    assert _bodies(fake, "/timeouts") == [arguments]
+    assert _bodies(api, "/timeouts") == [arguments]
     expected = {"idle_timeout_s": 90, "max_lifetime_s": 300, **arguments}
     assert (info.idle_timeout_s, info.max_lifetime_s) == tuple(expected.values())
     assert ("PUT", f"/v1/sandboxes/{sandbox.sandbox_id}/timeouts") in [
-        (method, path) for method, path, _ in fake.requests
+        (method, path) for method, path, _ in api.requests
     ]
 
 
 async def test_negative_set_timeouts_out_of_range_raises_invalid_argument_and_changes_nothing(
-    fake: FakeApi,
+    api: LiveApi,
 ) -> None:
-    sandbox = await _sdk_sandbox(fake, idle_timeout_s=90)
+    sandbox = await _sdk_sandbox(api, idle_timeout_s=90)
     with pytest.raises(InvalidArgument, match="bad timeouts"):
         await sandbox.set_timeouts(idle_timeout_s=0)
     info = await sandbox.get_info()
@@ -185,9 +185,9 @@ def test_negative_malformed_lifecycle_fields_of_a_sandbox_raise_internal_error(
 # fork
 
 
-async def test_fork_returns_usable_children_each_with_its_own_connection(fake: FakeApi) -> None:
-    fake.scripts["hostname"] = [("stdout", b"child\n"), ("exit", 0, None, False)]
-    parent = await _sdk_sandbox(fake)
+async def test_fork_returns_usable_children_each_with_its_own_connection(api: LiveApi) -> None:
+    api.scripts["hostname"] = [("stdout", b"child\n"), ("exit", 0, None, False)]
+    parent = await _sdk_sandbox(api)
 
     children = await parent.fork(3)
     ran = await children[0].commands.run("hostname")
@@ -198,58 +198,58 @@ async def test_fork_returns_usable_children_each_with_its_own_connection(fake: F
         await child.close()
     await parent.close()
 
-    assert _bodies(fake, "/fork") == [{"count": 3}]
+    assert _bodies(api, "/fork") == [{"count": 3}]
     ids = [child.sandbox_id for child in children]
     assert len(set(ids)) == 3 and parent.sandbox_id not in ids
     assert all(isinstance(child, AsyncSandbox) for child in children)
     assert (ran.stdout, killed, parent_info.state, second_info.state) == (
         "child\n", True, "running", "running"
     )  # fmt: skip
-    assert set(fake.sandboxes) == {parent.sandbox_id, *ids[1:]}
-    assert all(h["authorization"] == f"Bearer {API_KEY}" for _, _, h in fake.requests)
+    assert set(api.node.boxes) == {parent.sandbox_id, *ids[1:]}
+    assert all(h["authorization"] == f"Bearer {api.key}" for _, _, h in api.requests)
 
 
-async def test_fork_defaults_to_one_child(fake: FakeApi) -> None:
-    parent = await _sdk_sandbox(fake)
+async def test_fork_defaults_to_one_child(api: LiveApi) -> None:
+    parent = await _sdk_sandbox(api)
     children = await parent.fork()
     await children[0].close()
     await parent.close()
-    assert len(children) == 1 and _bodies(fake, "/fork") == [{"count": 1}]
+    assert len(children) == 1 and _bodies(api, "/fork") == [{"count": 1}]
 
 
 @pytest.mark.parametrize("n", [0, 17])
 async def test_negative_fork_out_of_range_raises_invalid_argument_and_makes_nothing(
-    fake: FakeApi, n: int
+    api: LiveApi, n: int
 ) -> None:
-    parent = await _sdk_sandbox(fake)
+    parent = await _sdk_sandbox(api)
     with pytest.raises(InvalidArgument, match="count must be 1-16"):
         await parent.fork(n)
     await parent.close()
-    assert list(fake.sandboxes) == [parent.sandbox_id]
+    assert list(api.node.boxes) == [parent.sandbox_id]
 
 
 async def test_negative_fork_of_a_sandbox_still_creating_raises_conflict_and_makes_nothing(
-    fake: FakeApi,
+    api: LiveApi,
 ) -> None:
-    parent = await _sdk_sandbox(fake)
-    fake.sandboxes[parent.sandbox_id]["state"] = "creating"
+    parent = await _sdk_sandbox(api)
+    api.node.boxes[parent.sandbox_id]["state"] = "creating"
     with pytest.raises(Conflict, match="it is creating"):
         await parent.fork(2)
     await parent.close()
-    assert list(fake.sandboxes) == [parent.sandbox_id]
+    assert list(api.node.boxes) == [parent.sandbox_id]
 
 
 @pytest.mark.parametrize("answer", [{"sandboxes": "no"}, {"children": []}, [], {"sandboxes": [{}]}])
 async def test_negative_a_malformed_fork_answer_raises_internal_error(answer: Any) -> None:
     fake = FakeApi()
-    inner = fake.transport()
+    inner = api.transport()
 
     async def route(request: httpx.Request) -> httpx.Response:
         if request.url.path.endswith("/fork"):
             return httpx.Response(201, json=answer)
         return await inner.handle_async_request(request)
 
-    parent = await AsyncSandbox.create(api_key=API_KEY, _transport=httpx.MockTransport(route))
+    parent = await AsyncSandbox.create(api_key=api.key, _transport=httpx.MockTransport(route))
     with pytest.raises(InternalError, match="malformed"):
         await parent.fork(1)
     await parent.close()
@@ -258,8 +258,8 @@ async def test_negative_a_malformed_fork_answer_raises_internal_error(answer: An
 # the sync facade
 
 
-def test_sync_hibernate_set_timeouts_and_fork_wrap_the_async_core(fake: FakeApi) -> None:
-    sandbox = Sandbox.create(api_url="http://space", api_key=API_KEY, _transport=fake.transport())
+def test_sync_hibernate_set_timeouts_and_fork_wrap_the_async_core(api: LiveApi) -> None:
+    sandbox = Sandbox.create(api_url="http://space", api_key=api.key, _transport=api.transport())
     try:
         assert sandbox.hibernate().state == "hibernated"
         assert sandbox.set_timeouts(max_lifetime_s=None).max_lifetime_s is None
@@ -272,7 +272,7 @@ def test_sync_hibernate_set_timeouts_and_fork_wrap_the_async_core(fake: FakeApi)
         sandbox.close()
 
 
-async def _list(fake: FakeApi) -> list[SandboxInfo]:
+async def _list(api: LiveApi) -> list[SandboxInfo]:
     return await AsyncSandbox.list(
-        api_url="http://space", api_key=API_KEY, _transport=fake.transport()
+        api_url="http://space", api_key=api.key, _transport=api.transport()
     )

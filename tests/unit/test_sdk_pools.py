@@ -9,7 +9,7 @@ import pytest
 from space.sdk import AsyncSandbox, PoolInfo, Sandbox
 from space.sdk.errors import AuthenticationError, InternalError
 from tests.unit._sdk_calls import connection as _connection
-from tests.unit.test_sdk_fake_api import FakeApi
+from tests.unit._live_api import LiveApi
 
 pytestmark = pytest.mark.anyio
 
@@ -28,21 +28,21 @@ WIRE_POOL: dict[str, Any] = {
 POOL = PoolInfo("n1", "base", 2, 3, 1, 8, 3, 1, 0.75)
 
 
-async def test_list_pools_gets_every_pool_in_the_order_answered(fake: FakeApi) -> None:
+async def test_list_pools_gets_every_pool_in_the_order_answered(api: LiveApi) -> None:
     unused = WIRE_POOL | {"node_id": "n2", "hits": 0, "misses": 0, "hit_rate": None}
-    fake.pools = [WIRE_POOL, unused]
-    pools = await AsyncSandbox.list_pools(**_connection(fake))
+    api.pools = [WIRE_POOL, unused]
+    pools = await AsyncSandbox.list_pools(**_connection(api))
     assert pools == [POOL, PoolInfo("n2", "base", 2, 3, 1, 8, 0, 0, None)]
-    assert [(method, path) for method, path, _ in fake.requests] == [("GET", "/v1/pools")]
+    assert [(method, path) for method, path, _ in api.requests] == [("GET", "/v1/pools")]
 
 
-async def test_list_pools_with_no_pools_is_empty(fake: FakeApi) -> None:
-    assert await AsyncSandbox.list_pools(**_connection(fake)) == []
+async def test_list_pools_with_no_pools_is_empty(api: LiveApi) -> None:
+    assert await AsyncSandbox.list_pools(**_connection(api)) == []
 
 
-def test_sync_list_pools_blocks_for_the_same_answer(fake: FakeApi) -> None:
-    fake.pools = [WIRE_POOL]
-    assert Sandbox.list_pools(**_connection(fake)) == [POOL]
+def test_sync_list_pools_blocks_for_the_same_answer(api: LiveApi) -> None:
+    api.pools = [WIRE_POOL]
+    assert Sandbox.list_pools(**_connection(api)) == [POOL]
 
 
 def test_pool_info_is_frozen() -> None:
@@ -57,11 +57,11 @@ def test_a_hit_rate_of_any_json_number_from_0_to_1_parses_as_a_float(rate: float
 
 
 async def test_negative_list_pools_with_a_wrong_key_is_an_authentication_error(
-    fake: FakeApi,
+    api: LiveApi,
 ) -> None:
-    fake.pools = [WIRE_POOL]
+    api.pools = [WIRE_POOL]
     with pytest.raises(AuthenticationError):
-        await AsyncSandbox.list_pools(**_connection(fake) | {"api_key": "sk-wrong"})
+        await AsyncSandbox.list_pools(**_connection(api) | {"api_key": "sk-wrong"})
 
 
 @pytest.mark.parametrize(
@@ -93,8 +93,8 @@ def test_negative_a_pool_missing_a_field_is_an_internal_error(missing: str) -> N
 
 @pytest.mark.parametrize("pools", [None, "n1", {"n1": WIRE_POOL}, [["n1"]]])
 async def test_negative_a_malformed_pools_answer_is_an_internal_error(
-    fake: FakeApi, pools: Any
+    api: LiveApi, pools: Any
 ) -> None:
-    fake.pools = pools
+    api.pools = pools
     with pytest.raises(InternalError):
-        await AsyncSandbox.list_pools(**_connection(fake))
+        await AsyncSandbox.list_pools(**_connection(api))

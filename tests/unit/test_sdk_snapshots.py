@@ -13,7 +13,7 @@ from space.sdk.errors import Conflict, InternalError, InvalidArgument, NotFound,
 from tests.unit._sdk_calls import bodies as _bodies
 from tests.unit._sdk_calls import connection as _connection
 from tests.unit._sdk_calls import create as _create
-from tests.unit.test_sdk_fake_api import API_KEY, FakeApi
+from tests.unit._live_api import LiveApi
 
 pytestmark = pytest.mark.anyio
 
@@ -37,13 +37,13 @@ WIRE_SNAPSHOT: dict[str, Any] = {
 # take and list
 
 
-async def test_snapshot_posts_its_name_and_parses_the_answer(fake: FakeApi) -> None:
-    sandbox = await _create(fake, cpus=2, memory_mib=512)
+async def test_snapshot_posts_its_name_and_parses_the_answer(api: LiveApi) -> None:
+    sandbox = await _create(api, cpus=2, memory_mib=512)
     snapshot = await sandbox.snapshot("clean")
     info = await sandbox.get_info()
     await sandbox.close()
 
-    assert _bodies(fake, f"/v1/sandboxes/{sandbox.sandbox_id}/snapshots") == [{"name": "clean"}]
+    assert _bodies(api, f"/v1/sandboxes/{sandbox.sandbox_id}/snapshots") == [{"name": "clean"}]
     assert isinstance(snapshot, SnapshotInfo)
     assert (snapshot.name, snapshot.sandbox_id, snapshot.parent_id) == (
         "clean", sandbox.sandbox_id, None
@@ -54,17 +54,17 @@ async def test_snapshot_posts_its_name_and_parses_the_answer(fake: FakeApi) -> N
 
 
 async def test_snapshots_chain_by_parent_and_list_per_sandbox_or_for_the_tenant(
-    fake: FakeApi,
+    api: LiveApi,
 ) -> None:
-    first = await _create(fake)
-    other = await _create(fake)
+    first = await _create(api)
+    other = await _create(api)
     a = await first.snapshot("a")
     b = await first.snapshot("b")
     c = await other.snapshot("c")
 
     own = await first.snapshots()
-    everything = await AsyncSandbox.list_snapshots(**_connection(fake))
-    filtered = await AsyncSandbox.list_snapshots(sandbox_id=other.sandbox_id, **_connection(fake))
+    everything = await AsyncSandbox.list_snapshots(**_connection(api))
+    filtered = await AsyncSandbox.list_snapshots(sandbox_id=other.sandbox_id, **_connection(api))
     await first.close()
     await other.close()
 
@@ -72,7 +72,7 @@ async def test_snapshots_chain_by_parent_and_list_per_sandbox_or_for_the_tenant(
     assert [s.snapshot_id for s in own] == [a.snapshot_id, b.snapshot_id]
     assert {s.snapshot_id for s in everything} == {a.snapshot_id, b.snapshot_id, c.snapshot_id}
     assert [s.snapshot_id for s in filtered] == [c.snapshot_id]
-    gets = [path for method, path, _ in fake.requests if method == "GET"]
+    gets = [path for method, path, _ in api.requests if method == "GET"]
     assert gets == [
         f"/v1/sandboxes/{first.sandbox_id}/snapshots",
         "/v1/snapshots",
@@ -81,9 +81,9 @@ async def test_snapshots_chain_by_parent_and_list_per_sandbox_or_for_the_tenant(
 
 
 async def test_negative_a_taken_name_raises_conflict_keeping_message_and_snapshot_id(
-    fake: FakeApi,
+    api: LiveApi,
 ) -> None:
-    sandbox = await _create(fake)
+    sandbox = await _create(api)
     first = await sandbox.snapshot("clean")
     with pytest.raises(Conflict) as caught:
         await sandbox.snapshot("clean")
@@ -92,36 +92,36 @@ async def test_negative_a_taken_name_raises_conflict_keeping_message_and_snapsho
     assert error.message == "a snapshot named 'clean' exists"
     assert error.details == {"snapshot_id": first.snapshot_id}
     assert (error.operation, error.sandbox_id) == ("sandbox.snapshot", sandbox.sandbox_id)
-    assert list(fake.snapshots) == [first.snapshot_id]
+    assert list(api.snapshots) == [first.snapshot_id]
 
 
 async def test_negative_listing_the_snapshots_of_an_unknown_sandbox_raises_not_found(
-    fake: FakeApi,
+    api: LiveApi,
 ) -> None:
     with pytest.raises(NotFound):
-        await AsyncSandbox.list_snapshots(sandbox_id="sbx9999", **_connection(fake))
+        await AsyncSandbox.list_snapshots(sandbox_id="sbx9999", **_connection(api))
     with pytest.raises(InvalidArgument, match="not a valid sandbox id"):
-        await AsyncSandbox.list_snapshots(sandbox_id="../snapshots", **_connection(fake))
-    assert len(fake.requests) == 1
+        await AsyncSandbox.list_snapshots(sandbox_id="../snapshots", **_connection(api))
+    assert len(api.requests) == 1
 
 
 # delete
 
 
 async def test_delete_snapshot_accepts_info_or_id_is_idempotent_and_reparents(
-    fake: FakeApi,
+    api: LiveApi,
 ) -> None:
-    sandbox = await _create(fake)
+    sandbox = await _create(api)
     a = await sandbox.snapshot("a")
     b = await sandbox.snapshot("b")
     c = await sandbox.snapshot("c")
 
-    await AsyncSandbox.delete_snapshot(b, **_connection(fake))
-    await AsyncSandbox.delete_snapshot(b.snapshot_id, **_connection(fake))
+    await AsyncSandbox.delete_snapshot(b, **_connection(api))
+    await AsyncSandbox.delete_snapshot(b.snapshot_id, **_connection(api))
     left = await sandbox.snapshots()
     await sandbox.close()
 
-    deletes = [path for method, path, _ in fake.requests if method == "DELETE"]
+    deletes = [path for method, path, _ in api.requests if method == "DELETE"]
     assert deletes == [f"/v1/snapshots/{b.snapshot_id}"] * 2
     assert [(s.snapshot_id, s.parent_id) for s in left] == [
         (a.snapshot_id, None), (c.snapshot_id, a.snapshot_id)
@@ -130,25 +130,25 @@ async def test_delete_snapshot_accepts_info_or_id_is_idempotent_and_reparents(
 
 @pytest.mark.parametrize("bad_id", ["", "../sandboxes/sbx0001", "a/b", ".hidden", "x" * 129])
 async def test_negative_a_snapshot_id_that_is_not_one_path_segment_is_refused_before_sending(
-    fake: FakeApi, bad_id: str
+    api: LiveApi, bad_id: str
 ) -> None:
-    sandbox = await _create(fake)
-    sent = len(fake.requests)
+    sandbox = await _create(api)
+    sent = len(api.requests)
     with pytest.raises(InvalidArgument, match="not a valid snapshot id"):
-        await AsyncSandbox.delete_snapshot(bad_id, **_connection(fake))
+        await AsyncSandbox.delete_snapshot(bad_id, **_connection(api))
     with pytest.raises(InvalidArgument, match="not a valid snapshot id"):
         await sandbox.restore(bad_id)
     await sandbox.close()
-    assert len(fake.requests) == sent
+    assert len(api.requests) == sent
 
 
 # restore
 
 
 async def test_restore_posts_the_snapshot_id_and_answers_the_running_sandbox(
-    fake: FakeApi,
+    api: LiveApi,
 ) -> None:
-    sandbox = await _create(fake)
+    sandbox = await _create(api)
     a = await sandbox.snapshot("a")
     await sandbox.snapshot("b")
     await sandbox.pause()
@@ -157,22 +157,22 @@ async def test_restore_posts_the_snapshot_id_and_answers_the_running_sandbox(
     by_id = await sandbox.restore(a.snapshot_id)
     await sandbox.close()
 
-    assert _bodies(fake, "/restore") == [{"snapshot_id": a.snapshot_id}] * 2
+    assert _bodies(api, "/restore") == [{"snapshot_id": a.snapshot_id}] * 2
     assert (by_info.state, by_info.head_snapshot) == ("running", a.snapshot_id)
     assert by_id == by_info
 
 
 async def test_negative_restore_errors_map_to_their_leaves_with_the_server_message(
-    fake: FakeApi,
+    api: LiveApi,
 ) -> None:
-    sandbox = await _create(fake)
+    sandbox = await _create(api)
     snapshot = await sandbox.snapshot("a")
-    other = await _create(fake, cpus=2)
+    other = await _create(api, cpus=2)
     with pytest.raises(NotFound):
         await sandbox.restore("snp9999")
     with pytest.raises(InvalidArgument, match="sizes differ"):
         await other.restore(snapshot)
-    fake.sandboxes[sandbox.sandbox_id]["state"] = "error"
+    api.node.boxes[sandbox.sandbox_id]["state"] = "error"
     with pytest.raises(Conflict, match=r"cannot restore sandbox sbx\d+: it is error"):
         await sandbox.restore(snapshot)
     await sandbox.close()
@@ -183,17 +183,17 @@ async def test_negative_restore_errors_map_to_their_leaves_with_the_server_messa
 
 
 async def test_create_from_snapshot_sends_only_its_id_and_inherits_its_sizes(
-    fake: FakeApi,
+    api: LiveApi,
 ) -> None:
-    source = await _create(fake, cpus=2, memory_mib=512)
+    source = await _create(api, cpus=2, memory_mib=512)
     snapshot = await source.snapshot("warm")
-    from_info = await _create(fake, from_snapshot=snapshot, idle_timeout_s=30)
-    from_id = await _create(fake, from_snapshot=snapshot.snapshot_id)
+    from_info = await _create(api, from_snapshot=snapshot, idle_timeout_s=30)
+    from_id = await _create(api, from_snapshot=snapshot.snapshot_id)
     info = await from_info.get_info()
     for sandbox in (source, from_info, from_id):
         await sandbox.close()
 
-    bodies = _bodies(fake, "/v1/sandboxes")[1:]
+    bodies = _bodies(api, "/v1/sandboxes")[1:]
     assert [body["from_snapshot"] for body in bodies] == [snapshot.snapshot_id] * 2
     assert all(not {"template", "cpus", "memory_mib", "disk_mib"} & b.keys() for b in bodies)
     assert (info.cpus, info.memory_mib, info.head_snapshot) == (2, 512, snapshot.snapshot_id)
@@ -204,17 +204,17 @@ async def test_create_from_snapshot_sends_only_its_id_and_inherits_its_sizes(
     "size", [{"template": "base"}, {"cpus": 1}, {"memory_mib": 256}, {"disk_mib": 2048}]
 )
 async def test_negative_create_from_snapshot_with_a_size_is_refused_before_sending(
-    fake: FakeApi, size: dict[str, Any]
+    api: LiveApi, size: dict[str, Any]
 ) -> None:
     with pytest.raises(InvalidArgument, match="from_snapshot sets"):
-        await _create(fake, from_snapshot="snp0001", **size)
-    assert fake.requests == [] and fake.sandboxes == {}
+        await _create(api, from_snapshot="snp0001", **size)
+    assert api.requests == [] and api.node.boxes == {}
 
 
-async def test_negative_create_from_an_unknown_snapshot_raises_not_found(fake: FakeApi) -> None:
+async def test_negative_create_from_an_unknown_snapshot_raises_not_found(api: LiveApi) -> None:
     with pytest.raises(NotFound):
-        await _create(fake, from_snapshot="snp9999")
-    assert fake.sandboxes == {}
+        await _create(api, from_snapshot="snp9999")
+    assert api.node.boxes == {}
 
 
 # parsing
@@ -260,7 +260,7 @@ def test_negative_a_snapshot_missing_a_field_raises_internal_error(key: str) -> 
 async def test_negative_a_malformed_snapshot_list_raises_internal_error(answer: Any) -> None:
     transport = httpx.MockTransport(lambda _request: httpx.Response(200, json=answer))
     with pytest.raises(InternalError):
-        await AsyncSandbox.list_snapshots(api_key=API_KEY, _transport=transport)
+        await AsyncSandbox.list_snapshots(api_key=api.key, _transport=transport)
 
 
 async def test_negative_a_transport_failure_during_a_snapshot_call_raises_unavailable() -> None:
@@ -275,14 +275,14 @@ async def test_negative_a_transport_failure_during_a_snapshot_call_raises_unavai
 # the sync facade
 
 
-def test_sync_snapshot_restore_list_and_delete_wrap_the_async_core(fake: FakeApi) -> None:
-    sandbox = Sandbox.create(**_connection(fake))
+def test_sync_snapshot_restore_list_and_delete_wrap_the_async_core(api: LiveApi) -> None:
+    sandbox = Sandbox.create(**_connection(api))
     try:
         snapshot = sandbox.snapshot("a")
         assert [s.snapshot_id for s in sandbox.snapshots()] == [snapshot.snapshot_id]
         assert sandbox.restore(snapshot).head_snapshot == snapshot.snapshot_id
-        assert Sandbox.list_snapshots(**_connection(fake)) == [snapshot]
-        Sandbox.delete_snapshot(snapshot, **_connection(fake))
-        assert Sandbox.list_snapshots(**_connection(fake)) == []
+        assert Sandbox.list_snapshots(**_connection(api)) == [snapshot]
+        Sandbox.delete_snapshot(snapshot, **_connection(api))
+        assert Sandbox.list_snapshots(**_connection(api)) == []
     finally:
         sandbox.close()

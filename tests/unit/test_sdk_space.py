@@ -13,14 +13,14 @@ from space.sdk._http import ApiClient, one_call
 from space.sdk.errors import Conflict, InvalidArgument, NotFound
 from tests.unit._sdk_calls import connection
 from tests.unit.fakes import control_app
-from tests.unit.test_sdk_fake_api import API_KEY, FakeApi
+from tests.unit._live_api import LiveApi
 from tests.unit.test_sdk_templates import project
 
 pytestmark = pytest.mark.anyio
 
 
-def _space(fake: FakeApi) -> AsyncSpace:
-    return AsyncSpace("http://space", API_KEY, transport=fake.transport())
+def _space(api: LiveApi) -> AsyncSpace:
+    return AsyncSpace("http://space", api.key, transport=api.transport())
 
 
 @pytest.fixture
@@ -38,9 +38,9 @@ def clients(monkeypatch: pytest.MonkeyPatch) -> list[ApiClient]:
 
 
 async def test_every_call_and_sandbox_of_a_space_share_its_one_connection(
-    fake: FakeApi, clients: list[ApiClient]
+    api: LiveApi, clients: list[ApiClient]
 ) -> None:
-    async with _space(fake) as space:
+    async with _space(api) as space:
         sandbox = await space.sandboxes.create(cpus=2)
         again = await space.sandboxes.connect(sandbox.sandbox_id)
         (child,) = await sandbox.fork(1)
@@ -50,13 +50,13 @@ async def test_every_call_and_sandbox_of_a_space_share_its_one_connection(
     assert len(clients) == 1 and clients[0]._client.is_closed
     assert isinstance(again, AsyncSandbox) and again.sandbox_id == sandbox.sandbox_id
     assert {s.sandbox_id for s in listed} == {sandbox.sandbox_id, child.sandbox_id}
-    assert all(h["authorization"] == f"Bearer {API_KEY}" for _, _, h in fake.requests)
+    assert all(h["authorization"] == f"Bearer {api.key}" for _, _, h in api.requests)
 
 
 async def test_closing_or_killing_a_sandbox_of_a_space_leaves_the_space_usable(
-    fake: FakeApi,
+    api: LiveApi,
 ) -> None:
-    async with _space(fake) as space:
+    async with _space(api) as space:
         first = await space.sandboxes.create()
         second = await space.sandboxes.create()
         await first.close()
@@ -67,9 +67,9 @@ async def test_closing_or_killing_a_sandbox_of_a_space_leaves_the_space_usable(
 
 
 async def test_negative_after_the_space_closes_every_call_raises_conflict_and_kills_nothing(
-    fake: FakeApi,
+    api: LiveApi,
 ) -> None:
-    space = _space(fake)
+    space = _space(api)
     sandbox = await space.sandboxes.create()
     await space.aclose()
     await space.aclose()  # idempotent
@@ -77,31 +77,31 @@ async def test_negative_after_the_space_closes_every_call_raises_conflict_and_ki
         await space.sandboxes.list()
     with pytest.raises(Conflict, match="connection is closed"):
         await sandbox.get_info()
-    assert list(fake.sandboxes) == [sandbox.sandbox_id]
+    assert list(api.node.boxes) == [sandbox.sandbox_id]
 
 
-async def test_a_space_sends_the_same_requests_as_the_classmethods(fake: FakeApi) -> None:
-    sid = (await AsyncSandbox.create(**connection(fake))).sandbox_id
-    fake.requests.clear()
-    await AsyncSandbox.list_snapshots(sandbox_id=sid, **connection(fake))
-    await AsyncSandbox.delete_snapshot("snp0001", **connection(fake))
-    await AsyncSandbox.list_pools(**connection(fake))
-    by_classmethods = [(method, path) for method, path, _ in fake.requests]
-    fake.requests.clear()
-    async with _space(fake) as space:
+async def test_a_space_sends_the_same_requests_as_the_classmethods(api: LiveApi) -> None:
+    sid = (await AsyncSandbox.create(**connection(api))).sandbox_id
+    api.requests.clear()
+    await AsyncSandbox.list_snapshots(sandbox_id=sid, **connection(api))
+    await AsyncSandbox.delete_snapshot("snp0001", **connection(api))
+    await AsyncSandbox.list_pools(**connection(api))
+    by_classmethods = [(method, path) for method, path, _ in api.requests]
+    api.requests.clear()
+    async with _space(api) as space:
         await space.sandboxes.list_snapshots(sandbox_id=sid)
         await space.sandboxes.delete_snapshot("snp0001")
         await space.sandboxes.list_pools()
-    assert [(method, path) for method, path, _ in fake.requests] == by_classmethods
+    assert [(method, path) for method, path, _ in api.requests] == by_classmethods
 
 
-async def test_negative_a_malformed_id_is_refused_before_anything_is_sent(fake: FakeApi) -> None:
-    async with _space(fake) as space:
+async def test_negative_a_malformed_id_is_refused_before_anything_is_sent(api: LiveApi) -> None:
+    async with _space(api) as space:
         with pytest.raises(InvalidArgument):
             await space.sandboxes.delete_snapshot("../sandboxes")
         with pytest.raises(InvalidArgument):
             await space.sandboxes.list_snapshots(sandbox_id="a/b")
-    assert fake.requests == []
+    assert api.requests == []
 
 
 async def test_the_connection_comes_from_the_environment_when_not_given(
@@ -149,8 +149,8 @@ async def test_one_call_closes_its_connection_unless_a_sandbox_keeps_it() -> Non
     await kept.aclose()
 
 
-def test_sync_space_wraps_the_async_one_and_its_sandboxes_are_sandboxes(fake: FakeApi) -> None:
-    with Space("http://space", API_KEY, transport=fake.transport()) as space:
+def test_sync_space_wraps_the_async_one_and_its_sandboxes_are_sandboxes(api: LiveApi) -> None:
+    with Space("http://space", api.key, transport=api.transport()) as space:
         with space.sandboxes.create() as sandbox:
             assert isinstance(sandbox, Sandbox)
             assert [s.sandbox_id for s in space.sandboxes.list()] == [sandbox.sandbox_id]
@@ -158,4 +158,4 @@ def test_sync_space_wraps_the_async_one_and_its_sandboxes_are_sandboxes(fake: Fa
         kept = space.sandboxes.create()
     with pytest.raises(Conflict):
         kept.get_info()
-    assert list(fake.sandboxes) == [kept.sandbox_id]  # closing the space kills nothing
+    assert list(api.node.boxes) == [kept.sandbox_id]  # closing the space kills nothing

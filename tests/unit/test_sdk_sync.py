@@ -21,40 +21,40 @@ from space.sdk import (
     Sandbox,
 )
 from space.sdk.errors import CommandExitError, InvalidArgument, NotFound
-from tests.unit.test_sdk_fake_api import API_KEY, FakeApi
+from tests.unit._live_api import LiveApi
 
 
-def _create(fake: FakeApi) -> Sandbox:
-    return Sandbox.create(api_key=API_KEY, _transport=fake.transport())
+def _create(sync_api: LiveApi) -> Sandbox:
+    return Sandbox.create(api_key=sync_api.key, _transport=sync_api.transport())
 
 
-def test_sync_sandbox_creates_runs_and_kills_from_plain_sync_code(fake: FakeApi) -> None:
-    fake.scripts["echo hi"] = [("stdout", b"hi\n"), ("exit", 0, None, False)]
+def test_sync_sandbox_creates_runs_and_kills_from_plain_sync_code(sync_api: LiveApi) -> None:
+    sync_api.scripts["echo hi"] = [("stdout", b"hi\n"), ("exit", 0, None, False)]
     threads: list[str] = []
-    with _create(fake) as sandbox:
+    with _create(sync_api) as sandbox:
         result = sandbox.commands.run(
             "echo hi", on_stdout=lambda _t: threads.append(threading.current_thread().name)
         )
         info = sandbox.get_info()
     assert result.stdout == "hi\n" and info.sandbox_id == sandbox.sandbox_id
-    assert fake.sandboxes == {}  # the with block killed it
+    assert sync_api.node.boxes == {}  # the with block killed it
     assert threads == ["space-sdk-loop"]  # callbacks run on the SDK's loop thread
 
 
-def test_sync_list_connect_and_check(fake: FakeApi) -> None:
-    fake.scripts["false"] = [("exit", 1, None, False)]
-    sandbox = _create(fake)
-    again = Sandbox.connect(sandbox.sandbox_id, api_key=API_KEY, _transport=fake.transport())
-    listed = Sandbox.list(api_key=API_KEY, _transport=fake.transport())
+def test_sync_list_connect_and_check(sync_api: LiveApi) -> None:
+    sync_api.scripts["false"] = [("exit", 1, None, False)]
+    sandbox = _create(sync_api)
+    again = Sandbox.connect(sandbox.sandbox_id, api_key=sync_api.key, _transport=sync_api.transport())
+    listed = Sandbox.list(api_key=sync_api.key, _transport=sync_api.transport())
     with pytest.raises(CommandExitError):
         again.commands.run("false", check=True)
     assert [s.sandbox_id for s in listed] == [sandbox.sandbox_id]
-    assert again.kill() is True and sandbox.kill() is False
+    assert again.kill() is True and sandbox.kill() is True  # deleted: 204 again
 
 
-def test_sync_background_handle_waits_and_kills(fake: FakeApi) -> None:
-    fake.scripts["job"] = [("stdout", b"a"), ("stdout", b"b"), ("exit", 0, None, False)]
-    with _create(fake) as sandbox:
+def test_sync_background_handle_waits_and_kills(sync_api: LiveApi) -> None:
+    sync_api.scripts["job"] = [("stdout", b"a"), ("stdout", b"b"), ("exit", 0, None, False)]
+    with _create(sync_api) as sandbox:
         handle = sandbox.commands.run("job", background=True)
         assert isinstance(handle, CommandHandle)
         seen: list[str] = []
@@ -64,12 +64,12 @@ def test_sync_background_handle_waits_and_kills(fake: FakeApi) -> None:
     assert (result.stdout, seen, connected.pid) == ("ab", ["a", "b"], handle.pid)
 
 
-def test_sync_files_round_trip_including_a_streamed_read(fake: FakeApi) -> None:
+def test_sync_files_round_trip_including_a_streamed_read(sync_api: LiveApi) -> None:
     def generate() -> Iterator[bytes]:
         for i in range(5):
             yield bytes([i]) * 1000
 
-    with _create(fake) as sandbox:
+    with _create(sync_api) as sandbox:
         sandbox.files.write("/f", generate())
         chunks = list(sandbox.files.read("/f", format="stream"))
         text_missing = sandbox.files.exists("/nope")
@@ -80,10 +80,10 @@ def test_sync_files_round_trip_including_a_streamed_read(fake: FakeApi) -> None:
 
 
 def test_negative_calling_the_sync_sdk_from_its_own_callback_raises_instead_of_deadlocking(
-    fake: FakeApi,
+    sync_api: LiveApi,
 ) -> None:
-    fake.scripts["x"] = [("stdout", b"x"), ("exit", 0, None, False)]
-    with _create(fake) as sandbox, pytest.raises(InvalidArgument, match="callback"):
+    sync_api.scripts["x"] = [("stdout", b"x"), ("exit", 0, None, False)]
+    with _create(sync_api) as sandbox, pytest.raises(InvalidArgument, match="callback"):
         sandbox.commands.run("x", on_stdout=lambda _t: sandbox.files.exists("/"))
 
 
