@@ -36,7 +36,7 @@ from space.node.api import (
     Unavailable,
 )
 from space.sdk._sync import _LOOP
-from tests.unit.fakes import FakeClock, FakeNode
+from tests.unit.fakes import FakeNode
 
 __all__ = ["API_URL", "LiveApi"]
 
@@ -56,7 +56,7 @@ class LiveApi:
         self.settings = ControlSettings(data_dir=data_dir, reaper_interval_s=3600.0)
         registry = NodeRegistry()
         registry.register(self.node.node_id, self.node)
-        self.app = create_app(self.settings, registry, clock=FakeClock())
+        self.app = create_app(self.settings, registry)
         self.key = create_key(self.settings, TENANT)
         #: (method, path, headers) of every request sent, in order.
         self.requests: list[tuple[str, str, dict[str, str]]] = []

@@ -1,4 +1,4 @@
-"""The SDK's sandbox lifecycle against the fake API: pause, hibernate, resume, timeouts, fork.
+"""The SDK's sandbox lifecycle against the real API: pause, hibernate, resume, timeouts, fork.
 
 Snapshots, restore and create-from-snapshot are in test_sdk_snapshots.py.
 """
@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
+from space.node.api import SandboxState
 from space.sdk import AsyncSandbox, Sandbox, SandboxInfo
 from space.sdk.errors import Conflict, InternalError, InvalidArgument, NotFound
 from tests.unit._sdk_calls import bodies as _bodies
@@ -34,7 +35,7 @@ async def test_sdk_pause_and_resume_post_to_the_documented_paths_and_report_the_
     await sandbox.close()
 
     assert paused.state == "paused" and listed == {sid: "paused"}
-    assert resumed.state == "running" and api.node.boxes[sid]["state"] == "running"
+    assert resumed.state == "running" and api.node.boxes[sid].status.state == SandboxState.RUNNING
     posts = [path for method, path, _ in api.requests if method == "POST"]
     assert posts[-2:] == [f"/v1/sandboxes/{sid}/pause", f"/v1/sandboxes/{sid}/resume"]
 
@@ -55,25 +56,25 @@ async def test_negative_sdk_pause_of_a_sandbox_in_error_raises_conflict_naming_i
     api: LiveApi,
 ) -> None:
     sandbox = await _sdk_sandbox(api)
-    api.node.boxes[sandbox.sandbox_id]["state"] = "error"
+    await api.set_node_state(sandbox.sandbox_id, SandboxState.ERROR)
     with pytest.raises(Conflict, match="it is error"):
         await sandbox.pause()
     with pytest.raises(Conflict, match="it is error"):
         await sandbox.resume()
+    assert (await sandbox.get_info()).state == "error"
     await sandbox.close()
-    assert api.node.boxes[sandbox.sandbox_id]["state"] == "error"
 
 
 async def test_negative_sdk_pause_of_a_deleted_sandbox_raises_not_found(api: LiveApi) -> None:
     sandbox = await _sdk_sandbox(api)
-    del api.node.boxes[sandbox.sandbox_id]
+    del api.node.boxes[sandbox.sandbox_id]  # the node lost it
     with pytest.raises(NotFound):
         await sandbox.pause()
     await sandbox.close()
 
 
-def test_sync_sandbox_pause_and_resume_wrap_the_async_core(api: LiveApi) -> None:
-    sandbox = Sandbox.create(api_url="http://space", api_key=api.key, _transport=api.transport())
+def test_sync_sandbox_pause_and_resume_wrap_the_async_core(sync_api: LiveApi) -> None:
+    sandbox = Sandbox.create(**sync_api.connection())
     try:
         assert sandbox.pause().state == "paused"
         assert sandbox.get_info().state == "paused"
@@ -105,16 +106,16 @@ async def test_negative_sdk_hibernate_of_a_sandbox_in_error_raises_conflict_keep
     api: LiveApi,
 ) -> None:
     sandbox = await _sdk_sandbox(api)
-    api.node.boxes[sandbox.sandbox_id]["state"] = "error"
+    await api.set_node_state(sandbox.sandbox_id, SandboxState.ERROR)
     with pytest.raises(Conflict) as caught:
         await sandbox.hibernate()
+    assert (await sandbox.get_info()).state == "error"
     await sandbox.close()
     error = caught.value
     assert error.message == f"cannot hibernate sandbox {sandbox.sandbox_id}: it is error"
     assert (error.status_code, error.details, error.operation) == (
-        409, {"state": "error"}, "sandbox.hibernate"
+        409, {"sandbox_id": sandbox.sandbox_id, "state": "error"}, "sandbox.hibernate"
     )  # fmt: skip
-    assert api.node.boxes[sandbox.sandbox_id]["state"] == "error"
 
 
 # create's lifecycle fields and set_timeouts
@@ -123,6 +124,8 @@ async def test_negative_sdk_hibernate_of_a_sandbox_in_error_raises_conflict_keep
 async def test_create_sends_idle_timeout_and_leaves_unset_sizes_to_the_api(api: LiveApi) -> None:
     plain = await _sdk_sandbox(api)
     idle = await _sdk_sandbox(api, idle_timeout_s=60, timeout_s=None)
+    fresh = await idle.get_info()
+    await idle.files.exists("/")  # a file call: activity (docs/api.md)
     info = await idle.get_info()
     await plain.close()
     await idle.close()
@@ -131,6 +134,7 @@ async def test_create_sends_idle_timeout_and_leaves_unset_sizes_to_the_api(api: 
     assert "idle_timeout_s" not in first and not {"template", "cpus"} & first.keys()
     assert (second["idle_timeout_s"], second["timeout_s"]) == (60, None)
     assert (info.idle_timeout_s, info.max_lifetime_s, info.cpus) == (60, None, 1)
+    assert fresh.last_active_at is None  # no exec, process or file call yet
     assert info.last_active_at is not None and info.last_active_at.tzinfo is not None
 
 
@@ -162,7 +166,7 @@ async def test_negative_set_timeouts_out_of_range_raises_invalid_argument_and_ch
     api: LiveApi,
 ) -> None:
     sandbox = await _sdk_sandbox(api, idle_timeout_s=90)
-    with pytest.raises(InvalidArgument, match="bad timeouts"):
+    with pytest.raises(InvalidArgument, match="idle_timeout_s: Input should be greater than or equal to 1"):
         await sandbox.set_timeouts(idle_timeout_s=0)
     info = await sandbox.get_info()
     await sandbox.close()
@@ -222,7 +226,7 @@ async def test_negative_fork_out_of_range_raises_invalid_argument_and_makes_noth
     api: LiveApi, n: int
 ) -> None:
     parent = await _sdk_sandbox(api)
-    with pytest.raises(InvalidArgument, match="count must be 1-16"):
+    with pytest.raises(InvalidArgument, match=r"count: Input should be (greater|less) than"):
         await parent.fork(n)
     await parent.close()
     assert list(api.node.boxes) == [parent.sandbox_id]
@@ -232,7 +236,7 @@ async def test_negative_fork_of_a_sandbox_still_creating_raises_conflict_and_mak
     api: LiveApi,
 ) -> None:
     parent = await _sdk_sandbox(api)
-    api.node.boxes[parent.sandbox_id]["state"] = "creating"
+    await api.set_node_state(parent.sandbox_id, SandboxState.CREATING)
     with pytest.raises(Conflict, match="it is creating"):
         await parent.fork(2)
     await parent.close()
@@ -240,8 +244,10 @@ async def test_negative_fork_of_a_sandbox_still_creating_raises_conflict_and_mak
 
 
 @pytest.mark.parametrize("answer", [{"sandboxes": "no"}, {"children": []}, [], {"sandboxes": [{}]}])
-async def test_negative_a_malformed_fork_answer_raises_internal_error(answer: Any) -> None:
-    fake = FakeApi()
+async def test_negative_a_malformed_fork_answer_raises_internal_error(
+    api: LiveApi, answer: Any
+) -> None:
+    # The real API cannot answer this: a tiny handler breaks its fork answers.
     inner = api.transport()
 
     async def route(request: httpx.Request) -> httpx.Response:
@@ -258,8 +264,8 @@ async def test_negative_a_malformed_fork_answer_raises_internal_error(answer: An
 # the sync facade
 
 
-def test_sync_hibernate_set_timeouts_and_fork_wrap_the_async_core(api: LiveApi) -> None:
-    sandbox = Sandbox.create(api_url="http://space", api_key=api.key, _transport=api.transport())
+def test_sync_hibernate_set_timeouts_and_fork_wrap_the_async_core(sync_api: LiveApi) -> None:
+    sandbox = Sandbox.create(**sync_api.connection())
     try:
         assert sandbox.hibernate().state == "hibernated"
         assert sandbox.set_timeouts(max_lifetime_s=None).max_lifetime_s is None
@@ -273,6 +279,4 @@ def test_sync_hibernate_set_timeouts_and_fork_wrap_the_async_core(api: LiveApi) 
 
 
 async def _list(api: LiveApi) -> list[SandboxInfo]:
-    return await AsyncSandbox.list(
-        api_url="http://space", api_key=api.key, _transport=api.transport()
-    )
+    return await AsyncSandbox.list(**api.connection())

@@ -1,13 +1,15 @@
-"""The SDK's snapshots against the fake API: take, list, delete, restore, create from one."""
+"""The SDK's snapshots against the real API: take, list, delete, restore, create from one."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 import pytest
 
+from space.node.api import SandboxState
 from space.sdk import AsyncSandbox, Sandbox, SnapshotInfo
 from space.sdk.errors import Conflict, InternalError, InvalidArgument, NotFound, Unavailable
 from tests.unit._sdk_calls import bodies as _bodies
@@ -48,7 +50,8 @@ async def test_snapshot_posts_its_name_and_parses_the_answer(api: LiveApi) -> No
     assert (snapshot.name, snapshot.sandbox_id, snapshot.parent_id) == (
         "clean", sandbox.sandbox_id, None
     )  # fmt: skip
-    assert (snapshot.cpus, snapshot.memory_mib, snapshot.memory_bytes) == (2, 512, 512 << 20)
+    # FakeNode's memory image is a quarter of the sandbox's memory.
+    assert (snapshot.cpus, snapshot.memory_mib, snapshot.memory_bytes) == (2, 512, 128 << 20)
     assert snapshot.created_at.tzinfo is not None and snapshot.exclusive_bytes is None
     assert info.head_snapshot == snapshot.snapshot_id
 
@@ -68,7 +71,7 @@ async def test_snapshots_chain_by_parent_and_list_per_sandbox_or_for_the_tenant(
     await first.close()
     await other.close()
 
-    assert b.parent_id == a.snapshot_id and b.exclusive_bytes == 3 << 20
+    assert b.parent_id == a.snapshot_id and b.exclusive_bytes is None  # measured later
     assert [s.snapshot_id for s in own] == [a.snapshot_id, b.snapshot_id]
     assert {s.snapshot_id for s in everything} == {a.snapshot_id, b.snapshot_id, c.snapshot_id}
     assert [s.snapshot_id for s in filtered] == [c.snapshot_id]
@@ -89,10 +92,10 @@ async def test_negative_a_taken_name_raises_conflict_keeping_message_and_snapsho
         await sandbox.snapshot("clean")
     await sandbox.close()
     error = caught.value
-    assert error.message == "a snapshot named 'clean' exists"
-    assert error.details == {"snapshot_id": first.snapshot_id}
+    assert error.message == f"sandbox {sandbox.sandbox_id} already has a snapshot named 'clean'"
+    assert error.details == {"sandbox_id": sandbox.sandbox_id, "snapshot_id": first.snapshot_id}
     assert (error.operation, error.sandbox_id) == ("sandbox.snapshot", sandbox.sandbox_id)
-    assert list(api.snapshots) == [first.snapshot_id]
+    assert list(api.node.snapshots) == [first.snapshot_id]
 
 
 async def test_negative_listing_the_snapshots_of_an_unknown_sandbox_raises_not_found(
@@ -159,7 +162,7 @@ async def test_restore_posts_the_snapshot_id_and_answers_the_running_sandbox(
 
     assert _bodies(api, "/restore") == [{"snapshot_id": a.snapshot_id}] * 2
     assert (by_info.state, by_info.head_snapshot) == ("running", a.snapshot_id)
-    assert by_id == by_info
+    assert replace(by_id, last_active_at=None) == replace(by_info, last_active_at=None)
 
 
 async def test_negative_restore_errors_map_to_their_leaves_with_the_server_message(
@@ -170,10 +173,10 @@ async def test_negative_restore_errors_map_to_their_leaves_with_the_server_messa
     other = await _create(api, cpus=2)
     with pytest.raises(NotFound):
         await sandbox.restore("snp9999")
-    with pytest.raises(InvalidArgument, match="sizes differ"):
+    with pytest.raises(InvalidArgument, match=r"differs from sandbox sb-\w+ in cpus"):
         await other.restore(snapshot)
-    api.node.boxes[sandbox.sandbox_id]["state"] = "error"
-    with pytest.raises(Conflict, match=r"cannot restore sandbox sbx\d+: it is error"):
+    await api.set_node_state(sandbox.sandbox_id, SandboxState.ERROR)
+    with pytest.raises(Conflict, match=r"cannot restore sandbox sb-\w+: it is error"):
         await sandbox.restore(snapshot)
     await sandbox.close()
     await other.close()
@@ -260,7 +263,7 @@ def test_negative_a_snapshot_missing_a_field_raises_internal_error(key: str) -> 
 async def test_negative_a_malformed_snapshot_list_raises_internal_error(answer: Any) -> None:
     transport = httpx.MockTransport(lambda _request: httpx.Response(200, json=answer))
     with pytest.raises(InternalError):
-        await AsyncSandbox.list_snapshots(api_key=api.key, _transport=transport)
+        await AsyncSandbox.list_snapshots(api_key="sk-test", _transport=transport)
 
 
 async def test_negative_a_transport_failure_during_a_snapshot_call_raises_unavailable() -> None:
@@ -275,7 +278,8 @@ async def test_negative_a_transport_failure_during_a_snapshot_call_raises_unavai
 # the sync facade
 
 
-def test_sync_snapshot_restore_list_and_delete_wrap_the_async_core(api: LiveApi) -> None:
+def test_sync_snapshot_restore_list_and_delete_wrap_the_async_core(sync_api: LiveApi) -> None:
+    api = sync_api
     sandbox = Sandbox.create(**_connection(api))
     try:
         snapshot = sandbox.snapshot("a")
