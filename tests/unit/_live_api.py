@@ -38,7 +38,7 @@ from space.node.api import (
 from space.sdk._sync import _LOOP
 from tests.unit.fakes import FakeNode
 
-__all__ = ["API_URL", "LiveApi"]
+__all__ = ["API_URL", "TENANT", "LiveApi"]
 
 API_URL = "http://space"
 TENANT = "acme"

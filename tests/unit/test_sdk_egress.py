@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
+import httpx
 import pytest
 
-from space.sdk import EgressEvent, Sandbox, allow
+from space.sdk import AsyncSandbox, EgressEvent, Sandbox, allow
 from space.sdk.errors import InternalError, InvalidArgument, NotFound
-from tests.unit._fake_api_egress import CANNED_EVENTS
-from tests.unit._sdk_calls import create as _create
+from tests.unit._fake_egress import CANNED_EVENTS
 from tests.unit._live_api import LiveApi
+from tests.unit._sdk_calls import create as _create
 
 pytestmark = pytest.mark.anyio
 
@@ -112,7 +114,7 @@ async def test_log_parses_every_field_of_the_events(api: LiveApi) -> None:
     sandbox = await _create(api)
     allowed, denied = await sandbox.network.log()
     assert allowed == EgressEvent(
-        time=datetime(2026, 11, 30, 12, 0, 1, 250000, tzinfo=UTC),
+        time=datetime.fromtimestamp(CANNED_EVENTS[0].time, UTC),
         protocol="tls",
         host="pypi.org",
         address="151.101.0.223",
@@ -129,8 +131,8 @@ async def test_log_parses_every_field_of_the_events(api: LiveApi) -> None:
 
 async def test_log_sends_its_limit_which_defaults_to_100(api: LiveApi) -> None:
     sandbox = await _create(api)
-    events = [{**CANNED_EVENTS[1], "host": f"h{n}.example"} for n in range(1200)]
-    api.egress_events[sandbox.sandbox_id] = events
+    events = [replace(CANNED_EVENTS[1], host=f"h{n}.example") for n in range(1200)]
+    api.node.egress_events[sandbox.sandbox_id] = events
     assert [e.host for e in await sandbox.network.log(1)] == ["h1199.example"]
     assert len(await sandbox.network.log()) == 100
     assert len(await sandbox.network.log(1000)) == 1000
@@ -147,23 +149,35 @@ async def test_negative_a_log_limit_out_of_range_is_refused_before_sending(
 
 
 async def test_negative_a_malformed_event_is_an_internal_error(api: LiveApi) -> None:
-    sandbox = await _create(api)
-    api.egress_events[sandbox.sandbox_id] = [{**CANNED_EVENTS[0], "port": "443"}]
+    # The real API cannot answer this: a tiny handler breaks its log answers.
+    inner = api.transport()
+    event = {"time": "2026-11-30T12:00:01+00:00", "protocol": "tls", "host": "pypi.org",
+             "address": "151.101.0.223", "port": "443", "decision": "allow",
+             "reason": "policy", "bytes_out": 0, "bytes_in": 0, "secrets": []}  # fmt: skip
+
+    async def route(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/egress/log"):
+            return httpx.Response(200, json={"events": [event]})
+        return await inner.handle_async_request(request)
+
+    connect = {**api.connection(), "_transport": httpx.MockTransport(route)}
+    sandbox = await AsyncSandbox.create(**connect)
     with pytest.raises(InternalError, match="malformed egress event"):
         await sandbox.network.log()
+    await sandbox.close()
 
 
 async def test_negative_the_network_of_a_deleted_sandbox_is_not_found(api: LiveApi) -> None:
     sandbox = await _create(api)
-    api.node.boxes.clear()
+    await (await AsyncSandbox.connect(sandbox.sandbox_id, **api.connection())).kill()
     with pytest.raises(NotFound):
         await sandbox.network.get_policy()
     with pytest.raises(NotFound):
         await sandbox.network.set_policy(allow())
 
 
-def test_the_sync_sandbox_has_the_same_network(api: LiveApi) -> None:
-    sandbox = Sandbox.create(api_key=api.key, _transport=api.transport(), egress=allow("x.org"))
+def test_the_sync_sandbox_has_the_same_network(sync_api: LiveApi) -> None:
+    sandbox = Sandbox.create(**sync_api.connection(), egress=allow("x.org"))
     assert sandbox.network.get_policy()["allow"][0]["domain"] == "x.org"
     assert sandbox.network.set_policy(allow()) == {"allow": []}
     assert [event.decision for event in sandbox.network.log(limit=5)] == ["allow", "deny"]

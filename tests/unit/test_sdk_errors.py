@@ -22,6 +22,9 @@ from tests.unit._live_api import LiveApi
 
 pytestmark = pytest.mark.anyio
 
+#: A key for the tiny handlers below, which check none.
+API_KEY = "sk-test"
+
 
 # The table of docs/api.md, row by row.
 DOCUMENTED = [
@@ -41,10 +44,11 @@ DOCUMENTED = [
 async def test_negative_each_documented_error_answer_raises_its_leaf_with_context(
     status: int, code: str, expected: type[SpaceError]
 ) -> None:
-    fake = FakeApi()
-    api.fail_next = (status, code, f"server says {code}")
+    # The real API answers few of these on a list: a tiny handler answers each.
+    body = {"error": {"code": code, "message": f"server says {code}", "details": {}}}
+    transport = httpx.MockTransport(lambda _request: httpx.Response(status, json=body))
     with pytest.raises(expected) as caught:
-        await AsyncSandbox.list(api_key=api.key, _transport=api.transport())
+        await AsyncSandbox.list(api_key=API_KEY, _transport=transport)
     error = caught.value
     assert type(error) is expected
     assert (error.status_code, error.code, error.message) == (status, code, f"server says {code}")
@@ -52,8 +56,7 @@ async def test_negative_each_documented_error_answer_raises_its_leaf_with_contex
     assert f"server says {code}" in str(error) and "status=" in str(error)
 
 
-async def test_negative_a_wrong_api_key_raises_authentication_error() -> None:
-    fake = FakeApi()
+async def test_negative_a_wrong_api_key_raises_authentication_error(api: LiveApi) -> None:
     with pytest.raises(AuthenticationError):
         await AsyncSandbox.list(api_key="wrong", _transport=api.transport())
 
@@ -66,7 +69,7 @@ async def test_negative_an_error_without_a_json_body_maps_by_status(
 ) -> None:
     transport = httpx.MockTransport(lambda request: httpx.Response(status, text="<html>oops"))
     with pytest.raises(expected, match="oops"):
-        await AsyncSandbox.list(api_key=api.key, _transport=transport)
+        await AsyncSandbox.list(api_key=API_KEY, _transport=transport)
 
 
 @pytest.mark.parametrize(
@@ -86,7 +89,7 @@ async def test_negative_transport_failures_never_escape_as_httpx_errors(
         raise failure
 
     with pytest.raises(expected) as caught:
-        await AsyncSandbox.connect("sbx1", api_key=api.key, _transport=httpx.MockTransport(fail))
+        await AsyncSandbox.connect("sbx1", api_key=API_KEY, _transport=httpx.MockTransport(fail))
     assert caught.value.sandbox_id == "sbx1"
     assert isinstance(caught.value.__cause__, httpx.HTTPError)
 
@@ -94,9 +97,9 @@ async def test_negative_transport_failures_never_escape_as_httpx_errors(
 async def test_negative_an_unreachable_api_url_raises_unavailable() -> None:
     # Port 9 on loopback (discard) has no listener here: a real connection refusal.
     with pytest.raises(Unavailable, match="cannot reach"):
-        await AsyncSandbox.list(api_url="http://127.0.0.1:9", api_key=api.key)
+        await AsyncSandbox.list(api_url="http://127.0.0.1:9", api_key=API_KEY)
 
 
 async def test_negative_a_bad_api_url_scheme_raises_invalid_argument() -> None:
     with pytest.raises(InvalidArgument):
-        await AsyncSandbox.list(api_url="ftp://example.invalid", api_key=api.key)
+        await AsyncSandbox.list(api_url="ftp://example.invalid", api_key=API_KEY)

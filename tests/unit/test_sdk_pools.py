@@ -1,15 +1,19 @@
-"""The SDK's view of the nodes' warm pools (``GET /v1/pools``) against the fake API."""
+"""The SDK's view of the nodes' warm pools (``GET /v1/pools``) against the real API."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import pytest
+
+from space.control.template_names import tenant_prefix
+from space.node.api import PoolInfo as NodePoolInfo
 
 from space.sdk import AsyncSandbox, PoolInfo, Sandbox
 from space.sdk.errors import AuthenticationError, InternalError
 from tests.unit._sdk_calls import connection as _connection
-from tests.unit._live_api import LiveApi
+from tests.unit._live_api import TENANT, LiveApi
 
 pytestmark = pytest.mark.anyio
 
@@ -26,13 +30,15 @@ WIRE_POOL: dict[str, Any] = {
     "hit_rate": 0.75,
 }
 POOL = PoolInfo("n1", "base", 2, 3, 1, 8, 3, 1, 0.75)
+#: The same pool as a node reports it, and as the API then answers it.
+NODE_POOL = NodePoolInfo("base", 2, 3, 1, 8, hits=3, misses=1)
+LOCAL_POOL = PoolInfo("local", "base", 2, 3, 1, 8, 3, 1, 0.75)
 
 
 async def test_list_pools_gets_every_pool_in_the_order_answered(api: LiveApi) -> None:
-    unused = WIRE_POOL | {"node_id": "n2", "hits": 0, "misses": 0, "hit_rate": None}
-    api.pools = [WIRE_POOL, unused]
+    api.node.pools = [NODE_POOL, NodePoolInfo(f"{tenant_prefix(TENANT)}py:v1", 2, 3, 1, 8, 0, 0)]
     pools = await AsyncSandbox.list_pools(**_connection(api))
-    assert pools == [POOL, PoolInfo("n2", "base", 2, 3, 1, 8, 0, 0, None)]
+    assert pools == [LOCAL_POOL, PoolInfo("local", "py:v1", 2, 3, 1, 8, 0, 0, None)]
     assert [(method, path) for method, path, _ in api.requests] == [("GET", "/v1/pools")]
 
 
@@ -40,9 +46,9 @@ async def test_list_pools_with_no_pools_is_empty(api: LiveApi) -> None:
     assert await AsyncSandbox.list_pools(**_connection(api)) == []
 
 
-def test_sync_list_pools_blocks_for_the_same_answer(api: LiveApi) -> None:
-    api.pools = [WIRE_POOL]
-    assert Sandbox.list_pools(**_connection(api)) == [POOL]
+def test_sync_list_pools_blocks_for_the_same_answer(sync_api: LiveApi) -> None:
+    sync_api.node.pools = [NODE_POOL]
+    assert Sandbox.list_pools(**_connection(sync_api)) == [LOCAL_POOL]
 
 
 def test_pool_info_is_frozen() -> None:
@@ -59,7 +65,7 @@ def test_a_hit_rate_of_any_json_number_from_0_to_1_parses_as_a_float(rate: float
 async def test_negative_list_pools_with_a_wrong_key_is_an_authentication_error(
     api: LiveApi,
 ) -> None:
-    api.pools = [WIRE_POOL]
+    api.node.pools = [NODE_POOL]
     with pytest.raises(AuthenticationError):
         await AsyncSandbox.list_pools(**_connection(api) | {"api_key": "sk-wrong"})
 
@@ -92,9 +98,8 @@ def test_negative_a_pool_missing_a_field_is_an_internal_error(missing: str) -> N
 
 
 @pytest.mark.parametrize("pools", [None, "n1", {"n1": WIRE_POOL}, [["n1"]]])
-async def test_negative_a_malformed_pools_answer_is_an_internal_error(
-    api: LiveApi, pools: Any
-) -> None:
-    api.pools = pools
+async def test_negative_a_malformed_pools_answer_is_an_internal_error(pools: Any) -> None:
+    # The real API cannot answer this: a tiny handler plays a broken server.
+    transport = httpx.MockTransport(lambda _request: httpx.Response(200, json={"pools": pools}))
     with pytest.raises(InternalError):
-        await AsyncSandbox.list_pools(**_connection(api))
+        await AsyncSandbox.list_pools(api_key="sk-test", _transport=transport)

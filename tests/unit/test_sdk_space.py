@@ -1,5 +1,5 @@
 """``AsyncSpace`` / ``Space``: one client whose calls and sandboxes share one connection
-(issue 13), against the fake API and the control plane over a FakeNode."""
+(issue 13), against the control plane over a FakeNode."""
 
 from __future__ import annotations
 
@@ -81,18 +81,20 @@ async def test_negative_after_the_space_closes_every_call_raises_conflict_and_ki
 
 
 async def test_a_space_sends_the_same_requests_as_the_classmethods(api: LiveApi) -> None:
-    sid = (await AsyncSandbox.create(**connection(api))).sandbox_id
+    sandbox = await AsyncSandbox.create(**connection(api))
+    sid, snapshot_id = sandbox.sandbox_id, (await sandbox.snapshot("a")).snapshot_id
     api.requests.clear()
     await AsyncSandbox.list_snapshots(sandbox_id=sid, **connection(api))
-    await AsyncSandbox.delete_snapshot("snp0001", **connection(api))
+    await AsyncSandbox.delete_snapshot(snapshot_id, **connection(api))
     await AsyncSandbox.list_pools(**connection(api))
     by_classmethods = [(method, path) for method, path, _ in api.requests]
     api.requests.clear()
     async with _space(api) as space:
         await space.sandboxes.list_snapshots(sandbox_id=sid)
-        await space.sandboxes.delete_snapshot("snp0001")
+        await space.sandboxes.delete_snapshot(snapshot_id)  # deleted: 204 again
         await space.sandboxes.list_pools()
     assert [(method, path) for method, path, _ in api.requests] == by_classmethods
+    await sandbox.close()
 
 
 async def test_negative_a_malformed_id_is_refused_before_anything_is_sent(api: LiveApi) -> None:
@@ -149,7 +151,10 @@ async def test_one_call_closes_its_connection_unless_a_sandbox_keeps_it() -> Non
     await kept.aclose()
 
 
-def test_sync_space_wraps_the_async_one_and_its_sandboxes_are_sandboxes(api: LiveApi) -> None:
+def test_sync_space_wraps_the_async_one_and_its_sandboxes_are_sandboxes(
+    sync_api: LiveApi,
+) -> None:
+    api = sync_api
     with Space("http://space", api.key, transport=api.transport()) as space:
         with space.sandboxes.create() as sandbox:
             assert isinstance(sandbox, Sandbox)
