@@ -3,33 +3,47 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
 
 from space.cli import CliContext, main
-from tests.unit._fake_api_egress import CANNED_EVENTS
+from tests.unit._fake_egress import CANNED_EVENTS
+from tests.unit._live_api import API_URL, LiveApi
 from tests.unit.test_cli_templates import Served
-from tests.unit.test_sdk_fake_api import API_KEY, FakeApi
+
+#: The node's canned events, the allowed one at a time the assertions can spell.
+EVENTS = [
+    replace(CANNED_EVENTS[0], time=datetime(2026, 11, 30, 12, 0, 1, 250000, UTC).timestamp()),
+    CANNED_EVENTS[1],
+]
 
 
-def _space(fake: FakeApi, *args: str) -> Result:
+@pytest.fixture
+def fake(sync_api: LiveApi) -> LiveApi:
+    """The real API over a FakeNode, serving the CLI's sync SDK."""
+    return sync_api
+
+
+def _space(fake: LiveApi, *args: str) -> Result:
     return CliRunner().invoke(
         main,
         [*args],
         obj=CliContext(transport=fake.transport()),
-        env={"SPACE_API_KEY": API_KEY, "SPACE_API_URL": "http://space"},
+        env={"SPACE_API_KEY": fake.key, "SPACE_API_URL": API_URL},
     )
 
 
-def _new_sandbox(fake: FakeApi, *allow: str) -> str:
+def _new_sandbox(fake: LiveApi, *allow: str) -> str:
     result = _space(fake, "create", *[arg for rule in allow for arg in ("--allow", rule)])
     assert result.exit_code == 0, result.output
     return result.stdout.strip()
 
 
-def test_create_with_allow_sends_the_policy_of_its_rules(fake: FakeApi) -> None:
+def test_create_with_allow_sends_the_policy_of_its_rules(fake: LiveApi) -> None:
     _new_sandbox(fake, "pypi.org", "[2001:db8::/32]:443")
     (body,) = [body for _, path, body in fake.bodies if path == "/v1/sandboxes"]
     assert body["egress"] == {
@@ -37,20 +51,20 @@ def test_create_with_allow_sends_the_policy_of_its_rules(fake: FakeApi) -> None:
     }
 
 
-def test_create_without_allow_sends_no_policy(fake: FakeApi) -> None:
+def test_create_without_allow_sends_no_policy(fake: LiveApi) -> None:
     _new_sandbox(fake)
     (body,) = [body for _, path, body in fake.bodies if path == "/v1/sandboxes"]
     assert "egress" not in body
 
 
-def test_negative_a_malformed_allow_rule_exits_2_before_any_request(fake: FakeApi) -> None:
+def test_negative_a_malformed_allow_rule_exits_2_before_any_request(fake: LiveApi) -> None:
     result = _space(fake, "create", "--allow", "pypi.org:https")
     assert result.exit_code == 2
     assert result.stderr.startswith("error: --allow: egress rule 'pypi.org:https'")
     assert fake.requests == []
 
 
-def test_egress_set_prints_the_canonical_policy_and_show_reads_it_back(fake: FakeApi) -> None:
+def test_egress_set_prints_the_canonical_policy_and_show_reads_it_back(fake: LiveApi) -> None:
     sid = _new_sandbox(fake)
     result = _space(fake, "egress", "set", sid, "--allow", "*.github.com:443", "--allow", "a.org")
     assert result.exit_code == 0, result.output
@@ -65,29 +79,30 @@ def test_egress_set_prints_the_canonical_policy_and_show_reads_it_back(fake: Fak
     assert shown.exit_code == 0 and json.loads(shown.stdout) == expected
 
 
-def test_egress_set_without_allow_closes_all_network_without_asking(fake: FakeApi) -> None:
+def test_egress_set_without_allow_closes_all_network_without_asking(fake: LiveApi) -> None:
     sid = _new_sandbox(fake, "pypi.org")
     result = _space(fake, "egress", "set", sid)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout) == {"allow": []}
-    assert fake.sandboxes[sid]["egress"] == {"allow": []}
+    assert fake.node.egress[sid] == {"allow": []}
 
 
-def test_negative_egress_set_reports_the_servers_refusal(fake: FakeApi) -> None:
+def test_negative_egress_set_reports_the_servers_refusal(fake: LiveApi) -> None:
     sid = _new_sandbox(fake, "pypi.org")
-    fake.fail_next = (422, "invalid_argument", "allow[0].domain: 'x' is not valid")
-    result = _space(fake, "egress", "set", sid, "--allow", "x")
+    result = _space(fake, "egress", "set", sid, "--allow", "under_score.org")
     assert result.exit_code == 1
-    assert "invalid_argument: allow[0].domain: 'x' is not valid" in result.stderr
+    assert "invalid_argument: allow[0].domain: 'under_score.org' is not" in result.stderr
+    assert fake.node.egress[sid] == {"allow": [{"domain": "pypi.org", "ports": [80, 443]}]}
 
 
-def test_negative_egress_show_of_an_unknown_sandbox_exits_1(fake: FakeApi) -> None:
+def test_negative_egress_show_of_an_unknown_sandbox_exits_1(fake: LiveApi) -> None:
     result = _space(fake, "egress", "show", "sbx-nope")
     assert result.exit_code == 1 and result.stderr.startswith("error: not_found")
 
 
-def test_egress_log_prints_a_table_of_the_decisions(fake: FakeApi) -> None:
+def test_egress_log_prints_a_table_of_the_decisions(fake: LiveApi) -> None:
     sid = _new_sandbox(fake)
+    fake.node.egress_events[sid] = EVENTS
     result = _space(fake, "egress", "log", sid)
     assert result.exit_code == 0, result.output
     header, allowed, denied = result.stdout.splitlines()
@@ -103,9 +118,9 @@ def test_egress_log_prints_a_table_of_the_decisions(fake: FakeApi) -> None:
     assert denied.endswith("no rule for host")
 
 
-def test_egress_log_json_prints_the_events_and_shows_ipv6_bracketed(fake: FakeApi) -> None:
+def test_egress_log_json_prints_the_events_and_shows_ipv6_bracketed(fake: LiveApi) -> None:
     sid = _new_sandbox(fake)
-    fake.egress_events[sid] = [{**CANNED_EVENTS[0], "address": "2001:db8::1"}] * 3
+    fake.node.egress_events[sid] = [replace(EVENTS[0], address="2001:db8::1")] * 3
     as_json = _space(fake, "egress", "log", sid, "--json", "--limit", "2")
     assert as_json.exit_code == 0, as_json.output
     events = json.loads(as_json.stdout)
@@ -116,7 +131,7 @@ def test_egress_log_json_prints_the_events_and_shows_ipv6_bracketed(fake: FakeAp
 
 
 @pytest.mark.parametrize("limit", ["0", "1001", "x"])
-def test_negative_egress_log_limit_out_of_range_exits_2(fake: FakeApi, limit: str) -> None:
+def test_negative_egress_log_limit_out_of_range_exits_2(fake: LiveApi, limit: str) -> None:
     sid = _new_sandbox(fake)
     result = _space(fake, "egress", "log", sid, "--limit", limit)
     assert result.exit_code == 2
