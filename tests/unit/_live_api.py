@@ -17,11 +17,11 @@ import asyncio
 import contextlib
 import json
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -39,6 +39,8 @@ from space.sdk._sync import _LOOP
 from tests.unit.fakes import FakeNode
 
 __all__ = ["API_URL", "TENANT", "LiveApi"]
+
+R = TypeVar("R")
 
 API_URL = "http://space"
 TENANT = "acme"
@@ -86,6 +88,10 @@ class LiveApi:
         box = self.node.boxes[sandbox_id]
         box.status = replace(box.status, state=state)
         await reconcile_node(self.app.state.ctx, self.node.node_id)
+
+    def run_sync(self, coro: Coroutine[Any, Any, R]) -> R:
+        """Run ``coro`` on the sync SDK's loop (with ``serving_sync``, the app's loop)."""
+        return _LOOP.run(coro)
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[LiveApi]:
