@@ -35,7 +35,7 @@ R = TypeVar("R")
 class CliContext:
     """State shared by the commands of one invocation.
 
-    ``transport`` replaces the network for every SDK call (tests inject a fake API).
+    ``transport`` replaces the network for every SDK call (tests inject the app).
     """
 
     transport: httpx.AsyncBaseTransport | None = None

@@ -81,7 +81,6 @@ class LiveApi:
     def exec_bodies(self) -> list[Any]:
         return [body for _, path, body in self.bodies if path.endswith("/exec")]
 
-
     async def set_node_state(self, sandbox_id: str, state: SandboxState) -> None:
         """The node reports ``state`` for the sandbox and the control plane reconciles
         with it, as after a VM crash (``error``) or a restart mid-create (``creating``)."""

@@ -11,8 +11,8 @@ import pytest
 
 from space.sdk import AsyncCommandHandle, AsyncSandbox, CommandResult
 from space.sdk.errors import CommandExitError, Conflict, InternalError, NotFound, Unavailable
-from tests.unit._sdk_calls import create as _create
 from tests.unit._live_api import LiveApi
+from tests.unit._sdk_calls import create as _create
 
 pytestmark = pytest.mark.anyio
 

@@ -1,7 +1,7 @@
 """The SDK against the real control-plane app over an in-memory node (no VMs).
 
-The SDK's own tests use a fake built from docs/api.md; this one checks that the two
-readings of the contract (the SDK's and the control plane's) agree.
+Whole sessions through ``control_app``; the SDK's unit tests run against the same
+app through tests/unit/_live_api.py.
 """
 
 from __future__ import annotations

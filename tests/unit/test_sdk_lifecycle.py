@@ -13,9 +13,9 @@ import pytest
 from space.node.api import SandboxState
 from space.sdk import AsyncSandbox, Sandbox, SandboxInfo
 from space.sdk.errors import Conflict, InternalError, InvalidArgument, NotFound
+from tests.unit._live_api import LiveApi
 from tests.unit._sdk_calls import bodies as _bodies
 from tests.unit._sdk_calls import create as _sdk_sandbox
-from tests.unit._live_api import LiveApi
 
 pytestmark = pytest.mark.anyio
 
@@ -166,7 +166,9 @@ async def test_negative_set_timeouts_out_of_range_raises_invalid_argument_and_ch
     api: LiveApi,
 ) -> None:
     sandbox = await _sdk_sandbox(api, idle_timeout_s=90)
-    with pytest.raises(InvalidArgument, match="idle_timeout_s: Input should be greater than or equal to 1"):
+    with pytest.raises(
+        InvalidArgument, match="idle_timeout_s: Input should be greater than or equal to 1"
+    ):
         await sandbox.set_timeouts(idle_timeout_s=0)
     info = await sandbox.get_info()
     await sandbox.close()

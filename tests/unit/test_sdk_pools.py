@@ -9,11 +9,10 @@ import pytest
 
 from space.control.template_names import tenant_prefix
 from space.node.api import PoolInfo as NodePoolInfo
-
 from space.sdk import AsyncSandbox, PoolInfo, Sandbox
 from space.sdk.errors import AuthenticationError, InternalError
-from tests.unit._sdk_calls import connection as _connection
 from tests.unit._live_api import TENANT, LiveApi
+from tests.unit._sdk_calls import connection as _connection
 
 pytestmark = pytest.mark.anyio
 

@@ -12,10 +12,10 @@ import pytest
 from space.node.api import SandboxState
 from space.sdk import AsyncSandbox, Sandbox, SnapshotInfo
 from space.sdk.errors import Conflict, InternalError, InvalidArgument, NotFound, Unavailable
+from tests.unit._live_api import LiveApi
 from tests.unit._sdk_calls import bodies as _bodies
 from tests.unit._sdk_calls import connection as _connection
 from tests.unit._sdk_calls import create as _create
-from tests.unit._live_api import LiveApi
 
 pytestmark = pytest.mark.anyio
 

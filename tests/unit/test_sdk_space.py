@@ -11,9 +11,9 @@ import pytest
 from space.sdk import AsyncSandbox, AsyncSpace, Sandbox, SecretInfo, Space
 from space.sdk._http import ApiClient, one_call
 from space.sdk.errors import Conflict, InvalidArgument, NotFound
+from tests.unit._live_api import LiveApi
 from tests.unit._sdk_calls import connection
 from tests.unit.fakes import control_app
-from tests.unit._live_api import LiveApi
 from tests.unit.test_sdk_templates import project
 
 pytestmark = pytest.mark.anyio

@@ -44,7 +44,9 @@ def test_sync_sandbox_creates_runs_and_kills_from_plain_sync_code(sync_api: Live
 def test_sync_list_connect_and_check(sync_api: LiveApi) -> None:
     sync_api.scripts["false"] = [("exit", 1, None, False)]
     sandbox = _create(sync_api)
-    again = Sandbox.connect(sandbox.sandbox_id, api_key=sync_api.key, _transport=sync_api.transport())
+    again = Sandbox.connect(
+        sandbox.sandbox_id, api_key=sync_api.key, _transport=sync_api.transport()
+    )
     listed = Sandbox.list(api_key=sync_api.key, _transport=sync_api.transport())
     with pytest.raises(CommandExitError):
         again.commands.run("false", check=True)
