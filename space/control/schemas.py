@@ -426,7 +426,7 @@ class PoolOut(BaseModel):
     hits: int
     misses: int
     #: hits / (hits + misses); null before the first such create.
-    hit_rate: float | None
+    hit_rate: float | None = Field(ge=0, le=1)
 
     @classmethod
     def of(cls, node_id: str, pool: PoolInfo) -> PoolOut:
