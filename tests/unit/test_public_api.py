@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import space
-import space.sdk
 import space.node.api
+import space.sdk
 import space.sdk.errors
 
 SDK_NAMES = {
