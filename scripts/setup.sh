@@ -37,6 +37,11 @@ if [ ! -e "$stamp" ]; then
   /usr/bin/python3 -m venv .venv
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q -e '.[dev]'
+  # Wheels of the base install's dependencies (the SDK and client CLI) and of the build
+  # backend, so tests/unit/test_sdk_alone.py installs the SDK alone without a network.
+  .venv/bin/python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' \
+    > .venv/sdk-requirements.txt
+  .venv/bin/pip download -q -d .venv/sdk-wheels -r .venv/sdk-requirements.txt 'setuptools>=70.1'
   touch "$stamp"
 fi
 

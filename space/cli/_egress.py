@@ -13,6 +13,7 @@ from typing import Any
 import click
 
 from space.cli._common import api_options, connected, echo_table, fail, reports_errors
+from space.limits import MAX_EGRESS_LOG_EVENTS
 from space.sdk import EgressEvent, allow
 from space.sdk.errors import InvalidArgument
 
@@ -23,7 +24,6 @@ ALLOW_HELP = (
     "Allow a destination: DOMAIN[:PORTS] or NETWORK[:PORTS] ('*' is one label, IPv6 in "
     "brackets, ports default to 80,443). Repeatable."
 )
-_MAX_LOG = 1000
 
 
 def policy_of(rules: Sequence[str]) -> dict[str, Any]:
@@ -72,7 +72,9 @@ def egress_set(
 
 @egress.command(name="log")
 @click.argument("sandbox_id")
-@click.option("--limit", default=100, show_default=True, type=click.IntRange(1, _MAX_LOG))
+@click.option(
+    "--limit", default=100, show_default=True, type=click.IntRange(1, MAX_EGRESS_LOG_EVENTS)
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
 @api_options
 @reports_errors

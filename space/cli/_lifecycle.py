@@ -20,12 +20,12 @@ from space.cli._common import (
     echo_table,
     reports_errors,
 )
+from space.limits import MAX_FORK_CHILDREN
 from space.sdk import Sandbox, SnapshotInfo
 
 __all__ = ["fork", "hibernate", "restore", "snapshot", "snapshot_forest", "timeouts"]
 
 #: The most children one ``space fork`` asks for (the API's limit, issue 3).
-MAX_FORK = 16
 _SIZE_UNITS = ("KiB", "MiB", "GiB", "TiB")
 
 
@@ -54,7 +54,9 @@ def restore(sandbox_id: str, snapshot_id: str, api_url: str | None, api_key: str
 
 @click.command()
 @click.argument("sandbox_id")
-@click.option("-n", "count", default=1, show_default=True, type=click.IntRange(1, MAX_FORK))
+@click.option(
+    "-n", "count", default=1, show_default=True, type=click.IntRange(1, MAX_FORK_CHILDREN)
+)
 @api_options
 @reports_errors
 def fork(sandbox_id: str, count: int, api_url: str | None, api_key: str | None) -> None:

@@ -162,10 +162,10 @@ def secret_rotate_master(data_dir: Path, master_key_file: Path | None) -> None:
     $SPACE_OLD_MASTER_KEYS), run this, then drop the old keys. Values are never
     decrypted to disk. Safe while the server runs.
     """  # fmt: skip
-    from space.control.secrets import rotate_master
-    from space.control.settings import ControlSettings
-
-    settings = ControlSettings(data_dir=data_dir, master_key_file=master_key_file)
     with server_errors():
+        from space.control.secrets import rotate_master
+        from space.control.settings import ControlSettings
+
+        settings = ControlSettings(data_dir=data_dir, master_key_file=master_key_file)
         count, key_id = rotate_master(settings)
     click.echo(f"re-wrapped {count} data keys under master key {key_id}")

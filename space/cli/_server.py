@@ -85,14 +85,14 @@ def serve(
     """Run the control plane and one node in this process (the embedded default)."""
     if warm_min > warm_max:
         fail(f"--warm-min ({warm_min}) must not exceed --warm-max ({warm_max})", 2)
-    from space.control.secrets import load_keyring
-    from space.control.server import run_control_plane
-    from space.control.settings import ControlSettings
-    from space.node.agent import Node
-    from space.node.core.config import NodeConfig
-
-    settings = ControlSettings(data_dir=data_dir, reaper_interval_s=reaper_interval)
     with server_errors():
+        from space.control.secrets import load_keyring
+        from space.control.server import run_control_plane
+        from space.control.settings import ControlSettings
+        from space.node.agent import Node
+        from space.node.core.config import NodeConfig
+
+        settings = ControlSettings(data_dir=data_dir, reaper_interval_s=reaper_interval)
         load_keyring(settings, create=True)  # an unsafe key file stops us before any VM
     progress = ProgressPrinter()
 
@@ -142,12 +142,13 @@ def node(
     egress_upstream_ca: Path | None,
 ) -> None:
     """Run a node agent alone and register it with a control plane."""
-    import uvicorn
+    with server_errors():
+        import uvicorn
 
-    from space.control.server import register_remote_node
-    from space.node.agent import Node
-    from space.node.core.config import NodeConfig
-    from space.node.http.server import create_node_app
+        from space.control.server import register_remote_node
+        from space.node.agent import Node
+        from space.node.core.config import NodeConfig
+        from space.node.http.server import create_node_app
 
     control_url = _check_url(control_url)
     host, port = _split_listen(listen)
@@ -194,10 +195,10 @@ def keys() -> None:
 @DATA_DIR_OPTION
 def keys_create(tenant: str, data_dir: Path) -> None:
     """Create an API key for TENANT and print it (shown only this once)."""
-    from space.control.keys import create_key
-    from space.control.settings import ControlSettings
-
     with server_errors():
+        from space.control.keys import create_key
+        from space.control.settings import ControlSettings
+
         key = create_key(ControlSettings(data_dir=data_dir), tenant)
     click.echo(key)
 
@@ -230,18 +231,30 @@ def _run_until_signal(main: Coroutine[Any, Any, None]) -> None:
 @contextlib.contextmanager
 def server_errors() -> Iterator[None]:
     """Node, control-plane, secret store and OS errors as one ``error: ...`` line and
-    exit code 1."""
-    from space.control.secrets import SecretStoreError
-    from space.node.api import NodeError
-
+    exit code 1; a server package missing (the base install is the SDK and client CLI
+    only) as how to install it, exit code 2. Wrap a server command's imports too."""
     try:
         yield
-    except (NodeError, SpaceError) as exc:
+    except ModuleNotFoundError as exc:
+        fail(
+            f"this command runs the server, whose packages are not installed "
+            f"(no module {exc.name!r}): pip install 'space[server]'",
+            2,
+        )
+    except SpaceError as exc:
         fail(f"{exc.code}: {exc}")
-    except SecretStoreError as exc:
-        fail(f"secret store: {exc}")
     except OSError as exc:
         fail(f"{exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}")
+    except Exception as exc:
+        # Importable here: the error came from the server's code.
+        from space.control.secrets import SecretStoreError
+        from space.node.api import NodeError
+
+        if isinstance(exc, NodeError):
+            fail(f"{exc.code}: {exc}")
+        if isinstance(exc, SecretStoreError):
+            fail(f"secret store: {exc}")
+        raise
 
 
 def _accel(value: str) -> Literal["auto", "kvm", "tcg"]:

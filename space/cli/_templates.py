@@ -91,11 +91,12 @@ def template_build_base(name: str, cache_dir: Path) -> None:
 
 def _build_base(name: str, cache_dir: Path) -> None:
     from space.cli._server import server_errors
-    from space.node.images import build_template
 
     progress = ProgressPrinter()
     progress(f"building template {name!r} in {cache_dir}")
     with server_errors():
+        from space.node.images import build_template
+
         image = build_template(name, cache_dir=cache_dir, progress=progress)
     progress(f"template {name!r} ready: {image.directory}")
     click.echo(image.digest)

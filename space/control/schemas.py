@@ -16,6 +16,20 @@ from space.control.store.repo import SandboxRecord
 from space.control.store.secrets import SecretRecord
 from space.control.store.snapshots import SnapshotRecord
 from space.control.template_names import REF_PATTERN
+from space.limits import (
+    CPUS,
+    DEFAULT_CPUS,
+    DEFAULT_DISK_MIB,
+    DEFAULT_MEMORY_MIB,
+    DISK_MIB,
+    MAX_COMMAND_TIMEOUT_S,
+    MAX_FORK_CHILDREN,
+    MAX_IDLE_TIMEOUT_S,
+    MAX_LIFETIME_S,
+    MAX_SANDBOX_SECRETS,
+    MAX_TIMEOUT_S,
+    MEMORY_MIB,
+)
 from space.node.api import EgressEvent, FileStat, PoolInfo, ProcessInfo, TemplateInfo
 
 __all__ = [
@@ -49,9 +63,6 @@ __all__ = [
 MAX_PATH_BYTES = 4096
 _USER_PATTERN = r"^[a-z_][a-z0-9_-]{0,31}$"
 _MAX_TEXT = 64 * 1024
-#: Upper bounds of the idle timeout (a week) and of the lifetime set later (30 days).
-MAX_IDLE_TIMEOUT_S = 7 * 24 * 3600
-MAX_LIFETIME_S = 30 * 24 * 3600
 _ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 #: Fields a sandbox made from a snapshot takes from the snapshot.
 _FROM_SNAPSHOT = ("template", "cpus", "memory_mib", "disk_mib")
@@ -81,8 +92,6 @@ _Env = Annotated[
 ]
 #: A secret's name (as space.node.api.secret_grants.check_secret_name has it).
 SecretName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")]
-#: Most secrets one sandbox may use (space.node.api.secret_grants.MAX_GRANTS).
-MAX_SANDBOX_SECRETS = 64
 
 
 class _Body(BaseModel):
@@ -92,11 +101,11 @@ class _Body(BaseModel):
 class SandboxCreate(_Body):
     #: ``name`` (tag latest), ``name:tag`` or ``name@<digest>``: base or the tenant's own.
     template: str = Field("base", pattern=REF_PATTERN, max_length=129)
-    cpus: int = Field(1, ge=1, le=8)
-    memory_mib: int = Field(256, ge=128, le=16384)
-    disk_mib: int = Field(2048, ge=1024, le=65536)
+    cpus: int = Field(DEFAULT_CPUS, ge=CPUS.low, le=CPUS.high)
+    memory_mib: int = Field(DEFAULT_MEMORY_MIB, ge=MEMORY_MIB.low, le=MEMORY_MIB.high)
+    disk_mib: int = Field(DEFAULT_DISK_MIB, ge=DISK_MIB.low, le=DISK_MIB.high)
     #: Lifetime in seconds; null: none; omitted: the control plane's default.
-    timeout_s: int | None = Field(None, ge=1, le=86400)
+    timeout_s: int | None = Field(None, ge=1, le=MAX_TIMEOUT_S)
     #: Seconds without guest activity before the sandbox is hibernated; null: never.
     idle_timeout_s: int | None = Field(None, ge=1, le=MAX_IDLE_TIMEOUT_S)
     env: _Env = Field(default_factory=dict)
@@ -137,7 +146,7 @@ class RestoreBody(_Body):
 
 
 class ForkBody(_Body):
-    count: int = Field(1, ge=1, le=16)
+    count: int = Field(1, ge=1, le=MAX_FORK_CHILDREN)
 
 
 def policy_out(policy: dict[str, Any] | None) -> dict[str, Any]:
@@ -295,7 +304,7 @@ class ExecBody(_Body):
     user: UserName = "user"
     #: Text sent to the process's stdin, then closed.
     stdin: Annotated[str, Field(max_length=16 * 1024 * 1024)] | None = None
-    timeout_s: float | None = Field(None, gt=0, le=86400)
+    timeout_s: float | None = Field(None, gt=0, le=MAX_COMMAND_TIMEOUT_S)
     background: bool = False
 
     @model_validator(mode="after")
@@ -417,7 +426,7 @@ class PoolOut(BaseModel):
     hits: int
     misses: int
     #: hits / (hits + misses); null before the first such create.
-    hit_rate: float | None
+    hit_rate: float | None = Field(ge=0, le=1)
 
     @classmethod
     def of(cls, node_id: str, pool: PoolInfo) -> PoolOut:

@@ -21,6 +21,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from space.limits import MAX_EGRESS_LOG_EVENTS
 from space.sdk._http import ApiClient, json_object, listed
 from space.sdk._models import EgressEvent
 from space.sdk.errors import InvalidArgument
@@ -29,7 +30,7 @@ __all__ = ["DEFAULT_LOG_LIMIT", "MAX_LOG_LIMIT", "AsyncNetwork", "allow"]
 
 #: How many events ``log()`` returns by default, and at most (the API's bounds).
 DEFAULT_LOG_LIMIT = 100
-MAX_LOG_LIMIT = 1000
+MAX_LOG_LIMIT = MAX_EGRESS_LOG_EVENTS
 #: ``host``, ``host:ports``, ``[v6-network]`` or ``[v6-network]:ports``.
 _BRACKETED = re.compile(r"^\[(?P<host>[^\[\]]+)\](?::(?P<ports>.*))?$")
 _PORTS = re.compile(r"^[0-9]{1,5}(,[0-9]{1,5})*$")

@@ -13,13 +13,14 @@ from typing import Any, Final
 
 import httpx
 
+from space.limits import MAX_FORK_CHILDREN
 from space.sdk._commands import AsyncCommands
 from space.sdk._files import AsyncFiles
 from space.sdk._http import ApiClient, json_object, listed, one_call, same_contract
 from space.sdk._models import PoolInfo, SandboxInfo, SnapshotInfo
 from space.sdk._network import AsyncNetwork
 from space.sdk._sandbox_requests import create_body, secret_names, segment, snapshot_id
-from space.sdk.errors import NotFound
+from space.sdk.errors import InvalidArgument, NotFound
 
 __all__ = ["KEEP", "AsyncSandbox", "AsyncSandboxes"]
 
@@ -383,7 +384,8 @@ class AsyncSandbox:
         return self._info
 
     async def fork(self, n: int = 1) -> builtins.list[AsyncSandbox]:
-        """Make ``n`` (1 to 16) running copies of this sandbox: disk, memory, processes.
+        """Make ``n`` (1 to space.limits.MAX_FORK_CHILDREN) running copies of this sandbox:
+        disk, memory, processes.
 
         Each child has a fresh guest identity and its own connection with this one's
         configuration (close or kill each; children of a sandbox made through an
@@ -392,6 +394,12 @@ class AsyncSandbox:
         ResourceExhausted (quota, no capacity), Conflict, NotFound. A cancellation
         mid-way may leave children behind that ``list()`` shows.
         """
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_FORK_CHILDREN:
+            raise InvalidArgument(
+                f"n must be 1 to {MAX_FORK_CHILDREN}, got {n!r}",
+                sandbox_id=self.sandbox_id,
+                operation="sandbox.fork",
+            )
         answer = await self._api.request_json(
             "POST",
             f"/v1/sandboxes/{self.sandbox_id}/fork",
@@ -424,8 +432,9 @@ class AsyncSandbox:
     async def kill(self) -> bool:
         """Delete the sandbox and close the connection (see ``close``).
 
-        Idempotent: returns False if the sandbox was already gone. Cancelling mid-way
-        may leave the sandbox running; call again.
+        Idempotent: True once the sandbox is deleted, also when it already was (the API
+        answers a repeated delete as done); False only if the API knows no sandbox of
+        this id. Cancelling mid-way may leave the sandbox running; call again.
         """
         try:
             await self._api.request_json(

@@ -7,6 +7,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from space.limits import RESOURCES
 from space.sdk._models import SnapshotInfo
 from space.sdk.errors import InvalidArgument
 
@@ -24,9 +25,18 @@ def create_body(
     disk_mib: int | None,
     from_snapshot: SnapshotInfo | str | None,
 ) -> dict[str, Any]:
-    """The sizing part of a create body: only what was given (the API defaults the rest)."""
+    """The sizing part of a create body: only what was given (the API defaults the rest).
+
+    Resources outside space.limits are refused here, as the API would refuse them.
+    """
     given = {"template": template, "cpus": cpus, "memory_mib": memory_mib, "disk_mib": disk_mib}
     body: dict[str, Any] = {key: value for key, value in given.items() if value is not None}
+    for name, allowed in RESOURCES.items():
+        if name in body and not allowed.holds(body[name]):
+            raise InvalidArgument(
+                f"{name} must be within {allowed.low}..{allowed.high}, got {body[name]!r}",
+                operation="sandbox.create",
+            )
     if from_snapshot is not None:
         if body:
             raise InvalidArgument(

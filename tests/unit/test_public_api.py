@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import space
+import space.node.api
 import space.sdk
 import space.sdk.errors
 
@@ -28,6 +29,27 @@ TOP_NAMES = {
 }  # fmt: skip
 
 
+#: The node's contract: all the control plane may use of a node (tests/unit/test_layers.py).
+NODE_API_NAMES = {
+    "BUILD_ID_HEADER", "BuildEvent", "BuildFailed", "BuildLog", "BuildStream",
+    "BuildSucceeded", "CidrRule", "Conflict", "DomainRule", "EgressEvent", "EgressPolicy",
+    "ExecEvent", "ExecExited", "ExecOutput", "ExecRequest", "ExecStream",
+    "FILE_STAT_HEADER", "FileReader", "FileStat", "GuestError", "InvalidArgument",
+    "MAX_BUILD_LOG_BYTES", "MAX_EGRESS_LOG_EVENTS", "MAX_FORK_CHILDREN", "MAX_GRANTS",
+    "NDJSON", "NODE_API_PREFIX", "NodeError", "NodeInfo", "NodeService", "NotFound",
+    "PermissionDenied", "PoolInfo", "ProcessInfo", "ResourceExhausted", "STATUS_BY_CODE",
+    "SandboxSpec", "SandboxState", "SandboxStatus", "SecretGrant", "SnapshotInfo",
+    "TemplateInfo", "Timeout", "Unavailable", "Verdict", "blocked_category",
+    "build_event_line", "build_lines", "check_grants", "check_header_name",
+    "check_host_patterns", "check_secret_name", "check_secret_value", "closed_policy",
+    "decode", "decode_build_event", "decode_child_ids", "decode_egress_policy",
+    "decode_exec_request", "decode_grants", "decode_snapshot_id", "decode_templates",
+    "encode", "encode_exec_request", "encode_grants", "encode_templates", "error_for_code",
+    "error_line", "event_line", "host_matches", "ndjson_lines", "normalize_name",
+    "parse_ip_literal",
+}  # fmt: skip
+
+
 def test_space_sdk_exports_exactly_the_pinned_names() -> None:
     assert set(space.sdk.__all__) == SDK_NAMES
     assert all(hasattr(space.sdk, name) for name in SDK_NAMES)
@@ -48,3 +70,8 @@ def test_exported_classes_claim_the_public_module_not_a_private_one() -> None:
 def test_every_sdk_error_derives_from_space_error() -> None:
     for name in space.sdk.errors.__all__:
         assert issubclass(getattr(space.sdk.errors, name), space.sdk.errors.SpaceError)
+
+
+def test_the_node_contract_exports_exactly_the_pinned_names() -> None:
+    assert set(space.node.api.__all__) == NODE_API_NAMES
+    assert all(hasattr(space.node.api, name) for name in NODE_API_NAMES)

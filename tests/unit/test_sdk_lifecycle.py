@@ -10,8 +10,10 @@ from typing import Any
 import httpx
 import pytest
 
+from space.limits import CPUS, DISK_MIB, MAX_FORK_CHILDREN, MEMORY_MIB, RESOURCES
 from space.node.api import SandboxState
 from space.sdk import AsyncSandbox, Sandbox, SandboxInfo
+from space.sdk._sandbox_requests import create_body
 from space.sdk.errors import Conflict, InternalError, InvalidArgument, NotFound
 from tests.unit._live_api import LiveApi
 from tests.unit._sdk_calls import bodies as _bodies
@@ -228,10 +230,11 @@ async def test_negative_fork_out_of_range_raises_invalid_argument_and_makes_noth
     api: LiveApi, n: int
 ) -> None:
     parent = await _sdk_sandbox(api)
-    with pytest.raises(InvalidArgument, match=r"count: Input should be (greater|less) than"):
+    with pytest.raises(InvalidArgument, match=f"n must be 1 to {MAX_FORK_CHILDREN}, got {n}"):
         await parent.fork(n)
     await parent.close()
     assert list(api.node.boxes) == [parent.sandbox_id]
+    assert _bodies(api, "/fork") == []  # refused before anything was sent
 
 
 async def test_negative_fork_of_a_sandbox_still_creating_raises_conflict_and_makes_nothing(
@@ -282,3 +285,29 @@ def test_sync_hibernate_set_timeouts_and_fork_wrap_the_async_core(sync_api: Live
 
 async def _list(api: LiveApi) -> list[SandboxInfo]:
     return await AsyncSandbox.list(**api.connection())
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("cpus", CPUS.low - 1),
+        ("cpus", CPUS.high + 1),
+        ("memory_mib", MEMORY_MIB.low - 1),
+        ("disk_mib", DISK_MIB.high + 1),
+        ("cpus", True),
+    ],
+)
+async def test_negative_create_past_a_resource_limit_raises_and_sends_nothing(
+    api: LiveApi, name: str, value: object
+) -> None:
+    with pytest.raises(InvalidArgument, match=f"{name} must be within"):
+        await _sdk_sandbox(api, **{name: value})
+    assert _bodies(api, "/v1/sandboxes") == [] and not api.node.boxes
+
+
+async def test_create_at_every_resource_limit_is_sent() -> None:
+    # The same space.limits the API enforces: its bounds pass the SDK's own check.
+    for allowed in RESOURCES.values():
+        assert allowed.holds(allowed.low) and allowed.holds(allowed.high)
+    body = create_body(None, CPUS.high, MEMORY_MIB.high, DISK_MIB.low, None)
+    assert body == {"cpus": CPUS.high, "memory_mib": MEMORY_MIB.high, "disk_mib": DISK_MIB.low}

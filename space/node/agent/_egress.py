@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from space.limits import MAX_EGRESS_LOG_EVENTS
 from space.node.agent._build_network import BuildNetwork, open_build_network
 from space.node.agent._hidden import is_hidden
 from space.node.api import (
@@ -43,8 +44,6 @@ if TYPE_CHECKING:
 __all__ = ["Egress", "SandboxNetwork", "parse_policy"]
 
 log = logging.getLogger(__name__)
-
-MAX_LOG_EVENTS = 1000
 
 
 def parse_policy(policy: dict[str, object] | None, sandbox_id: str) -> EgressPolicy:
@@ -185,7 +184,9 @@ class Egress:
 
     async def egress_log(self, sandbox_id: str, *, limit: int = 100) -> list[EgressEvent]:
         """The sandbox's latest ``limit`` (1..1000) egress decisions, oldest first."""
-        if not 1 <= limit <= MAX_LOG_EVENTS:
-            raise InvalidArgument(f"limit must be 1..{MAX_LOG_EVENTS}", sandbox_id=sandbox_id)
+        if not 1 <= limit <= MAX_EGRESS_LOG_EVENTS:
+            raise InvalidArgument(
+                f"limit must be 1..{MAX_EGRESS_LOG_EVENTS}", sandbox_id=sandbox_id
+            )
         self._registry.get(sandbox_id)
         return await asyncio.to_thread(self._network.audit.read, sandbox_id, limit)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from space.limits import MAX_SANDBOX_SECRETS
 from space.node.api.egress_policy import DomainRule, EgressPolicy
 from space.node.api.errors import InvalidArgument
 from space.node.api.interface import SecretGrant
@@ -24,7 +25,7 @@ __all__ = [
     "host_matches",
 ]
 
-MAX_GRANTS = 64
+MAX_GRANTS = MAX_SANDBOX_SECRETS
 MAX_HOSTS = 32
 MAX_VALUE_BYTES = 16 * 1024
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")

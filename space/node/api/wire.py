@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from pydantic import TypeAdapter, ValidationError
 
+from space.limits import MAX_EGRESS_LOG_EVENTS, MAX_FORK_CHILDREN
 from space.node.api.errors import InvalidArgument, NodeError
 from space.node.api.interface import (
     BuildEvent,
@@ -74,9 +75,7 @@ BUILD_ID_HEADER = "X-Build-Id"
 #: Longest ``log`` line of a build a client accepts (the node cuts longer log lines).
 MAX_BUILD_LOG_BYTES = 64 * 1024
 #: Most children one fork request may make: each is a whole VM on a node of a few cores.
-MAX_FORK_CHILDREN = 16
 #: Most egress events one log request may ask for (the REST API's limit too).
-MAX_EGRESS_LOG_EVENTS = 1000
 
 #: The one error code → HTTP status table, shared by the REST API (docs/api.md,
 #: "Errors") and the node API, which answer with the same codes.

@@ -9,15 +9,13 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from space.limits import MAX_FORK_CHILDREN, RESOURCES
 from space.node.api import InvalidArgument, NodeError, SandboxSpec, SnapshotInfo
 from space.node.core.template import Template
 
 __all__ = ["MAX_FORK_CHILDREN", "check_compatible", "check_id", "check_spec"]
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-_LIMITS = {"cpus": (1, 8), "memory_mib": (128, 16384), "disk_mib": (1, 65536)}
-#: Most children one fork makes (each is a VM: the node's capacity bounds it too).
-MAX_FORK_CHILDREN = 16
 
 
 def check_id(value: object, kind: str = "sandbox id") -> str:
@@ -33,9 +31,9 @@ def check_spec(spec: SandboxSpec, resolve: Callable[[str], Template]) -> Templat
     ``resolve`` finds a template by reference (NotFound, InvalidArgument).
     """
     check_id(spec.sandbox_id)
-    for name, (low, high) in _LIMITS.items():
+    for name, (low, high) in RESOURCES.items():
         value = getattr(spec, name)
-        if not isinstance(value, int) or not low <= value <= high:
+        if not RESOURCES[name].holds(value):
             raise InvalidArgument(
                 f"{name} must be within {low}..{high}, got {value!r}", sandbox_id=spec.sandbox_id
             )

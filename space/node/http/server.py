@@ -17,7 +17,8 @@ default 100) answers ``{"events": [EgressEvent, ...]}``, oldest first. Its secre
 grants are ``PUT /sandboxes/{id}/secrets`` with ``{"grants": [SecretGrant, ...]}``
 (204); that body holds secret values, so no body is ever logged here. Errors
 answer ``{"error": {"code", "message", "details"}}`` with the status of
-``STATUS_BY_CODE``. Every request needs ``Authorization: Bearer <node token>``.
+``STATUS_BY_CODE`` (space.node.api.http_errors, shared with the control plane). Every
+request needs ``Authorization: Bearer <node token>``.
 
 The JSON and NDJSON shapes live in space.node.api.wire, shared with RemoteNode and the
 control plane.
@@ -27,14 +28,11 @@ from __future__ import annotations
 
 import hmac
 import json
-import logging
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
+from fastapi.responses import StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from space.node.api import (
@@ -43,9 +41,7 @@ from space.node.api import (
     MAX_EGRESS_LOG_EVENTS,
     NDJSON,
     NODE_API_PREFIX,
-    STATUS_BY_CODE,
     InvalidArgument,
-    NodeError,
     NodeService,
     SandboxSpec,
     build_lines,
@@ -59,41 +55,14 @@ from space.node.api import (
     encode_templates,
     ndjson_lines,
 )
+from space.node.api.http_errors import install_error_handlers
 
-__all__ = ["STATUS_BY_CODE", "create_node_app"]
-
-log = logging.getLogger(__name__)
+__all__ = ["create_node_app"]
 
 T = TypeVar("T")
 
 
-# -- errors and auth -----------------------------------------------------------------
-
-
-def _error(code: str, message: str, status: int | None = None) -> JSONResponse:
-    body = {"error": {"code": code, "message": message, "details": {}}}
-    return JSONResponse(body, status_code=status or STATUS_BY_CODE.get(code, 500))
-
-
-async def _on_node_error(_: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, NodeError)
-    return _error(exc.code, exc.message)
-
-
-async def _on_validation_error(_: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, RequestValidationError | ValidationError)
-    return _error("invalid_argument", f"invalid request: {exc.errors()}")
-
-
-async def _on_http_error(_: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, StarletteHTTPException)
-    codes = {status: code for code, status in STATUS_BY_CODE.items()}
-    return _error(codes.get(exc.status_code, "internal"), str(exc.detail), exc.status_code)
-
-
-async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
-    log.exception("unhandled node API error", exc_info=exc)
-    return _error("internal", f"internal error: {type(exc).__name__}")
+# -- auth -----------------------------------------------------------------
 
 
 def _auth_dependency(token: str) -> Any:
@@ -345,14 +314,5 @@ def create_node_app(node: NodeService, token: str) -> FastAPI:
     app = FastAPI(title="SPACE node", docs_url=None, redoc_url=None)
     app.state.node = node
     app.include_router(_router, prefix=NODE_API_PREFIX, dependencies=[_auth_dependency(token)])
-    app.add_exception_handler(NodeError, _on_node_error)
-    app.add_exception_handler(RequestValidationError, _on_validation_error)
-    app.add_exception_handler(ValidationError, _on_validation_error)
-    app.add_exception_handler(json.JSONDecodeError, _on_json_error)
-    app.add_exception_handler(StarletteHTTPException, _on_http_error)
-    app.add_exception_handler(Exception, _on_unexpected)
+    install_error_handlers(app, handlers_parse_bodies=True)
     return app
-
-
-async def _on_json_error(_: Request, exc: Exception) -> JSONResponse:
-    return _error("invalid_argument", f"body is not JSON: {exc}")

@@ -32,6 +32,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from space.limits import RESOURCES
 from space.node.api import EgressPolicy, InvalidArgument
 from space.node.templates._fields import Where, absolute_path, child, index
 from space.node.templates._tree import resolve_source
@@ -44,7 +45,6 @@ __all__ = [
     "MAX_PACKAGES",
     "MAX_SPEC_BYTES",
     "MAX_STEPS",
-    "RESOURCE_LIMITS",
     "Base",
     "CopyStep",
     "DebianBase",
@@ -59,14 +59,12 @@ __all__ = [
     "parse_spec",
 ]
 
-# Limits of issue 4; resources as the node's own (space/node/core/validation.py), except
-# that a template's disk holds a Debian system and its packages, hence 1024 MiB at least.
+# Limits of issue 4; resources are the contract's (space.limits).
 MAX_STEPS = 64
 MAX_PACKAGES = 256
 MAX_COMMAND_BYTES = 16 * 1024
 MAX_ENV_ENTRIES = 256
 MAX_ENV_VALUE_BYTES = 4096
-RESOURCE_LIMITS = {"cpus": (1, 8), "memory_mib": (128, 16384), "disk_mib": (1024, 65536)}
 #: The spec file itself: room for every command and env value at their limits.
 MAX_SPEC_BYTES = 4 << 20
 _MAX_PATH_BYTES = 4096
@@ -321,10 +319,10 @@ def _env(where: Where, value: object) -> tuple[tuple[str, str], ...]:
 
 
 def _resources(where: Where, value: object) -> Resources:
-    table = where.table(value, "resources", RESOURCE_LIMITS)
+    table = where.table(value, "resources", RESOURCES)
     values = {
         name: where.integer(table[name], child("resources", name), low, high)
-        for name, (low, high) in RESOURCE_LIMITS.items()
+        for name, (low, high) in RESOURCES.items()
         if name in table
     }
     return Resources(**values)

@@ -23,6 +23,7 @@ from pathlib import Path
 from qemu.qmp import QMPClient
 
 from space.node.api import Timeout, Unavailable
+from space.node.network.netns import GUEST_MAC, TAP
 from space.node.vmm.accel import Accelerator
 
 __all__ = ["QemuVM", "VmConfig", "build_command", "pid_runs_vm"]
@@ -53,8 +54,8 @@ class VmConfig:
     #: The network namespace QEMU runs in, with a tap named ``tap`` for the guest's
     #: one NIC (None: no NIC at all). The MAC is fixed: every namespace is alike.
     netns: Path | None = None
-    tap: str = "tap0"
-    mac: str = "52:54:00:00:00:02"
+    tap: str = TAP
+    mac: str = GUEST_MAC
     cpus: int = 1
     memory_mib: int = 256
     accel: Accelerator = "tcg"

@@ -1,0 +1,69 @@
+"""The limits of SPACE's contract, written once: the node checks them, the REST schemas
+and template specs enforce them, the SDK and CLI check them before sending.
+
+Stdlib only and importing nothing, so every layer (and the SDK installed alone) may use
+it. Changing a number here changes it everywhere; docs/api.md states the same values.
+"""
+
+from __future__ import annotations
+
+from typing import Final, NamedTuple
+
+__all__ = [
+    "CPUS",
+    "DEFAULT_CPUS",
+    "DEFAULT_DISK_MIB",
+    "DEFAULT_MEMORY_MIB",
+    "DISK_MIB",
+    "MAX_COMMAND_TIMEOUT_S",
+    "MAX_EGRESS_LOG_EVENTS",
+    "MAX_FORK_CHILDREN",
+    "MAX_IDLE_TIMEOUT_S",
+    "MAX_LIFETIME_S",
+    "MAX_SANDBOX_SECRETS",
+    "MAX_TIMEOUT_S",
+    "MEMORY_MIB",
+    "RESOURCES",
+    "Range",
+]
+
+
+class Range(NamedTuple):
+    """An inclusive range of whole numbers."""
+
+    low: int
+    high: int
+
+    def holds(self, value: object) -> bool:
+        """Whether ``value`` is a whole number (not a bool) in the range."""
+        return (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and self.low <= value <= self.high
+        )
+
+
+#: A sandbox's (or a template's) resources.
+CPUS: Final = Range(1, 8)
+MEMORY_MIB: Final = Range(128, 16384)
+DISK_MIB: Final = Range(1024, 65536)
+RESOURCES: Final = {"cpus": CPUS, "memory_mib": MEMORY_MIB, "disk_mib": DISK_MIB}
+#: What a create that names no resources (and a template that sets none) gets.
+DEFAULT_CPUS: Final = 1
+DEFAULT_MEMORY_MIB: Final = 256
+DEFAULT_DISK_MIB: Final = 2048
+
+#: Most children one fork makes (each is a VM: the node's capacity bounds it too).
+MAX_FORK_CHILDREN: Final = 16
+#: Most secrets one sandbox may use.
+MAX_SANDBOX_SECRETS: Final = 64
+#: Most egress decisions one read of a sandbox's audit log returns.
+MAX_EGRESS_LOG_EVENTS: Final = 1000
+
+#: A sandbox's lifetime given at create (a day), and set later (30 days).
+MAX_TIMEOUT_S: Final = 24 * 3600
+MAX_LIFETIME_S: Final = 30 * 24 * 3600
+#: Seconds without activity before a sandbox hibernates (a week at most).
+MAX_IDLE_TIMEOUT_S: Final = 7 * 24 * 3600
+#: Longest a command may run (a day).
+MAX_COMMAND_TIMEOUT_S: Final = 24 * 3600
