@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from space.control.routers import templates as template_routes
-from space.control.template_names import MAX_TENANT_NAME_CHARS, tenant_prefix
-from space.control.template_spec import dumps
+from space.control.template_names import MAX_TENANT_NAME_CHARS, node_name, tenant_prefix
+from space.control.template_spec import rewrite_spec
 from tests.unit._fake_templates import BASE_DIGEST
 from tests.unit.fakes import FakeNode, Harness, control_app
 
@@ -256,12 +256,47 @@ async def test_a_build_runs_on_every_node_and_lines_name_the_node(tmp_path: Path
         assert [t["name"] for t in await listed(h, h.key("acme"))] == ["base", "py"]
 
 
-def test_the_spec_writer_round_trips_every_toml_value() -> None:
-    document = tomllib.loads(
-        'a = "q\\"\\\\\\u0001\\u007f é\\n"\nb = 1\nc = 1.5\nd = true\ne = 1979-05-27T07:32:00Z\n'
-        'f = [1, "x", {g = [], h = {}}]\n[t]\n"k y" = -inf\n[[s]]\nr = 2020-01-01\n'
-    )
-    assert tomllib.loads(dumps(document)) == document
+#: A spec with every field, strings that need escapes, nested tables and arrays of them.
+FULL_SPEC = r'''
+name = "py"
+tag = "v1"
+base = "template:py:v0"
+packages = ["python3-numpy", "git"]
+env = { LANG = "C.UTF-8", "ODD KEY" = "say \"hi\"\\n", TAB = "a\tb", CTRL = "\u0001\u007f é\r\n" }
+workdir = "/home/user/work"
+start = 'python3 -c "print(1)"'  # a literal string
+[resources]
+cpus = 2
+memory_mib = 512
+disk_mib = 2048
+[build_egress]
+allow = [{ domain = "pypi.org" }, { domain = "*.example.com", ports = [443, 8443] }]
+[[steps]]
+copy = { src = "app/", dst = "/opt/app" }
+[[steps]]
+run = """pip install \\
+  -r /opt/app/requirements.txt"""
+user = "root"
+'''
+
+#: Every other TOML value: numbers, dates and times, mixed and nested arrays.
+VALUES_SPEC = (
+    'name = "py"\na = "q\\"\\\\\\u0001\\u007f é\\n"\nb = 1\nc = 1.5\nd = true\n'
+    "e = 1979-05-27T07:32:00Z\nl = 1979-05-27T07:32:00\nday = 2020-01-01\nnoon = 12:00:00\n"
+    'f = [1, "x", {g = [], h = {}}, [[]]]\n[t]\n"k y" = -inf\n[t.u.v]\nw = 0x10\n'
+    "[[s]]\nr = 2020-01-01\n[[s]]\n[s.x]\n"
+)
+
+
+@pytest.mark.parametrize("text", [FULL_SPEC, VALUES_SPEC], ids=["every-field", "every-value"])
+def test_a_rewritten_spec_reads_back_the_same_but_for_its_names(text: str) -> None:
+    document = tomllib.loads(text)
+    written = tomllib.loads(rewrite_spec(text.encode(), "acme", set()).decode())
+    assert written["name"] == node_name("acme", "py")
+    if "base" in document:
+        assert written["base"] == f"template:{node_name('acme', 'py')}:v0"
+        document["base"] = written["base"]
+    assert written == {**document, "name": written["name"]}
 
 
 async def test_a_sandbox_takes_the_resources_it_leaves_out_from_its_template(
