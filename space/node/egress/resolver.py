@@ -2,26 +2,34 @@
 
 Each connection resolves afresh and connects to exactly the address it checked, so an
 answer that changes between a check and a connect (DNS rebinding) cannot slip a private
-address in: there is no second lookup. No cache, for the same reason. Answers come from
-the node's configured resolvers over UDP, coded with mitmproxy's DNS message type; a
-reply that does not match the query (id, question) is ignored, as a spoofed one would be.
+address in: there is no second lookup. No cache, for the same reason.
+
+Answers come from the node's configured resolvers (address and port each), asked in
+turn with dnspython (issue 16): the query id comes from the system's secure random
+source, a reply from another address or port, or whose id or question does not match
+the query, is ignored as a spoofed one would be, and a truncated UDP reply is asked
+again over TCP. Each resolver gets ``TIMEOUT_S`` for both.
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
-import time
 from collections.abc import Sequence
 from ipaddress import IPv4Address
 
-from mitmproxy import dns
-from mitmproxy.net.dns import classes, response_codes, types
+import dns.asyncquery
+import dns.exception
+import dns.message
+import dns.name
+import dns.rcode
+import dns.rdataclass
+import dns.rdatatype
+import dns.rdtypes.IN.A
 
-__all__ = ["ResolveError", "Resolver"]
+__all__ = ["TIMEOUT_S", "ResolveError", "Resolver"]
 
-_TIMEOUT_S = 2.0
-_MAX_REPLY = 4096
+#: How long one resolver has to answer, UDP and a TCP retry together.
+TIMEOUT_S = 2.0
 
 
 class ResolveError(Exception):
@@ -29,86 +37,53 @@ class ResolveError(Exception):
 
 
 class Resolver:
-    """Asks ``servers`` in turn for a name's IPv4 addresses."""
+    """Asks ``servers`` (address, port) in turn for a name's IPv4 addresses."""
 
-    def __init__(self, servers: Sequence[tuple[str, int]]) -> None:
+    def __init__(self, servers: Sequence[tuple[str, int]], *, timeout_s: float = TIMEOUT_S):
         self._servers = list(servers)
+        self._timeout_s = timeout_s
 
     async def resolve(self, name: str) -> list[IPv4Address]:
         """The A records of ``name`` (CNAMEs followed by the resolver), in answer order.
 
-        Raises ResolveError when the name does not exist, has no A record, or no
-        resolver answered within its timeout.
+        Raises ResolveError when the name is not a valid DNS name, does not exist, has no
+        A record, or no resolver answered within its timeout (the next one is asked
+        then). A resolver's answer other than NOERROR ends the lookup. Cancelling it
+        leaves nothing behind: each query's socket is closed.
         """
         if not self._servers:
             raise ResolveError("no DNS resolver configured")
+        try:
+            query = dns.message.make_query(dns.name.from_text(name), dns.rdatatype.A)
+        except (dns.exception.DNSException, ValueError) as exc:
+            raise ResolveError(f"{name[:300]!r}: not a DNS name ({exc})") from None
         last = "no resolver answered"
-        for server in self._servers:
+        for address, port in self._servers:
             try:
-                reply = await _ask(server, name)
-            except (OSError, TimeoutError, ValueError) as exc:
-                last = f"resolver {server[0]}:{server[1]}: {type(exc).__name__} {exc}".strip()
+                async with asyncio.timeout(self._timeout_s):
+                    reply, _ = await dns.asyncquery.udp_with_fallback(
+                        query, address, port=port, ignore_unexpected=True, ignore_errors=True
+                    )
+            except (OSError, EOFError, TimeoutError, dns.exception.DNSException) as exc:
+                last = f"resolver {address}:{port}: {type(exc).__name__} {exc}".strip()
                 continue
-            if reply.response_code != response_codes.NOERROR:
-                raise ResolveError(f"{name}: {response_codes.to_str(reply.response_code)}")
-            addresses = [
-                rr.ipv4_address
-                for rr in reply.answers
-                if rr.type == types.A and rr.class_ == classes.IN and len(rr.data) == 4
-            ]
-            if not addresses:
-                raise ResolveError(f"{name}: no IPv4 address")
-            return addresses
+            return _addresses(name, reply)
         raise ResolveError(last)
 
 
-async def _ask(server: tuple[str, int], name: str) -> dns.Message:
-    query = dns.Message(
-        timestamp=time.time(),
-        id=random.randrange(1 << 16),
-        query=True,
-        op_code=0,
-        authoritative_answer=False,
-        truncation=False,
-        recursion_desired=True,
-        recursion_available=False,
-        reserved=0,
-        response_code=0,
-        questions=[dns.Question(name=name, type=types.A, class_=classes.IN)],
-        answers=[],
-        authorities=[],
-        additionals=[],
-    )
-    loop = asyncio.get_running_loop()
-    replies: asyncio.Queue[bytes] = asyncio.Queue(maxsize=16)
-    transport, _ = await loop.create_datagram_endpoint(
-        lambda: _Collector(replies), remote_addr=server
-    )
+def _addresses(name: str, reply: dns.message.Message) -> list[IPv4Address]:
+    if reply.rcode() != dns.rcode.NOERROR:
+        raise ResolveError(f"{name}: {dns.rcode.to_text(reply.rcode())}")
     try:
-        transport.sendto(query.packed)
-        async with asyncio.timeout(_TIMEOUT_S):
-            while True:
-                reply = _matching(await replies.get(), query)
-                if reply is not None:
-                    return reply
-    finally:
-        transport.close()
-
-
-def _matching(data: bytes, query: dns.Message) -> dns.Message | None:
-    try:
-        reply = dns.Message.unpack(data)
-    except Exception:  # whatever mitmproxy's unpacking raises on garbage
-        return None
-    if reply.query or reply.id != query.id or reply.questions != query.questions:
-        return None
-    return reply
-
-
-class _Collector(asyncio.DatagramProtocol):
-    def __init__(self, queue: asyncio.Queue[bytes]) -> None:
-        self._queue = queue
-
-    def datagram_received(self, data: bytes, addr: tuple[str | object, ...]) -> None:
-        if len(data) <= _MAX_REPLY and not self._queue.full():
-            self._queue.put_nowait(data)
+        if not isinstance(reply, dns.message.QueryMessage):  # what a QUERY's reply reads as
+            raise dns.message.NotQueryResponse
+        answer = reply.resolve_chaining().answer
+    except dns.exception.DNSException as exc:
+        raise ResolveError(f"{name}: bad answer ({type(exc).__name__})") from None
+    # The A records of the name the CNAME chain ends at, not those of other names.
+    if answer is None or answer.rdclass != dns.rdataclass.IN:
+        raise ResolveError(f"{name}: no IPv4 address")
+    addresses = [IPv4Address(r.address) for r in answer if isinstance(r, dns.rdtypes.IN.A.A)]
+    if not addresses:
+        raise ResolveError(f"{name}: no IPv4 address")
+    return addresses
