@@ -14,10 +14,15 @@ from __future__ import annotations
 import struct
 import time
 from collections.abc import Callable
-from ipaddress import IPv4Address
 
-from mitmproxy import dns
-from mitmproxy.net.dns import classes, op_codes, response_codes, types
+import dns.exception
+import dns.flags
+import dns.message
+import dns.opcode
+import dns.rcode
+import dns.rdataclass
+import dns.rdatatype
+import dns.rrset
 
 from space.node.api import EgressEvent, EgressPolicy, normalize_name
 from space.node.egress.fakeip import FakeIps
@@ -29,11 +34,6 @@ MAX_UDP_QUERY_BYTES = 512
 #: TTL of a fake answer: short, so a guest soon asks again after a policy change.
 TTL_S = 5
 _HEADER = struct.Struct("!HHHHHH")
-_QR_BIT = 1 << 15
-# The answer's name is a compression pointer to the question at offset 12 (RFC 1035
-# section 4.1.4), so the response stays below 512 bytes even for a 253-character name.
-_A_RECORD = struct.Struct("!HHHIH")
-_POINTER_TO_QUESTION = 0xC000 | _HEADER.size
 
 
 def answer(
@@ -54,65 +54,63 @@ def answer(
     and TTL_S, and NOERROR without records for every other type (audited "allow").
     ``clock`` gives the events' time (seconds since the epoch).
     """
-    if len(query) < _HEADER.size or _flags(query) & _QR_BIT:
+    if len(query) < _HEADER.size or _flags(query) & dns.flags.QR:
         return None, None
-    header_only = _header_only(query)
     if len(query) > MAX_UDP_QUERY_BYTES:
-        return _fail(header_only, response_codes.FORMERR), None
-    if header_only.op_code != op_codes.QUERY:
-        return _fail(header_only, response_codes.NOTIMP), None
+        return _fail_header(query, dns.rcode.FORMERR), None
+    if dns.opcode.from_flags(_flags(query)) != dns.opcode.QUERY:
+        return _fail_header(query, dns.rcode.NOTIMP), None
     try:
-        message = dns.Message.unpack(query)
-    except (struct.error, ValueError):  # ValueError: IDNA errors escape mitmproxy
-        return _fail(header_only, response_codes.FORMERR), None
-    raw_name = _question_name(query)
-    if len(message.questions) != 1 or raw_name is None:
-        return _fail(header_only, response_codes.FORMERR), None
-    # The question as the guest spelled it (case kept), not mitmproxy's IDNA decoding.
-    question = dns.Question(raw_name, message.questions[0].type, message.questions[0].class_)
-    message.questions = [question]
-    return _decide(message, question, policy, fake, clock())
+        # dnspython reads the whole message (trailing bytes are an error) with the
+        # query's own codecs; every malformation it finds is a DNSException.
+        message = dns.message.from_wire(query)
+    except dns.exception.DNSException:
+        return _fail_header(query, dns.rcode.FORMERR), None
+    name = _question_name(query)
+    if len(message.question) != 1 or name is None:
+        return _fail_header(query, dns.rcode.FORMERR), None
+    return _decide(message, name, policy, fake, clock())
 
 
 def _decide(
-    message: dns.Message,
-    question: dns.Question,
+    message: dns.message.Message,
+    raw_name: str,
     policy: EgressPolicy,
     fake: FakeIps,
     now: float,
 ) -> tuple[bytes, EgressEvent]:
-    name = normalize_name(question.name)
-    host = question.name if name is None else name
+    question = message.question[0]
+    name = normalize_name(raw_name)
+    host = raw_name if name is None else name
     if policy.closed:
-        return _fail(message, response_codes.REFUSED), _event(now, host, "deny", "egress closed")
-    if question.class_ != classes.IN:
-        return _fail(message, response_codes.REFUSED), _event(now, host, "deny", "class not IN")
+        return _fail(message, dns.rcode.REFUSED), _event(now, host, "deny", "egress closed")
+    if question.rdclass != dns.rdataclass.IN:
+        return _fail(message, dns.rcode.REFUSED), _event(now, host, "deny", "class not IN")
     if name is None:
-        return _fail(message, response_codes.NXDOMAIN), _event(now, host, "deny", "invalid name")
+        return _fail(message, dns.rcode.NXDOMAIN), _event(now, host, "deny", "invalid name")
     if policy.domain_rule_for(name) is None:
         event = _event(now, name, "deny", "no rule for host")
-        return _fail(message, response_codes.NXDOMAIN), event
-    if question.type != types.A:
+        return _fail(message, dns.rcode.NXDOMAIN), event
+    response = _response(message)
+    if question.rdtype != dns.rdatatype.A:
         # No AAAA (sandboxes have no IPv6) and no other types: nothing to tunnel through.
-        return _pack(message.succeed([])), _event(now, name, "allow", "empty answer")
-    response = _with_a_record(_pack(message.succeed([])), fake.address_for(name))
-    return response, _event(now, name, "allow", "fake address")
+        return response.to_wire(), _event(now, name, "allow", "empty answer")
+    # The owner is the question's name (case kept as sent), written as a compression
+    # pointer to it (RFC 1035 section 4.1.4): a 253-character name stays below 512 bytes.
+    address = str(fake.address_for(name))
+    response.answer.append(dns.rrset.from_text(question.name, TTL_S, "IN", "A", address))
+    return response.to_wire(), _event(now, name, "allow", "fake address")
 
 
 def _flags(query: bytes) -> int:
     return int.from_bytes(query[2:4], "big")
 
 
-def _header_only(query: bytes) -> dns.Message:
-    """The query's header (id, opcode, flags) without any section, to answer errors."""
-    return dns.Message.unpack(query[:4] + bytes(_HEADER.size - 4))
-
-
 def _question_name(query: bytes) -> str | None:
     """The one question's name as sent, if it is plain: uncompressed ASCII labels.
 
-    None for a compression pointer, a non-ASCII byte or a dot inside a label; such a
-    name is no host name, and would not read back the same from mitmproxy's decoding.
+    None for a compression pointer, a non-ASCII byte or a dot inside a label: such a
+    name is no host name (dnspython would read it; the policy should never see it).
     """
     labels: list[str] = []
     offset = _HEADER.size
@@ -125,23 +123,27 @@ def _question_name(query: bytes) -> str | None:
     return ".".join(labels) if offset < len(query) else None
 
 
-def _fail(message: dns.Message, code: int) -> bytes:
-    response = message.fail(code)
-    response.recursion_available = True
-    return _pack(response)
+def _response(message: dns.message.Message) -> dns.message.Message:
+    """NOERROR with the id, opcode, RD and question of ``message``; QR and RA set."""
+    response = dns.message.make_response(message, recursion_available=True)
+    response.use_edns(False)  # no OPT record even if the query had one: we offer no EDNS
+    return response
 
 
-def _pack(response: dns.Message) -> bytes:
-    packed: bytes = response.packed
-    return packed
+def _fail(message: dns.message.Message, code: dns.rcode.Rcode) -> bytes:
+    response = _response(message)
+    response.set_rcode(code)
+    return response.to_wire()
 
 
-def _with_a_record(response: bytes, address: IPv4Address) -> bytes:
-    """``response`` (with its question, no records) plus one A record for ``address``."""
-    record = _A_RECORD.pack(_POINTER_TO_QUESTION, types.A, classes.IN, TTL_S, 4)
-    header = bytearray(response[: _HEADER.size])
-    header[6:8] = (1).to_bytes(2, "big")  # ANCOUNT
-    return bytes(header) + response[_HEADER.size :] + record + address.packed
+def _fail_header(query: bytes, code: dns.rcode.Rcode) -> bytes:
+    """``code`` for a query read no further than its header: its id, opcode and RD only."""
+    flags = _flags(query)
+    response = dns.message.Message(id=int.from_bytes(query[:2], "big"))
+    response.flags = dns.flags.QR | dns.flags.RA | (flags & dns.flags.RD)
+    response.set_opcode(dns.opcode.from_flags(flags))
+    response.set_rcode(code)
+    return response.to_wire()
 
 
 def _event(now: float, host: str, decision: str, reason: str) -> EgressEvent:
