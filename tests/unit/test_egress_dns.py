@@ -5,8 +5,10 @@ from __future__ import annotations
 import struct
 
 import pytest
-from dns.message import from_wire
+from dns.edns import CookieOption
+from dns.message import from_wire, make_query
 from dns.rcode import NXDOMAIN
+from dns.tsigkeyring import from_text
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mitmproxy import dns
@@ -269,6 +271,28 @@ def test_a_label_that_is_no_valid_punycode_is_taken_as_sent_too() -> None:
     assert raw is not None
     assert from_wire(raw).rcode() == NXDOMAIN
     assert event == _dns_event("xn--zz.com", "deny", "no rule for host")
+
+
+def test_an_edns_query_with_options_gets_an_answer_without_an_opt_record() -> None:
+    query = make_query(
+        "Api.Example.com", "A", use_edns=0, pad=128, options=[CookieOption(b"8 bytes!", b"")]
+    )
+    raw, event = answer(query.to_wire(), POLICY, FakeIps(), clock=lambda: NOW)
+    assert raw is not None
+    response = from_wire(raw)
+    assert query.is_response(response)
+    assert response.edns == -1 and response.additional == []
+    assert [str(rrset.name) for rrset in response.answer] == ["Api.Example.com."]
+    assert event == _dns_event("api.example.com", "allow", "fake address")
+
+
+def test_negative_a_signed_query_is_formerr_without_event() -> None:
+    # The gateway holds no TSIG key, so a signed query cannot be checked.
+    query = make_query("api.example.com", "A")
+    query.use_tsig(from_text({"k.": "MTIzNDU2Nzg5MDEyMzQ1Ng=="}), "k.")
+    response, event = _ask(query.to_wire())
+    assert response.response_code == response_codes.FORMERR
+    assert event is None
 
 
 def test_negative_a_compressed_question_name_is_formerr() -> None:

@@ -46,9 +46,10 @@ def answer(
     """The response to one DNS query over UDP, and the audit event of its decision.
 
     (None, None) for bytes to drop: shorter than a header, or a response rather than a
-    query. A query that cannot be served gets FORMERR (malformed, over
-    MAX_UDP_QUERY_BYTES, not exactly one question) or NOTIMP (an opcode other than
-    QUERY), without an event. Otherwise: REFUSED under a closed policy or for a class
+    query. A query that cannot be served gets FORMERR (malformed, TSIG-signed: the
+    gateway holds no key, over MAX_UDP_QUERY_BYTES, not exactly one question) or NOTIMP
+    (an opcode other than QUERY), without an event. An EDNS query is answered without
+    an OPT record. Otherwise: REFUSED under a closed policy or for a class
     other than IN; NXDOMAIN for an invalid name or one no domain rule allows (both
     audited "deny"); for an allowed name one A record with ``fake.address_for(name)``
     and TTL_S, and NOERROR without records for every other type (audited "allow").
