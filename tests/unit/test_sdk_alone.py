@@ -1,24 +1,19 @@
 """The SDK installs on its own: the base package, without the ``server`` extra, in a
-fresh virtual environment, brings no server code and no server dependency.
-
-The wheels come from ``.venv/sdk-wheels`` (scripts/setup.sh downloads the base
-install's dependencies there), so the install needs no network; the project itself
-is built from this checkout.
+fresh virtual environment (tests/sdk_alone.py), brings no server code and no server
+dependency. tests/integration/test_sdk_alone_session.py drives a real platform with it.
 """
 
 from __future__ import annotations
 
 import subprocess
-import sys
 import textwrap
 import tomllib
-import venv
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-WHEELS = Path(sys.prefix) / "sdk-wheels"  # in the venv running the tests
+from tests.sdk_alone import ROOT, make_sdk_venv
+
 #: What an SDK-only install must not contain, imported or installed.
 SERVER_ONLY = ("fastapi", "sqlalchemy", "mitmproxy", "uvicorn", "alembic", "pydantic", "qemu")
 
@@ -35,17 +30,7 @@ _CHECK = textwrap.dedent("""\
 
 @pytest.fixture(scope="module")
 def sdk_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if not WHEELS.is_dir():
-        pytest.fail(f"{WHEELS} is missing: run scripts/setup.sh, which downloads the wheels")
-    target = tmp_path_factory.mktemp("sdk-alone") / "venv"
-    venv.EnvBuilder(with_pip=True).create(target)
-    subprocess.run(
-        [target / "bin" / "pip", "install", "-q", "--no-index", "--find-links", WHEELS, ROOT],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return target
+    return make_sdk_venv(tmp_path_factory.mktemp("sdk-alone"))
 
 
 def test_the_base_install_imports_the_sdk_and_cli_and_nothing_of_the_server(
