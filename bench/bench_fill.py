@@ -1,0 +1,451 @@
+"""Benchmark of a node as it fills (issue 15): exec throughput, writeback, CPU and memory.
+
+Starts this checkout's embedded platform (`space serve` in a subprocess, a fresh data
+directory under /tmp) and, for each size N of ``--sizes`` (default 4 and 48), through
+the SDK:
+
+1. with no sandbox on the node: MemAvailable, and a ``--idle`` second window of CPU;
+2. creates N default sandboxes (``--create-workers`` at a time), syncs, waits
+   ``--settle`` seconds; MemAvailable again, and the same idle window: host memory and
+   CPU per idle sandbox are the differences divided by N;
+3. for ``--seconds``, ``--threads`` threads run ``echo ok`` (each call bounded by
+   ``--exec-timeout``), every call on the next sandbox in turn, so all N guests work;
+   no call starts after the deadline and the window ends when the last one returned.
+   Over that window: execs/s (successes), p50/p99 of their latency, failures by kind,
+   pages dirtied and written back (/proc/vmstat ``nr_dirtied``/``nr_written``), and the
+   machine's CPU split (/proc/stat: user with nice, system with irq and softirq, iowait);
+4. deletes the N sandboxes and syncs.
+
+Then the ratio of throughput at the largest N to the smallest (issue 15's target:
+>= 0.8x). ``--admit`` then creates default sandboxes one by one until the API refuses
+one (at most ``--admit-max``) and reports the count and the refusal.
+
+Prints Markdown tables and one JSON line of all figures (the line starting with ``{``).
+Everything the platform made is removed at the end, also on failure: sandboxes through
+the API, then the server, then any QEMU, egress gateway, network namespace, mount or loop
+device left under the data directory. Figures are of the whole machine: the client's
+threads run on it too. Usage, as root:
+`.venv/bin/python bench/bench_fill.py [--sizes 4,48] [--threads 32] [--seconds 30] [--admit]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._host import HostSample, Interval, mem_available_bytes
+from bench._platform import Api, embedded_platform, say
+from bench._stats import percentile
+from space import Sandbox, Space
+from space.sdk import SpaceError
+from tests.integration.platform import qemu_pids
+
+MIB = 1 << 20
+#: A sandbox's lifetime: longer than any run, so the reaper never takes one mid-run.
+LIFETIME_S = 3600
+CPUS = os.cpu_count() or 1
+
+
+# --- sandboxes --------------------------------------------------------------------------
+
+
+def create_into(space: Space, owned: list[Sandbox], count: int, workers: int) -> list[float]:
+    """Create ``count`` default sandboxes, ``workers`` at a time, appending each to
+    ``owned`` as soon as it exists (so the caller can delete them whatever happens).
+    Returns each create's seconds; raises the first failure once all have ended."""
+
+    def one() -> float:
+        start = time.perf_counter()
+        owned.append(space.sandboxes.create(timeout_s=LIFETIME_S))
+        return time.perf_counter() - start
+
+    with ThreadPoolExecutor(workers) as pool:
+        futures = [pool.submit(one) for _ in range(count)]
+        return [future.result() for future in as_completed(futures)]
+
+
+def kill_all(sandboxes: list[Sandbox]) -> None:
+    """Delete every sandbox, 8 at a time; a failure is named on stderr, not raised."""
+
+    def kill(sandbox: Sandbox) -> None:
+        try:
+            sandbox.kill()
+        except SpaceError as e:
+            say(f"could not delete {sandbox.sandbox_id}: {e!r}")
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(kill, sandboxes))
+    sandboxes.clear()
+
+
+def qemu_rss_bytes(data_dir: Path) -> int:
+    """Resident memory of every QEMU of this data directory, summed."""
+    total = 0
+    for pid in qemu_pids(data_dir):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+    return total
+
+
+def host_window(seconds: float) -> Interval:
+    """What the machine does in the next ``seconds``."""
+    before = HostSample.take()
+    time.sleep(seconds)
+    return HostSample.take().since(before)
+
+
+# --- the exec load ----------------------------------------------------------------------
+
+
+@dataclass
+class ExecLoad:
+    """What ``threads`` callers of ``echo ok`` saw, and what the machine did meanwhile."""
+
+    latencies_s: list[float] = field(default_factory=list)
+    failures: Counter[str] = field(default_factory=Counter)
+    #: The first message of each kind of failure.
+    examples: dict[str, str] = field(default_factory=dict)
+    host: Interval | None = None
+
+
+def one_exec(sandbox: Sandbox, timeout_s: float) -> tuple[str, str] | None:
+    """None if ``echo ok`` ran and printed ok, else (kind of failure, message)."""
+    try:
+        result = sandbox.commands.run("echo ok", timeout_s=timeout_s)
+    except Exception as e:  # counted, not fatal: the SDK should raise SpaceError only
+        return type(e).__name__, str(e)[:300]
+    if result.timed_out:
+        return "timed out in the guest", f"after {timeout_s} s"
+    if result.exit_code != 0:
+        return f"exit {result.exit_code}", result.stderr[:300]
+    if result.stdout != "ok\n":
+        return "wrong output", repr(result.stdout[:100])
+    return None
+
+
+def exec_load(sandboxes: list[Sandbox], threads: int, seconds: float, timeout_s: float) -> ExecLoad:
+    """``threads`` threads run ``echo ok`` until ``seconds`` have passed, each call on the
+    next sandbox in turn; returns when the last call has returned."""
+    load = ExecLoad()
+    lock = threading.Lock()
+    turns = itertools.count()
+
+    def caller(deadline: float) -> None:
+        while time.monotonic() < deadline:
+            with lock:
+                sandbox = sandboxes[next(turns) % len(sandboxes)]
+            start = time.perf_counter()
+            failure = one_exec(sandbox, timeout_s)
+            elapsed = time.perf_counter() - start
+            with lock:
+                if failure is None:
+                    load.latencies_s.append(elapsed)
+                else:
+                    load.failures[failure[0]] += 1
+                    load.examples.setdefault(*failure)
+
+    before = HostSample.take()
+    deadline = time.monotonic() + seconds
+    workers = [threading.Thread(target=caller, args=(deadline,)) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    load.host = HostSample.take().since(before)
+    return load
+
+
+# --- one size ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SizeFigures:
+    """Everything measured with ``sandboxes`` on the node (seconds, MiB, shares 0..1)."""
+
+    sandboxes: int
+    create_p50_s: float
+    execs: int
+    execs_per_s: float
+    p50_s: float
+    p99_s: float
+    failed: int
+    failures: dict[str, int]
+    failure_examples: dict[str, str]
+    run_s: float
+    written_mib_per_s: float
+    dirtied_mib_per_s: float
+    cpu_user: float
+    cpu_system: float
+    cpu_iowait: float
+    cpu_idle: float
+    idle_mem_mib_per_sandbox: float
+    idle_cpu_core_share_per_sandbox: float
+    idle_written_mib_per_s: float
+    qemu_rss_mib_per_sandbox: float
+
+
+@dataclass(frozen=True)
+class Options:
+    threads: int
+    seconds: float
+    exec_timeout_s: float
+    settle_s: float
+    idle_s: float
+    create_workers: int
+
+
+def measure_size(space: Space, api: Api, count: int, opts: Options) -> SizeFigures:
+    """Steps 1-4 of the module docstring for one N; the sandboxes are deleted even on
+    failure."""
+    os.sync()
+    time.sleep(opts.settle_s)
+    mem_before, empty = mem_available_bytes(), host_window(opts.idle_s)
+    sandboxes: list[Sandbox] = []
+    try:
+        say(f"{count} sandboxes: creating")
+        creates = create_into(space, sandboxes, count, opts.create_workers)
+        os.sync()
+        time.sleep(opts.settle_s)
+        mem_after, idle = mem_available_bytes(), host_window(opts.idle_s)
+        rss = qemu_rss_bytes(api.data_dir)
+        say(f"{count} sandboxes: {opts.threads} threads of echo ok for {opts.seconds} s")
+        load = exec_load(sandboxes, opts.threads, opts.seconds, opts.exec_timeout_s)
+    finally:
+        say(f"{count} sandboxes: deleting {len(sandboxes)}")
+        kill_all(sandboxes)
+    idle_core_share = (idle.busy - empty.busy) * CPUS / count
+    return _figures(
+        count, creates, load, (mem_before - mem_after) / count, idle_core_share, idle, rss / count
+    )
+
+
+def _figures(
+    count: int,
+    creates: list[float],
+    load: ExecLoad,
+    mem_per_sandbox: float,
+    idle_core_share: float,
+    idle: Interval,
+    rss_per_sandbox: float,
+) -> SizeFigures:
+    host = load.host
+    assert host is not None
+    lat = load.latencies_s
+    return SizeFigures(
+        sandboxes=count,
+        create_p50_s=statistics.median(creates),
+        execs=len(lat),
+        execs_per_s=len(lat) / host.seconds,
+        p50_s=statistics.median(lat) if lat else float("nan"),
+        p99_s=percentile(lat, 0.99) if lat else float("nan"),
+        failed=sum(load.failures.values()),
+        failures=dict(load.failures),
+        failure_examples=load.examples,
+        run_s=host.seconds,
+        written_mib_per_s=host.written_bytes_per_s / MIB,
+        dirtied_mib_per_s=host.dirtied_bytes_per_s / MIB,
+        cpu_user=host.user,
+        cpu_system=host.system,
+        cpu_iowait=host.iowait,
+        cpu_idle=host.idle,
+        idle_mem_mib_per_sandbox=mem_per_sandbox / MIB,
+        idle_cpu_core_share_per_sandbox=idle_core_share,
+        idle_written_mib_per_s=idle.written_bytes_per_s / MIB,
+        qemu_rss_mib_per_sandbox=rss_per_sandbox / MIB,
+    )
+
+
+# --- admission --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Admission:
+    admitted: int
+    refusal: str | None
+    seconds: float
+    mem_available_mib_at_end: float
+
+
+def admit(space: Space, most: int) -> Admission:
+    """Create default sandboxes one by one until the API refuses one or ``most`` exist;
+    deletes them all before returning, also on failure."""
+    sandboxes: list[Sandbox] = []
+    refusal = None
+    start = time.monotonic()
+    try:
+        while len(sandboxes) < most:
+            try:
+                sandboxes.append(space.sandboxes.create(timeout_s=LIFETIME_S))
+            except SpaceError as e:
+                refusal = f"{type(e).__name__} (HTTP {e.status_code}): {str(e)[:300]}"
+                break
+            if len(sandboxes) % 8 == 0:
+                say(f"admission: {len(sandboxes)} sandboxes")
+        mem = mem_available_bytes() / MIB
+        return Admission(len(sandboxes), refusal, time.monotonic() - start, mem)
+    finally:
+        kill_all(sandboxes)
+
+
+# --- the report -------------------------------------------------------------------------
+
+
+def _pct(share: float) -> str:
+    return f"{100 * share:.0f}%"
+
+
+def _failures(f: SizeFigures) -> str:
+    if not f.failed:
+        return "0"
+    kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(f.failures.items()))
+    return f"{f.failed} of {f.failed + f.execs} ({kinds})"
+
+
+def report_sizes(sizes: list[SizeFigures], out: Callable[[str], None]) -> None:
+    """The figures as Markdown tables, the ratio and the first failure of each kind."""
+    out(
+        "| sandboxes | execs/s | p50 | p99 | failed | written back | dirtied"
+        " | CPU user / system / iowait |"
+    )
+    out("|---|---|---|---|---|---|---|---|")
+    for f in sizes:
+        out(
+            f"| {f.sandboxes} | {f.execs_per_s:.1f} | {f.p50_s:.2f} s | {f.p99_s:.2f} s"
+            f" | {_failures(f)} | {f.written_mib_per_s:.0f} MiB/s | {f.dirtied_mib_per_s:.0f} MiB/s"
+            f" | {_pct(f.cpu_user)} / {_pct(f.cpu_system)} / {_pct(f.cpu_iowait)} |"
+        )
+    out("")
+    out(
+        "| sandboxes | create p50 | host memory per idle sandbox | idle CPU per sandbox"
+        " | QEMU RSS per sandbox | written back while idle |"
+    )
+    out("|---|---|---|---|---|---|")
+    for f in sizes:
+        out(
+            f"| {f.sandboxes} | {f.create_p50_s:.2f} s | {f.idle_mem_mib_per_sandbox:.0f} MiB"
+            f" | {100 * f.idle_cpu_core_share_per_sandbox:.2f}% of a core"
+            f" | {f.qemu_rss_mib_per_sandbox:.0f} MiB | {f.idle_written_mib_per_s:.1f} MiB/s |"
+        )
+    if len(sizes) > 1:
+        out(
+            f"\nthroughput with {sizes[-1].sandboxes} / with {sizes[0].sandboxes}:"
+            f" {ratio(sizes):.2f}x (target >= 0.8x)"
+        )
+    for f in sizes:
+        for kind, message in f.failure_examples.items():
+            out(f"{f.sandboxes} sandboxes, first {kind}: {message}")
+
+
+def report_admission(admission: Admission, out: Callable[[str], None]) -> None:
+    out(
+        f"admitted {admission.admitted} idle default sandboxes in {admission.seconds:.0f} s;"
+        f" refusal: {admission.refusal or 'none (--admit-max reached)'}"
+        f"; MemAvailable then {admission.mem_available_mib_at_end:.0f} MiB"
+    )
+
+
+def ratio(sizes: list[SizeFigures]) -> float:
+    small, large = sizes[0].execs_per_s, sizes[-1].execs_per_s
+    return large / small if small else float("nan")
+
+
+def as_json(
+    args: argparse.Namespace, sizes: list[SizeFigures], admission: Admission | None, wall_s: float
+) -> str:
+    figures = {
+        "bench": "fill",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "cpus": CPUS,
+        "options": vars(args),
+        "sizes": [{**asdict(f), "written_mib": f.written_mib_per_s * f.run_s} for f in sizes],
+        "ratio": ratio(sizes) if len(sizes) > 1 else None,
+        "admission": asdict(admission) if admission else None,
+        "wall_s": wall_s,
+    }
+    return json.dumps(_rounded(figures), separators=(",", ":"), allow_nan=False, default=str)
+
+
+def _rounded(value: object) -> object:
+    """Floats to 4 decimals (NaN to null), through dicts and lists."""
+    if isinstance(value, float):
+        return None if math.isnan(value) else round(value, 4)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
+
+
+# --- main -------------------------------------------------------------------------------
+
+
+def run(api: Api, args: argparse.Namespace) -> tuple[list[SizeFigures], Admission | None]:
+    """Every size, then admission if asked; prints the sizes' tables as soon as they are
+    measured."""
+    opts = Options(
+        args.threads, args.seconds, args.exec_timeout, args.settle, args.idle, args.create_workers
+    )
+    with Space(api.url, api.key) as space:
+        sizes = [measure_size(space, api, n, opts) for n in args.sizes]
+        report_sizes(sizes, print)
+        if not args.admit:
+            return sizes, None
+        say("admission: creating until refused")
+        admission = admit(space, args.admit_max)
+        report_admission(admission, print)
+        return sizes, admission
+
+
+def _sizes(text: str) -> list[int]:
+    sizes = sorted({int(part) for part in text.split(",") if part.strip()})
+    if not sizes or sizes[0] < 1:
+        raise argparse.ArgumentTypeError("sizes are whole numbers >= 1, comma-separated")
+    return sizes
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", type=_sizes, default=[4, 48], help="default 4,48")
+    p.add_argument("--threads", type=int, default=32)
+    p.add_argument("--seconds", type=float, default=30.0, help="of echo ok per size")
+    p.add_argument("--exec-timeout", type=float, default=30.0, help="timeout_s of each exec")
+    p.add_argument("--settle", type=float, default=10.0, help="wait after creates and deletes")
+    p.add_argument("--idle", type=float, default=10.0, help="idle CPU window, seconds")
+    p.add_argument("--create-workers", type=int, default=4, help="creates at a time")
+    p.add_argument("--admit", action="store_true", help="count admitted sandboxes too")
+    p.add_argument("--admit-max", type=int, default=256)
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if os.geteuid() != 0:
+        sys.exit("bench_fill starts VMs, mounts and namespaces: run it as root")
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="space-bench-fill-") as tmp:
+        say(f"starting space serve in {tmp}")
+        with embedded_platform(Path(tmp) / "data") as api:
+            sizes, admission = run(api, args)
+    print(as_json(args, sizes, admission, time.monotonic() - start))
+
+
+if __name__ == "__main__":
+    main()
