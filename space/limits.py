@@ -42,6 +42,12 @@ class Range(NamedTuple):
             and self.low <= value <= self.high
         )
 
+    def refusal(self, name: str, value: object) -> str | None:
+        """Why ``value`` cannot be ``name`` (the one wording every layer uses), or None."""
+        if self.holds(value):
+            return None
+        return f"{name} must be within {self.low}..{self.high}, got {value!r}"
+
 
 #: A sandbox's (or a template's) resources.
 CPUS: Final = Range(1, 8)

@@ -32,11 +32,9 @@ def create_body(
     given = {"template": template, "cpus": cpus, "memory_mib": memory_mib, "disk_mib": disk_mib}
     body: dict[str, Any] = {key: value for key, value in given.items() if value is not None}
     for name, allowed in RESOURCES.items():
-        if name in body and not allowed.holds(body[name]):
-            raise InvalidArgument(
-                f"{name} must be within {allowed.low}..{allowed.high}, got {body[name]!r}",
-                operation="sandbox.create",
-            )
+        refusal = allowed.refusal(name, body[name]) if name in body else None
+        if refusal is not None:
+            raise InvalidArgument(refusal, operation="sandbox.create")
     if from_snapshot is not None:
         if body:
             raise InvalidArgument(

@@ -37,6 +37,11 @@ class NodeError(Exception):
         self.message = message
         self.sandbox_id = sandbox_id
 
+    @property
+    def details(self) -> dict[str, str]:
+        """What an HTTP error answer carries besides code and message."""
+        return {"sandbox_id": self.sandbox_id} if self.sandbox_id else {}
+
 
 class NotFound(NodeError):
     code = "not_found"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -37,11 +38,13 @@ _CODE_BY_STATUS = {status: code for code, status in STATUS_BY_CODE.items()}
 
 class CodedError(Protocol):
     """An exception that names its own answer: a code of ``STATUS_BY_CODE``, a message
-    and details."""
+    and details (NodeError and the control plane's ApiError)."""
 
     code: str
     message: str
-    details: dict[str, Any]
+
+    @property
+    def details(self) -> Mapping[str, Any]: ...
 
 
 def status_for_code(code: str) -> int:
@@ -59,11 +62,8 @@ def _respond(code: str, message: str, details: dict[str, Any] | None = None) -> 
 
 
 async def _on_coded(_: Request, exc: Exception) -> JSONResponse:
-    if isinstance(exc, NodeError):
-        details = {"sandbox_id": exc.sandbox_id} if exc.sandbox_id else {}
-        return _respond(exc.code, exc.message, details)
     coded: CodedError = exc  # type: ignore[assignment]  # registered for coded classes only
-    return _respond(coded.code, coded.message, coded.details)
+    return _respond(coded.code, coded.message, dict(coded.details))
 
 
 async def _on_validation_error(_: Request, exc: Exception) -> JSONResponse:

@@ -31,12 +31,10 @@ def check_spec(spec: SandboxSpec, resolve: Callable[[str], Template]) -> Templat
     ``resolve`` finds a template by reference (NotFound, InvalidArgument).
     """
     check_id(spec.sandbox_id)
-    for name, (low, high) in RESOURCES.items():
-        value = getattr(spec, name)
-        if not RESOURCES[name].holds(value):
-            raise InvalidArgument(
-                f"{name} must be within {low}..{high}, got {value!r}", sandbox_id=spec.sandbox_id
-            )
+    for name, allowed in RESOURCES.items():
+        refusal = allowed.refusal(name, getattr(spec, name))
+        if refusal is not None:
+            raise InvalidArgument(refusal, sandbox_id=spec.sandbox_id)
     if not isinstance(spec.template, str):
         raise InvalidArgument("template must be a string", sandbox_id=spec.sandbox_id)
     try:
