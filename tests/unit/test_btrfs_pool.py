@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from space.node.api import InvalidArgument, NotFound
-from space.node.storage.btrfs import BtrfsPool, pack_snapshot_args
+from space.node.agent._lifecycle import ram_file
+from space.node.core.sandbox import MEMORY_FILE
+from space.node.storage.btrfs import BtrfsPool, pack_snapshot_args, snapshot_subvolume
 
 IMAGE_MIB = 64
 
@@ -172,3 +174,32 @@ def test_negative_a_snapshot_name_the_ioctl_cannot_take_is_refused(name: str) ->
     with pytest.raises(InvalidArgument):
         pack_snapshot_args(0, name, read_only=True)
     assert len(pack_snapshot_args(0, "x" * 4039, read_only=True)) == 4096
+
+
+def test_a_woken_image_maps_the_ram_file_it_can_share_else_its_own_copy(
+    pool: BtrfsPool, runner: asyncio.Runner, image_files: dict[str, Path]
+) -> None:
+    vol = runner.run(pool.import_template("base", "d1", **image_files))
+    path = runner.run(pool.create_sandbox_volume("sb-1", vol, disk_mib=IMAGE_MIB))
+    (path / MEMORY_FILE).write_bytes(os.urandom(1 << 20))
+    ready = pool.root / "templates" / "base" / "d1.ready"
+    runner.run(snapshot_subvolume(path, ready))  # a ready state: a writable subvolume
+    snap = runner.run(pool.snapshot_volume("sb-1", "snap-1"))  # read-only
+
+    # From a ready state: its own file (one inode in the page cache for every sandbox),
+    # and the clone's copy goes.
+    clone = runner.run(pool.clone_volume(ready, "sb-2"))
+    assert ram_file(clone, ready) == ready / MEMORY_FILE
+    assert not (clone / MEMORY_FILE).exists()
+    # A read-only snapshot's file cannot be opened read-write, as QEMU 7.2 does even
+    # for a private mapping: the clone's copy is mapped instead.
+    clone = runner.run(pool.clone_volume(snap, "sb-3"))
+    assert ram_file(clone, snap) == clone / MEMORY_FILE
+    assert ram_file(clone, None) == clone / MEMORY_FILE
+    # A state that holds the RAM: anonymous memory.
+    (clone / MEMORY_FILE).unlink()
+    assert ram_file(clone, ready) is None
+    runner.run(pool.delete_template_image(ready))
+    runner.run(pool.delete_snapshot("snap-1"))
+    for sid in ("sb-1", "sb-2", "sb-3"):
+        runner.run(pool.delete_sandbox_volume(sid))

@@ -97,6 +97,34 @@ def test_seccomp_sandbox_denies_spawn_privileges_and_resource_control() -> None:
     ]
 
 
+def _backend(argv: list[str]) -> dict[str, str]:
+    (machine,) = _option(argv, "-machine")
+    assert machine.split(",")[1:] == ["memory-backend=ram"]
+    (backend,) = _option(argv, "-object")
+    kind, *options = backend.split(",")
+    return {"kind": kind, **dict(option.split("=", 1) for option in options)}
+
+
+def test_guest_ram_is_anonymous_by_default_in_a_backend_named_ram() -> None:
+    # Saved states name the RAM block: anonymous and file-backed RAM must both be "ram".
+    backend = _backend(build_command(_config()))
+    assert backend == {"kind": "memory-backend-ram", "id": "ram", "size": "512M"}
+
+
+def test_guest_ram_from_a_file_is_a_private_mapping_unless_shared() -> None:
+    image = Path("/pool/templates/base/d.ready/memory.ram")
+    private = _backend(build_command(_config(memory_file=image)))
+    assert private == {
+        "kind": "memory-backend-file",
+        "id": "ram",
+        "size": "512M",
+        "mem-path": str(image),
+        "share": "off",
+    }
+    shared = _backend(build_command(_config(memory_file=image, memory_shared=True)))
+    assert shared["share"] == "on"
+
+
 def test_guest_reboot_ends_qemu_instead_of_rebooting() -> None:
     assert "-no-reboot" in build_command(_config())
 

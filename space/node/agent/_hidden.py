@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from space.node.agent._pool import POOL_PREFIX
 from space.node.api import ExecOutput, ExecRequest, SandboxSpec, SandboxState, Unavailable
 from space.node.channel import GuestChannel
-from space.node.core.sandbox import LiveSandbox
+from space.node.core.sandbox import MEMORY_FILE, LiveSandbox
 from space.node.core.state import SandboxRecord
 from space.node.core.template import BASE, Shape, Template
 from space.node.storage.btrfs import TemplateVolume
@@ -34,11 +34,18 @@ def is_hidden(sandbox_id: str) -> bool:
 
 
 async def boot_hidden(
-    node: Registry, vm_id: str, volume: TemplateVolume, shape: Shape, *, grow: bool
+    node: Registry,
+    vm_id: str,
+    volume: TemplateVolume,
+    shape: Shape,
+    *,
+    grow: bool,
+    ram_in_volume: bool = False,
 ) -> LiveSandbox:
     """Boot a VM of ``shape`` on a CoW clone of ``volume``; RUNNING once its guest
     daemon answered. ``grow`` grows the disk image to the shape (only for an image no
-    guest wrote). On failure nothing of it remains."""
+    guest wrote). ``ram_in_volume`` maps its RAM shared from a file in its volume, to be
+    captured as an image. On failure nothing of it remains."""
     life = node.life
     spec = SandboxSpec(
         sandbox_id=vm_id,
@@ -60,7 +67,11 @@ async def boot_hidden(
         await life.pool.create_sandbox_volume(
             record.volume, volume, disk_mib=shape.disk_mib, grow=grow
         )
-        await vm.launch(qemu_binary=life.config.qemu_binary)
+        await vm.launch(
+            qemu_binary=life.config.qemu_binary,
+            memory_file=vm.volume / MEMORY_FILE if ram_in_volume else None,
+            memory_shared=ram_in_volume,
+        )
         life.save(vm, SandboxState.CREATING)
         await vm.connect(hello_timeout_s=life.config.boot_timeout_s)
         life.save(vm, SandboxState.RUNNING)

@@ -1,15 +1,19 @@
 """Transitions through saved memory: hibernate, wake, snapshot, restore, fork.
 
 Used by the node's services (space.node.agent), which validate, hold the sandbox's lock
-around each call and keep the registry. A sandbox's guest RAM is a file in its volume
-(``memory.ram``, mapped shared by QEMU); saving the VM's state adds ``vmstate`` (device
-state, a few hundred KiB). Volume = disk + memory image, so:
+around each call and keep the registry. A running sandbox's guest RAM is in no file:
+it is anonymous memory, or a private (copy-on-write) mapping of the memory image it was
+woken from, so nothing is written anywhere while it runs. Saving the VM's state
+(``vmstate``) writes its RAM into its volume, and volume = disk + memory image, so:
 
-- hibernate: save the state, flush the RAM file, record HIBERNATED, quit QEMU;
+- hibernate: save the state, record HIBERNATED, quit QEMU;
 - wake: launch QEMU waiting for a state, load it, record RUNNING, run;
 - snapshot: save the state, read-only btrfs snapshot of the volume, publish, run on;
 - restore / fork / create from a snapshot: writable btrfs snapshot of a snapshot (or of
-  the live volume) as the sandbox's volume, then wake it with a fresh identity.
+  the live volume) as the sandbox's volume, then wake it with a fresh identity;
+- create from a template's ready state (an image whose RAM is a file beside a state of
+  the devices only): the same, with the RAM mapped private from the ready state's own
+  file, so every sandbox of the template shares its clean pages in the page cache.
 
 Each function records a ``Pending`` operation before its first step a crash could
 interrupt; space.node.agent._recovery finishes or undoes it on the next start.
@@ -40,11 +44,29 @@ from space.node.core.sandbox import (
 from space.node.core.state import Pending, SnapshotStore, StateStore
 from space.node.storage.btrfs import BtrfsPool, snapshot_subvolume
 
-__all__ = ["Lifecycle", "memory_bytes"]
+__all__ = ["Lifecycle", "memory_bytes", "ram_file"]
 
 log = logging.getLogger(__name__)
 
 _ENTROPY_BYTES = 64
+
+
+def ram_file(volume: Path, image: Path | None) -> Path | None:
+    """The RAM file to map private when waking the memory image in ``volume`` (a clone
+    of ``image``, if given): None when the saved state holds the RAM.
+
+    A RAM file beside the state is mapped from ``image`` itself where the node can open
+    it read-write (a ready state: one file in the page cache for all its sandboxes, and
+    the clone's copy goes), else from the volume (a read-only snapshot's image saved
+    before RAM was private).
+    """
+    own = volume / MEMORY_FILE
+    if not own.is_file():
+        return None
+    if image is not None and os.access(image / MEMORY_FILE, os.R_OK | os.W_OK):
+        own.unlink()
+        return image / MEMORY_FILE
+    return own
 
 
 def memory_bytes(volume: Path) -> int:
@@ -114,8 +136,11 @@ class Lifecycle:
 
     # waking saved memory
 
-    async def start_from_memory(self, sandbox: LiveSandbox, *, fresh: bool) -> None:
-        """Run the memory image in the sandbox's volume; returns with state RUNNING.
+    async def start_from_memory(
+        self, sandbox: LiveSandbox, *, fresh: bool, image: Path | None = None
+    ) -> None:
+        """Run the memory image in the sandbox's volume (a clone of ``image``, if
+        given); returns with state RUNNING.
 
         Until the vCPUs run, a failure stops QEMU and leaves record and volume as they
         were (a hibernated sandbox stays hibernated). Once they run, the image is spent:
@@ -123,7 +148,11 @@ class Lifecycle:
         failure (no hello) leaves the VM running for a retry to settle.
         """
         prior = sandbox.record.state
-        vm = await sandbox.launch(qemu_binary=self.config.qemu_binary, incoming=True)
+        vm = await sandbox.launch(
+            qemu_binary=self.config.qemu_binary,
+            incoming=True,
+            memory_file=await asyncio.to_thread(ram_file, sandbox.volume, image),
+        )
         try:
             await vm.load_state(sandbox.state_file)
             self.save(
@@ -148,7 +177,6 @@ class Lifecycle:
         self.save(sandbox, prior, pending=Pending("hibernate", prior))
         try:
             await sandbox.save_state()
-            await asyncio.to_thread(fsync_file, sandbox.volume / MEMORY_FILE)
         except BaseException:
             await asyncio.shield(self.thaw(sandbox, prior))
             raise
@@ -259,15 +287,20 @@ class Lifecycle:
         self.save(sandbox, SandboxState.CREATING, pending=Pending("fork", SandboxState.CREATING))
         await self.pool.clone_volume(image, sandbox.record.volume)
         sandbox.record = replace(sandbox.record, head_snapshot=head)
-        await self.start_from_memory(sandbox, fresh=True)
+        await self.start_from_memory(sandbox, fresh=True, image=image)
 
     async def capture_image(self, sandbox: LiveSandbox, image: Path) -> None:
-        """Save a RUNNING sandbox as a read-only image at ``image`` (a template's ready
-        state); the sandbox is left paused, to be deleted."""
+        """Save a RUNNING sandbox, whose RAM is a shared mapping of its volume's RAM
+        file, as the image at ``image`` (a template's ready state); the sandbox is left
+        paused, to be deleted.
+
+        The image is a writable subvolume that nothing writes: QEMU 7.2 opens a RAM file
+        read-write even to map it private, and a read-only subvolume refuses that.
+        """
         await preflush(sandbox.volume)
         await sandbox.save_state()
         await asyncio.to_thread(fsync_file, sandbox.volume / MEMORY_FILE)
-        await snapshot_subvolume(sandbox.volume, image, read_only=True)
+        await snapshot_subvolume(sandbox.volume, image)
 
     async def fork(self, parent: LiveSandbox, children: list[LiveSandbox]) -> None:
         """Start each child from a copy of the parent's disk and memory, taken now.

@@ -41,6 +41,7 @@ async def ensure_ready(node: Registry, template: Template) -> Path:
         template.volume,
         template.shape,
         grow=template.pristine,
+        ram_in_volume=True,
     )
     try:
         await start_command(channel_of(vm), template, check=True)

@@ -18,7 +18,7 @@ from space.node.agent._hidden import is_hidden
 from space.node.agent._lifecycle import Lifecycle
 from space.node.agent._registry import Registry
 from space.node.api import NodeError, SandboxState, Unavailable
-from space.node.core.sandbox import MEMORY_FILE, LiveSandbox, kill_strays
+from space.node.core.sandbox import LiveSandbox, kill_strays
 from space.node.core.state import SandboxRecord
 from space.node.vmm.qemu import QemuVM
 
@@ -147,7 +147,7 @@ def _finish_snapshot(node: Registry, sandbox: LiveSandbox) -> None:
 
 
 async def _recover_hibernated(node: Registry, sandbox: LiveSandbox, say: Say) -> None:
-    if not (sandbox.state_file.is_file() and (sandbox.volume / MEMORY_FILE).is_file()):
+    if not sandbox.state_file.is_file():
         raise _missing(sandbox)
     node.life.save(sandbox, SandboxState.HIBERNATED)
     node.sandboxes[sandbox.sandbox_id] = sandbox

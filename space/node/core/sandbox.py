@@ -55,8 +55,10 @@ def hostname_for(sandbox_id: str) -> str:
     return name or "sandbox"
 
 
-#: Files in a sandbox volume next to kernel, initrd and rootfs.img: the guest RAM, and
-#: the saved device state (present while hibernated, and in snapshots).
+#: Files in a sandbox volume next to kernel, initrd and rootfs.img, present while it is
+#: a memory image (hibernated, a snapshot, a ready state): the saved VM state, with the
+#: guest RAM in it, or beside it in the RAM file (a ready state, and images saved before
+#: guest RAM was private). A running VM's RAM is in no file of its volume.
 MEMORY_FILE = "memory.ram"
 STATE_FILE = "vmstate"
 #: Present in a volume whose VM has a NIC. A saved VM must be woken with the devices it
@@ -69,15 +71,14 @@ def has_nic(volume: Path) -> bool:
 
 
 async def preflush(volume: Path) -> None:
-    """Write a running VM's dirty RAM and disk pages out while it still runs.
+    """Write a running VM's dirty disk pages out while it still runs.
 
     A btrfs snapshot flushes the source's dirty data first; done here, before the
     pause, that flush only finds the pages of the last moments. Best effort. (Public:
     bench/bench_lifecycle.py times a bare btrfs snapshot after the same flush.)
     """
-    for name in (MEMORY_FILE, "rootfs.img"):
-        with contextlib.suppress(OSError):
-            await asyncio.to_thread(fsync_file, volume / name)
+    with contextlib.suppress(OSError):
+        await asyncio.to_thread(fsync_file, volume / "rootfs.img")
 
 
 def fsync_file(path: Path) -> None:
@@ -92,10 +93,10 @@ def fsync_file(path: Path) -> None:
 def vm_config_for(
     record: SandboxRecord, *, volume: Path, base_cmdline: str, accel: Accelerator, console_log: Path
 ) -> VmConfig:
-    """The VM of a sandbox: kernel, initrd, rootfs and RAM all live in its own volume."""
+    """The VM of a sandbox: kernel, initrd and rootfs live in its own volume; its RAM is
+    anonymous until ``LiveSandbox.launch`` says otherwise."""
     spec = record.spec
     return VmConfig(
-        memory_file=volume / MEMORY_FILE,
         sandbox_id=spec.sandbox_id,
         run_dir=Path(record.run_dir),
         kernel=volume / "kernel",
@@ -141,13 +142,26 @@ class LiveSandbox:
     def vm_alive(self) -> bool:
         return self.vm is not None and self.vm.alive
 
-    async def launch(self, *, qemu_binary: str, incoming: bool = False) -> QemuVM:
-        """Start this sandbox's QEMU (``incoming``: paused, waiting for a saved state).
+    async def launch(
+        self,
+        *,
+        qemu_binary: str,
+        incoming: bool = False,
+        memory_file: Path | None = None,
+        memory_shared: bool = False,
+    ) -> QemuVM:
+        """Start this sandbox's QEMU (``incoming``: paused, waiting for a saved state),
+        its RAM mapped from ``memory_file`` if given (see VmConfig).
 
         A VM booted afresh gets a NIC in its own network namespace (made here, closed
         until the egress policy opens it); a saved VM gets one only if it had one.
         """
-        config = replace(self.config, incoming=incoming)
+        config = replace(
+            self.config,
+            incoming=incoming,
+            memory_file=memory_file,
+            memory_shared=memory_shared,
+        )
         if not incoming:
             (self.volume / NIC_MARKER).touch()
         if config.netns is not None and has_nic(self.volume):
@@ -158,14 +172,20 @@ class LiveSandbox:
         return self.vm
 
     async def save_state(self) -> int:
-        """Pause the VM and save its device state into the volume; returns its size.
+        """Pause the VM and save its state into the volume, which becomes a complete
+        memory image; returns the state's size. The VM stays paused.
 
-        The guest RAM is in the volume already (a file mapping): with the state it makes
-        the volume a complete memory image. The VM stays paused.
+        Unless the RAM is a shared file mapping, the state holds all of it, and a RAM
+        file in the volume (a copy of the image the VM was woken from) is removed: the
+        volume's image is the state alone. A VM mapping that file keeps it until it
+        exits.
         """
         vm = self._running_vm()
         await vm.pause()
-        return await vm.save_state(self.state_file)
+        size = await vm.save_state(self.state_file)
+        if not vm.config.memory_shared:
+            (self.volume / MEMORY_FILE).unlink(missing_ok=True)
+        return size
 
     def console_tail(self) -> str:
         return console_tail(self.config.console_log, _CONSOLE_TAIL_BYTES)

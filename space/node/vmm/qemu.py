@@ -31,6 +31,7 @@ __all__ = ["QemuVM", "VmConfig", "build_command", "pid_runs_vm"]
 log = logging.getLogger(__name__)
 
 _QMP_TIMEOUT_S = 5.0
+_UNTHROTTLED = 1 << 40  # bytes/s
 _SECCOMP = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 
 
@@ -45,10 +46,15 @@ class VmConfig:
     rootfs: Path
     kernel_cmdline: str
     console_log: Path
-    #: Guest RAM as a shared file mapping (None: anonymous memory). With it, saving the
-    #: VM's state writes only device state (the RAM is already in the file), and a
-    #: btrfs snapshot of the file is a memory snapshot.
+    #: A file the guest RAM is mapped from (None: anonymous memory). Mapped private
+    #: (copy on write) unless ``memory_shared``: the file is a clean memory image whose
+    #: pages every VM woken from it shares through the page cache, what a guest dirties
+    #: stays in its VM's anonymous memory, and nothing is ever written to the file.
     memory_file: Path | None = None
+    #: Map ``memory_file`` shared: the guest's writes go to the file, and saving the
+    #: VM's state writes only device state. Only for the VM a template's ready state is
+    #: taken from: every page a guest dirties is then written back to disk as it runs.
+    memory_shared: bool = False
     #: Start paused, waiting for ``load_state`` (QEMU's ``-incoming defer``).
     incoming: bool = False
     #: The network namespace QEMU runs in, with a tap named ``tap`` for the guest's
@@ -87,21 +93,20 @@ def build_command(cfg: VmConfig, *, qemu_binary: str = "qemu-system-x86_64") -> 
         # A 64 MiB translation cache instead of the default saves ~90 MiB RSS per VM
         # (measured: 334 -> 242 MiB) at no visible boot cost.
         accel, cpu = "tcg,tb-size=64", "max"
-    machine = cfg.machine
-    memory: list[str] = []
+    # Always a backend named "ram": a saved state names its RAM block, so a VM whose RAM
+    # is anonymous can load the state of one whose RAM was a file, and back.
+    backend = f"memory-backend-ram,id=ram,size={cfg.memory_mib}M"
     if cfg.memory_file is not None:
-        machine += ",memory-backend=ram"
-        memory = [
-            "-object",
-            f"memory-backend-file,id=ram,size={cfg.memory_mib}M,"
-            f"mem-path={cfg.memory_file},share=on",
-        ]
+        backend = (
+            f"memory-backend-file,id=ram,size={cfg.memory_mib}M,mem-path={cfg.memory_file},"
+            f"share={'on' if cfg.memory_shared else 'off'}"
+        )
     argv = [
         qemu_binary,
         "-name", f"space-{cfg.sandbox_id},process=space-{cfg.sandbox_id}",
         "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
-        "-machine", machine, "-accel", accel, "-cpu", cpu,
-        "-smp", str(cfg.cpus), "-m", str(cfg.memory_mib), *memory,
+        "-machine", f"{cfg.machine},memory-backend=ram", "-accel", accel, "-cpu", cpu,
+        "-smp", str(cfg.cpus), "-m", str(cfg.memory_mib), "-object", backend,
         "-kernel", str(cfg.kernel), "-initrd", str(cfg.initrd),
         "-append", cfg.kernel_cmdline,
         "-drive", f"file={cfg.rootfs},if=none,id=root,format=raw",
@@ -254,15 +259,16 @@ class QemuVM:
         await self._execute("cont", reconnect=True)
 
     async def save_state(self, path: Path, *, timeout_s: float = 60.0) -> int:
-        """Write the paused VM's device state (and any RAM not in ``memory_file``) to
-        ``path``, fsynced; returns its size in bytes.
+        """Write the paused VM's state to ``path``, fsynced; returns its size in bytes.
 
-        The VM must be paused (``pause``); afterwards it stays paused until ``resume``.
-        Uses migration to a file descriptor passed over QMP, with ``x-ignore-shared`` so
-        file-backed RAM is not copied. Raises Unavailable (migration failed or QMP lost)
-        or Timeout. Cancellation cancels the migration; ``path`` is then incomplete.
+        The state is the devices' and, unless ``memory_shared`` (the RAM is in its file
+        already), the RAM's: every page, a zero page as a flag only. The VM must be
+        paused (``pause``); afterwards it stays paused until ``resume``. Uses migration
+        to a file descriptor passed over QMP, unthrottled. Raises Unavailable (migration
+        failed or QMP lost) or Timeout. Cancellation cancels the migration; ``path`` is
+        then incomplete.
         """
-        await self._set_ignore_shared()
+        await self._set_migration_options()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             await self._pass_fd(fd, "state")
@@ -282,9 +288,10 @@ class QemuVM:
         """Load a state written by ``save_state`` into a VM launched ``incoming``.
 
         Returns once loaded; the VM is then paused (``resume`` runs it). Raises
-        Unavailable if QEMU rejects the state (it exits then) or Timeout.
+        Unavailable if QEMU rejects the state (it exits then) or Timeout. A state
+        without RAM needs ``memory_file`` to be the RAM it was saved with.
         """
-        await self._set_ignore_shared()
+        await self._set_migration_options()
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             await self._pass_fd(fd, "state")
@@ -319,9 +326,15 @@ class QemuVM:
         except TimeoutError as exc:
             raise Timeout(f"{what} took over {timeout_s} s", sandbox_id=self.sandbox_id) from exc
 
-    async def _set_ignore_shared(self) -> None:
-        caps = [{"capability": "x-ignore-shared", "state": self.config.memory_file is not None}]
+    async def _set_migration_options(self) -> None:
+        # x-ignore-shared leaves shared RAM out of a state and changes the stream's
+        # format, so it is on for every save and load alike; RAM mapped private or
+        # anonymous is written whole either way.
+        caps = [{"capability": "x-ignore-shared", "state": True}]
         await self._execute("migrate-set-capabilities", capabilities=caps)
+        # A paused VM's state is written as fast as the disk takes it (QEMU's default
+        # throttle of 128 MiB/s would make a hibernate of 200 MiB take 1.6 s).
+        await self._execute("migrate-set-parameters", **{"max-bandwidth": _UNTHROTTLED})
 
     async def _pass_fd(self, fd: int, name: str) -> None:
         if self._qmp is None:
