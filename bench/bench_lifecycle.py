@@ -1,8 +1,9 @@
 """Benchmark of the sandbox lifecycle on the node (issue 3).
 
 Starts a Node directly (as tests/integration does) on a fresh data directory with a
-loop-file btrfs pool, boots one 256 MiB sandbox with a background process running and
-prints median and p90 of:
+loop-file btrfs pool, creates one 256 MiB sandbox from the base template's ready state
+(as a default sandbox is) with a background process running and prints median and p90
+of:
 - pause and resume (QMP ``stop``/``cont`` + state persisted, clock synced on resume),
 - exec of ``true`` on a running and on a paused sandbox (auto-resume included),
 - hibernate, and resume from hibernate (until the guest answered and has its clock),
@@ -10,8 +11,9 @@ prints median and p90 of:
   part alone (a read-only btrfs snapshot of the running sandbox's volume, after the
   flush that a snapshot does before pausing),
 - restore in place, and fork of the live sandbox into one child (until it answers),
-- the baseline beside them: a cold create (boot) of the same sandbox, and each memory
-  path's ratio to it;
+- the baseline beside them: a cold create (boot) of a sandbox of the same size (its
+  disk a little larger, so it cannot start from the ready state), and each path's
+  ratio to it; and a create from the ready state;
 and the sizes: saved memory of a snapshot, and the disk an untouched snapshot holds
 exclusively. Everything (VMs, pool mount, loop device) is removed at the end, also on
 failure. Usage: `.venv/bin/python bench/bench_lifecycle.py [--runs 20]` as root.
@@ -35,6 +37,7 @@ from space.node.agent import Node
 from space.node.api import ExecExited, ExecRequest, SandboxSpec
 from space.node.core.config import NodeConfig
 from space.node.core.sandbox import preflush
+from space.node.core.template import READY_SHAPE
 from tests.integration.conftest import release_data_dir
 
 _SANDBOX = "bench-lifecycle"
@@ -44,6 +47,7 @@ _BUSY = "while true; do echo x > /tmp/busy; sleep 1; done"
 _COLD_BOOTS = 3
 _TIMED = (
     "cold create (baseline)",
+    "create from the ready state",
     "pause",
     "resume",
     "exec true (running)",
@@ -73,7 +77,9 @@ async def _timed_ms(operation: Awaitable[object]) -> float:
 async def bench(node: Node, runs: int) -> dict[str, list[float]]:
     results: dict[str, list[float]] = {name: [] for name in _TIMED}
     for _ in range(_COLD_BOOTS):
-        results["cold create (baseline)"].append(await _timed_ms(_create(node)))
+        results["cold create (baseline)"].append(await _timed_ms(_create(node, cold=True)))
+        await node.delete_sandbox(_SANDBOX)
+        results["create from the ready state"].append(await _timed_ms(_create(node)))
         await node.delete_sandbox(_SANDBOX)
     await _create(node)
     busy = await node.exec(_SANDBOX, ExecRequest(cmd=_BUSY, background=True))
@@ -84,8 +90,9 @@ async def bench(node: Node, runs: int) -> dict[str, list[float]]:
     return results
 
 
-async def _create(node: Node) -> None:
-    await node.create_sandbox(SandboxSpec(_SANDBOX, memory_mib=256))
+async def _create(node: Node, *, cold: bool = False) -> None:
+    disk_mib = READY_SHAPE.disk_mib + (256 if cold else 0)
+    await node.create_sandbox(SandboxSpec(_SANDBOX, memory_mib=256, disk_mib=disk_mib))
 
 
 async def _round(node: Node, i: int, results: dict[str, list[float]]) -> None:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from space.node.api import InvalidArgument, NotFound
 from space.node.agent._lifecycle import ram_file
+from space.node.api import InvalidArgument, NotFound
 from space.node.core.sandbox import MEMORY_FILE
 from space.node.storage.btrfs import BtrfsPool, pack_snapshot_args, snapshot_subvolume
 

@@ -272,7 +272,7 @@ class QemuVM:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             await self._pass_fd(fd, "state")
-            await self._execute("migrate", uri="fd:state")
+            await self._execute("migrate", {"uri": "fd:state"})
             try:
                 await self._await_migration(timeout_s)
             except BaseException:
@@ -295,7 +295,7 @@ class QemuVM:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             await self._pass_fd(fd, "state")
-            await self._execute("migrate-incoming", uri="fd:state")
+            await self._execute("migrate-incoming", {"uri": "fd:state"})
         finally:
             os.close(fd)
         await self._poll(timeout_s, self._incoming_done, "loading the VM state")
@@ -331,10 +331,10 @@ class QemuVM:
         # format, so it is on for every save and load alike; RAM mapped private or
         # anonymous is written whole either way.
         caps = [{"capability": "x-ignore-shared", "state": True}]
-        await self._execute("migrate-set-capabilities", capabilities=caps)
+        await self._execute("migrate-set-capabilities", {"capabilities": caps})
         # A paused VM's state is written as fast as the disk takes it (QEMU's default
         # throttle of 128 MiB/s would make a hibernate of 200 MiB take 1.6 s).
-        await self._execute("migrate-set-parameters", **{"max-bandwidth": _UNTHROTTLED})
+        await self._execute("migrate-set-parameters", {"max-bandwidth": _UNTHROTTLED})
 
     async def _pass_fd(self, fd: int, name: str) -> None:
         if self._qmp is None:
@@ -343,10 +343,14 @@ class QemuVM:
             self._qmp.send_fd_scm(fd)
         except Exception as exc:
             raise Unavailable(f"passing a file to qemu: {exc}", sandbox_id=self.sandbox_id) from exc
-        await self._execute("getfd", fdname=name)
+        await self._execute("getfd", {"fdname": name})
 
     async def _execute(
-        self, command: str, *, reconnect: bool = False, **arguments: object
+        self,
+        command: str,
+        arguments: dict[str, object] | None = None,
+        *,
+        reconnect: bool = False,
     ) -> object:
         if not self.alive:
             raise Unavailable(f"qemu pid {self.pid} has exited", sandbox_id=self.sandbox_id)
