@@ -29,11 +29,17 @@ __all__ = ["AsyncCommandHandle", "AsyncCommands"]
 
 #: Default ``timeout_s`` of a command (E2B's default too); None disables it.
 DEFAULT_COMMAND_TIMEOUT_S = 60.0
-#: How long past the command's own timeout the client waits for the server to report it.
+#: How long past the command's own timeout, counted from its start, the client waits for
+#: the server to report its end (the guest kills it at ``timeout_s``; the report then
+#: crosses a node that may be loaded).
 _CLIENT_GRACE_S = 30.0
 #: Output kept in a CommandResult per stream; callbacks see everything regardless.
 MAX_OUTPUT_BYTES = 32 << 20
-#: The longest silence tolerated on a stream with no deadline of its own.
+#: The SDK's own bound on each wait of an exec or attach stream (its answer, each next
+#: line, a free connection of the pool) where no deadline of the caller applies. Only
+#: against a hung API: the node waits for a busy guest as long as the guest is alive and
+#: answers Timeout (504) once it falls silent, so a shorter client bound would fail
+#: execs that are merely queued behind a busy guest (issue 15).
 _STREAM_READ_TIMEOUT_S = 24 * 3600.0
 
 
@@ -142,9 +148,13 @@ class AsyncCommands:
 
         Foreground: streams output to ``on_stdout``/``on_stderr`` (decoded text chunks,
         in order) and returns the CommandResult; ``check=True`` raises CommandExitError
-        when it did not exit 0. ``timeout_s`` is enforced by the server (the result then
-        has ``timed_out``); the client gives up 30 s later with Timeout. Cancelling
-        mid-way closes the stream and the server kills the process.
+        when it did not exit 0. ``timeout_s`` bounds the command's run, from its start
+        in the guest, and is enforced there (the result then has ``timed_out``); the
+        client gives up with Timeout 30 s past it, counted from the start. The wait for
+        the start has no deadline of the client's: a busy guest may start the command
+        late, and the server answers Timeout only if the guest stops responding. Wrap
+        the call in ``asyncio.timeout`` for a bound of your own. Cancelling mid-way
+        closes the stream and the server kills the process.
 
         Background: returns an AsyncCommandHandle once the process has started; the
         process keeps running until it ends, its ``timeout_s`` passes, or it is killed.
@@ -163,7 +173,7 @@ class AsyncCommands:
             body=body,
             sandbox_id=self._sandbox_id,
             operation="commands.run",
-            deadline_s=timeout_s + _CLIENT_GRACE_S if timeout_s else None,
+            deadline_after_start_s=timeout_s + _CLIENT_GRACE_S if timeout_s else None,
             collector=OutputCollector(
                 on_stdout=on_stdout, on_stderr=on_stderr, max_bytes=MAX_OUTPUT_BYTES
             ),
@@ -199,7 +209,12 @@ class AsyncCommands:
 
     async def _start_background(self, path: str, body: dict[str, Any]) -> AsyncCommandHandle:
         async with self._api.stream(
-            "POST", path, operation="commands.run", sandbox_id=self._sandbox_id, json_body=body
+            "POST",
+            path,
+            operation="commands.run",
+            sandbox_id=self._sandbox_id,
+            json_body=body,
+            timeout_s=_STREAM_READ_TIMEOUT_S,  # the start may queue behind a busy guest
         ) as response:
             async for event in iter_events(response):
                 if event["type"] == "start":
@@ -258,35 +273,62 @@ async def _stream_to_result(
     body: dict[str, Any] | None,
     sandbox_id: str,
     operation: str,
-    deadline_s: float | None,
     collector: OutputCollector,
+    deadline_s: float | None = None,
+    deadline_after_start_s: float | None = None,
 ) -> CommandResult:
+    """Read an exec or attach stream to its end; Timeout past ``deadline_s`` (counted
+    from the call) or ``deadline_after_start_s`` (counted from the ``start`` event).
+
+    Without either, each wait is bounded by _STREAM_READ_TIMEOUT_S only.
+    """
     started: list[StartEvent] = []
+    loop = asyncio.get_running_loop()
     try:
-        async with asyncio.timeout(deadline_s):
+        async with asyncio.timeout(deadline_s) as deadline:
+
+            def on_start(start: StartEvent) -> None:
+                started.append(start)
+                if deadline_after_start_s is not None:
+                    when, current = loop.time() + deadline_after_start_s, deadline.when()
+                    deadline.reschedule(when if current is None else min(when, current))
+
             async with api.stream(
                 method,
                 path,
                 operation=operation,
                 sandbox_id=sandbox_id,
                 json_body=body,
-                read_timeout_s=deadline_s or _STREAM_READ_TIMEOUT_S,
+                timeout_s=_STREAM_READ_TIMEOUT_S,
             ) as response:
                 return await read_events(
                     iter_events(response),
                     collector,
-                    on_start=started.append,
+                    on_start=on_start,
                     sandbox_id=sandbox_id,
                     operation=operation,
                 )
     except TimeoutError:
-        process = f" (process {started[0].process_id})" if started else ""
-        raise Timeout(
-            f"no end of the command within {deadline_s} s{process}",
-            sandbox_id=sandbox_id,
-            operation=operation,
-            details={"timeout_s": deadline_s},
-        ) from None
+        raise _no_end(started, deadline_s, deadline_after_start_s, sandbox_id, operation) from None
+
+
+def _no_end(
+    started: list[StartEvent],
+    deadline_s: float | None,
+    deadline_after_start_s: float | None,
+    sandbox_id: str,
+    operation: str,
+) -> Timeout:
+    limit, since = deadline_s, "of the call"
+    if started and deadline_after_start_s is not None:
+        limit, since = deadline_after_start_s, "of its start"
+    process = f" (process {started[0].process_id})" if started else ""
+    return Timeout(
+        f"no end of the command within {limit} s {since}{process}",
+        sandbox_id=sandbox_id,
+        operation=operation,
+        details={"timeout_s": limit},
+    )
 
 
 def _checked(result: CommandResult, *, check: bool, sandbox_id: str) -> CommandResult:

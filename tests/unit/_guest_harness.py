@@ -49,11 +49,13 @@ class Guest:
         lines = self.identity_record.read_text().splitlines()
         return [json.loads(line) for line in lines]
 
-    async def channel(self, sandbox_id: str = "sb-test") -> GuestChannel:
+    async def channel(self, sandbox_id: str = "sb-test", **timing: float) -> GuestChannel:
+        """A new channel (a new session); ``timing``: GuestChannel.open's silence_timeout_s
+        and ping_interval_s."""
         assert self.proc.stdout is not None and self.proc.stdin is not None
         writer = cast(asyncio.StreamWriter, NonClosingWriter(self.proc.stdin))
         return await GuestChannel.open(
-            self.proc.stdout, writer, sandbox_id=sandbox_id, hello_timeout_s=10
+            self.proc.stdout, writer, sandbox_id=sandbox_id, hello_timeout_s=10, **timing
         )
 
     def vm_hwm_kib(self) -> int:

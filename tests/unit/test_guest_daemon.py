@@ -24,7 +24,7 @@ from space.node.api import (
 )
 from space.node.channel import GuestChannel
 
-from ._guest_harness import Guest, run_with_channel
+from ._guest_harness import Guest, run_with_channel, running_guest
 
 
 def names(directory: Path) -> list[str]:
@@ -338,6 +338,44 @@ def test_negative_a_request_past_its_deadline_raises_timeout(tmp_path: Path) -> 
         assert await channel.ping() < 1.0
 
     run_with_channel(tmp_path, body)
+
+
+def test_spaced_answers_the_channels_pings_so_a_quiet_exec_outlives_the_silence_timeout(
+    tmp_path: Path,
+) -> None:
+    async def main() -> None:
+        async with running_guest(tmp_path) as guest:
+            channel = await guest.channel(silence_timeout_s=0.5, ping_interval_s=0.1)
+            try:
+                began = time.monotonic()
+                stream = await channel.exec(ExecRequest(argv=["sleep", "1.5"]))
+                out, _, exited = await collect(stream)
+                assert (out, exited.exit_code) == (b"", 0)
+                assert time.monotonic() - began >= 1.5
+            finally:
+                await channel.close()
+
+    asyncio.run(main())
+
+
+def test_negative_a_stopped_spaced_fails_a_waiting_request_after_the_silence_timeout(
+    tmp_path: Path,
+) -> None:
+    async def main() -> None:
+        async with running_guest(tmp_path) as guest:
+            channel = await guest.channel(silence_timeout_s=0.5, ping_interval_s=0.1)
+            try:
+                guest.proc.send_signal(signal.SIGSTOP)
+                try:
+                    with pytest.raises(Timeout, match=r"file\.stat: the guest sent nothing"):
+                        await channel.stat(".")
+                finally:
+                    guest.proc.send_signal(signal.SIGCONT)
+                assert (await channel.stat(".")).type == "dir"  # the channel lives on
+            finally:
+                await channel.close()
+
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize(

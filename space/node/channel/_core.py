@@ -18,6 +18,11 @@ from space.node.api import (
     error_for_code,
 )
 from space.node.channel import _parse as parse
+from space.node.channel._liveness import (
+    DEFAULT_PING_INTERVAL_S,
+    DEFAULT_SILENCE_TIMEOUT_S,
+    Liveness,
+)
 from space.node.channel._streams import (
     GRANT_THRESHOLD_BYTES,
     Data,
@@ -49,19 +54,20 @@ from space.protocol import (
     unpack_length,
 )
 
-__all__ = ["DEFAULT_REQUEST_TIMEOUT_S", "MAX_LIST_ITEMS", "ChannelCore"]
+__all__ = ["MAX_LIST_ITEMS", "ChannelCore"]
 
 _log = logging.getLogger("space.node.channel")
 T = TypeVar("T")
 
-#: Deadline of a non-streaming request, and of each wait inside a file transfer.
-DEFAULT_REQUEST_TIMEOUT_S = 30.0
 #: Most entries a file.list or process.list answer may carry in total.
 MAX_LIST_ITEMS = 10_000
 #: Bytes we may have queued towards a guest that does not read (PONG floods) before we
 #: call it a violation.
 MAX_UNREAD_BYTES = 8 * 1024 * 1024
 _GUEST_MAY_NOT_SEND = (FrameKind.HELLO, FrameKind.OPEN, FrameKind.SIGNAL, FrameKind.CANCEL)
+#: The payload of the PINGs that keep a waiting request informed; its PONG matches no
+#: ``ping()`` waiter (their tokens are 8 random bytes) and only counts as a sign of life.
+_KEEPALIVE = b"alive"
 
 
 class ChannelCore:
@@ -74,12 +80,18 @@ class ChannelCore:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         sandbox_id: str,
-        request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+        *,
+        silence_timeout_s: float = DEFAULT_SILENCE_TIMEOUT_S,
+        ping_interval_s: float = DEFAULT_PING_INTERVAL_S,
     ) -> None:
         self._reader = reader
         self._writer = writer
         self._sandbox_id = sandbox_id
-        self._request_timeout_s = request_timeout_s
+        self._liveness = Liveness(
+            self._send_keepalive,
+            silence_timeout_s=silence_timeout_s,
+            ping_interval_s=ping_interval_s,
+        )
         self._streams: dict[int, GuestStream] = {}
         self._next_id = 1
         self._pings: dict[bytes, asyncio.Future[None]] = {}
@@ -145,7 +157,9 @@ class ChannelCore:
     async def _read_loop(self) -> None:
         try:
             while True:
-                self._dispatch(await self._read_frame())
+                frame = await self._read_frame()
+                self._liveness.heard()
+                self._dispatch(frame)
         except ProtocolError as exc:
             self._fail(f"protocol violation: {exc}")
         except asyncio.IncompleteReadError as exc:
@@ -219,6 +233,18 @@ class ChannelCore:
             self._fail(f"write failed: {exc}")
             raise self._unavailable() from None
 
+    def _send_keepalive(self) -> None:
+        """PING a silent guest on behalf of the waits on it (space.node.channel._liveness).
+
+        Written without waiting for the buffer to drain (it runs in a timer callback);
+        skipped while a guest that does not read has MAX_UNREAD_BYTES queued: its
+        silence then speaks for itself.
+        """
+        if self._closed or self._writer.transport.get_write_buffer_size() > MAX_UNREAD_BYTES:
+            return
+        with contextlib.suppress(OSError, RuntimeError):  # a broken pipe shows up as EOF
+            self._writer.write(encode_frame(FrameKind.PING, 0, _KEEPALIVE))
+
     # -- streams --
 
     async def _open_stream(
@@ -236,21 +262,25 @@ class ChannelCore:
             raise ResourceExhausted(
                 f"{MAX_STREAMS} streams already open", sandbox_id=self._sandbox_id
             )
-        stream_id, self._next_id = self._next_id, self._next_id + 2
+        stream_id = self._next_id
+        try:
+            opening = encode_frame(FrameKind.OPEN, stream_id, encode_json(dict(request)))
+        except ProtocolError as exc:  # the request itself is too large
+            raise InvalidArgument(str(exc), sandbox_id=self._sandbox_id) from None
+        self._next_id += 2
         op = str(request["op"])
         stream = GuestStream(stream_id, op, parse_result, parse_event, max_events, accepts_data)
         self._streams[stream_id] = stream
-        try:
-            await self._send(FrameKind.OPEN, stream_id, encode_json(dict(request)))
-        except ProtocolError as exc:  # the request itself is too large
-            del self._streams[stream_id]
-            raise InvalidArgument(str(exc), sandbox_id=self._sandbox_id) from None
+        # Even the OPEN waits on the guest: a full buffer drains only as the guest reads.
+        await self._call(stream, lambda: self._send_frame(opening))
         return stream
 
-    async def _next_item(self, stream: GuestStream, timeout_s: float | None = None) -> object:
-        """The stream's next item; DATA is credited back, a failed RESULT is raised."""
-        async with asyncio.timeout(timeout_s):
-            item = await stream.queue.get()
+    async def _next_item(self, stream: GuestStream) -> object:
+        """The stream's next item; DATA is credited back, a failed RESULT is raised.
+
+        Waits as long as it takes: callers bound it with ``_call``.
+        """
+        item = await stream.queue.get()
         if isinstance(item, Data) and not stream.done and not self._closed:
             stream.unacked += item.payload_size
             if stream.unacked >= GRANT_THRESHOLD_BYTES:
@@ -264,30 +294,45 @@ class ChannelCore:
         return item
 
     async def _abandon(self, stream: GuestStream) -> None:
-        """Stop caring about a stream: CANCEL it; its late frames are read and dropped."""
+        """Stop caring about a stream: CANCEL it; its late frames are read and dropped.
+
+        The CANCEL is queued without waiting for the buffer to drain: the stream may be
+        given up precisely because the guest stopped reading.
+        """
         if stream.abandoned or stream.done:
             return
         stream.abandoned = True
         while not stream.queue.empty():
             stream.queue.get_nowait()
         if not self._closed:
-            with contextlib.suppress(Unavailable):
-                await self._send(FrameKind.CANCEL, stream.id)
+            try:
+                self._writer.write(encode_frame(FrameKind.CANCEL, stream.id))
+            except (OSError, RuntimeError) as exc:
+                self._fail(f"write failed: {exc}")
 
     async def _call(self, stream: GuestStream, operation: Callable[[], Awaitable[T]]) -> T:
-        """Run ``operation`` under the request timeout; abandon the stream on any failure."""
+        """Run ``operation`` while the guest is alive; abandon the stream on any failure.
+
+        Raises Timeout once the guest has sent nothing for the silence timeout, however
+        long the operation has been waiting (space.node.channel._liveness).
+        """
         try:
-            async with asyncio.timeout(self._request_timeout_s):
+            async with self._liveness.watch():
                 return await operation()
         except TimeoutError:
             await self._abandon(stream)
-            raise Timeout(
-                f"{stream.op} took longer than {self._request_timeout_s} s",
-                sandbox_id=self._sandbox_id,
-            ) from None
+            raise self._silent(stream.op) from None
         except BaseException:
             await asyncio.shield(self._abandon(stream))
             raise
+
+    def _silent(self, op: str) -> Timeout:
+        liveness = self._liveness
+        return Timeout(
+            f"{op}: the guest sent nothing for {liveness.silence_timeout_s} s "
+            f"(pinged every {liveness.ping_interval_s} s)",
+            sandbox_id=self._sandbox_id,
+        )
 
     async def _request(
         self,
@@ -301,21 +346,24 @@ class ChannelCore:
         return cast(T, await self._call(stream, lambda: self._next_item(stream)))
 
     async def _send_input(self, stream: GuestStream, chunks: list[bytes]) -> None:
+        """Send ``chunks`` then EOF on INPUT; TimeoutError if the guest falls silent."""
         for chunk in chunks:
             await self._send_chunk(stream, chunk)
         if not stream.done:
-            await self._send(FrameKind.EOF, stream.id, encode_eof(Channel.INPUT))
+            async with self._liveness.watch():
+                await self._send(FrameKind.EOF, stream.id, encode_eof(Channel.INPUT))
 
     async def _send_chunk(self, stream: GuestStream, chunk: bytes) -> None:
+        """Send ``chunk`` as the guest's credit allows; TimeoutError if it falls silent."""
         step = DATA_CHUNK_BYTES - 1
         view = memoryview(chunk)
-        for start in range(0, len(view), step):
-            data = view[start : start + step]
-            while stream.send_credit < len(data) + 1 and not stream.done:
-                stream.credit_changed.clear()
-                async with asyncio.timeout(self._request_timeout_s):
+        async with self._liveness.watch():
+            for start in range(0, len(view), step):
+                data = view[start : start + step]
+                while stream.send_credit < len(data) + 1 and not stream.done:
+                    stream.credit_changed.clear()
                     await stream.credit_changed.wait()
-            if stream.done:
-                return  # the guest answered early (an error): the caller reads it
-            stream.send_credit -= len(data) + 1
-            await self._send_frame(encode_data_frame(stream.id, Channel.INPUT, data))
+                if stream.done:
+                    return  # the guest answered early (an error): the caller reads it
+                stream.send_credit -= len(data) + 1
+                await self._send_frame(encode_data_frame(stream.id, Channel.INPUT, data))

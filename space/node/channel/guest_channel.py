@@ -8,8 +8,12 @@ Any violation (or EOF) closes this channel only: it logs one error on the
 ``closed``; the node reconnects by opening a new GuestChannel.
 
 Every method raises space.node.api.errors leaves carrying the sandbox id: guest RESULT
-errors map through ``error_for_code``; a non-streaming call that takes longer than
-``request_timeout_s`` raises Timeout (and abandons its stream with CANCEL).
+errors map through ``error_for_code``. No call is failed for being slow: every wait on the
+guest (an answer, a process's start or its next output, a file's next chunk, credit to
+send) lasts as long as the guest keeps sending frames, on any stream, and a silent guest
+is PINGed every ``ping_interval_s``. A wait raises Timeout (and abandons its stream with
+CANCEL) only once the guest has sent nothing at all for ``silence_timeout_s``
+(space.node.channel._liveness); a channel that ends raises Unavailable at once.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from space.node.api import (
     Unavailable,
 )
 from space.node.channel import _parse as parse
-from space.node.channel._core import DEFAULT_REQUEST_TIMEOUT_S, MAX_LIST_ITEMS, ChannelCore
+from space.node.channel._core import MAX_LIST_ITEMS, ChannelCore
+from space.node.channel._liveness import DEFAULT_PING_INTERVAL_S, DEFAULT_SILENCE_TIMEOUT_S
 from space.node.channel._streams import (
     ChannelExecStream,
     ChannelFileReader,
@@ -50,7 +55,7 @@ from space.protocol import (
     encode_json,
 )
 
-__all__ = ["DEFAULT_REQUEST_TIMEOUT_S", "GuestChannel"]
+__all__ = ["DEFAULT_PING_INTERVAL_S", "DEFAULT_SILENCE_TIMEOUT_S", "GuestChannel"]
 
 
 class GuestChannel(ChannelCore):
@@ -66,14 +71,24 @@ class GuestChannel(ChannelCore):
         *,
         sandbox_id: str,
         hello_timeout_s: float = 60.0,
+        silence_timeout_s: float = DEFAULT_SILENCE_TIMEOUT_S,
+        ping_interval_s: float = DEFAULT_PING_INTERVAL_S,
     ) -> GuestChannel:
         """Send HELLO and wait for the guest's; the channel then owns ``writer``.
 
-        Raises Timeout if no HELLO comes within ``hello_timeout_s``, Unavailable if the
-        connection drops, the first frame is not a valid HELLO, or no version is shared.
-        On failure the writer is closed.
+        Raises Timeout if no HELLO comes within ``hello_timeout_s`` (the guest answers
+        no PING before its HELLO, so this one wait is a plain deadline), Unavailable if
+        the connection drops, the first frame is not a valid HELLO, or no version is
+        shared. On failure the writer is closed. ``silence_timeout_s`` and
+        ``ping_interval_s`` bound every later wait (see the module docstring).
         """
-        channel = cls(reader, writer, sandbox_id)
+        channel = cls(
+            reader,
+            writer,
+            sandbox_id,
+            silence_timeout_s=silence_timeout_s,
+            ping_interval_s=ping_interval_s,
+        )
         session = secrets.token_hex(16)
         hello: dict[str, object] = {"versions": [PROTOCOL_VERSION], "session": session}
         try:
@@ -112,8 +127,12 @@ class GuestChannel(ChannelCore):
     async def exec(self, request: ExecRequest) -> ExecStream:
         """Start a process; returns once it runs (EVENT started).
 
-        Raises the guest's error (e.g. NotFound for a missing cwd or program),
-        InvalidArgument for a malformed request, Timeout, Unavailable.
+        Waits for the start as long as the guest is alive (its daemon may be slow to
+        spawn under load); ``request.timeout_s`` bounds the process's run in the guest,
+        not this wait. Raises the guest's error (e.g. NotFound for a missing cwd or
+        program), InvalidArgument for a malformed request, Timeout (the guest fell
+        silent: the stream is CANCELled, so a process that did start is killed),
+        Unavailable. Iterating the returned stream raises the same way.
         """
         if (request.argv is None) == (request.cmd is None):
             raise InvalidArgument("give exactly one of argv and cmd", sandbox_id=self._sandbox_id)
@@ -169,7 +188,11 @@ class GuestChannel(ChannelCore):
             await self._abandon(stream)
 
         return ChannelExecStream(
-            pid, process_id, lambda: self._next_item(stream), abandon, background
+            pid,
+            process_id,
+            lambda: self._call(stream, lambda: self._next_item(stream)),
+            abandon,
+            background,
         )
 
     async def _feed_stdin(self, stream: GuestStream, stdin: bytes) -> None:
@@ -199,7 +222,7 @@ class GuestChannel(ChannelCore):
 
         Raises NotFound, PermissionDenied, InvalidArgument (a directory, a symlink, not a
         regular file), Timeout, Unavailable. Chunks follow as the reader is iterated;
-        each wait is bounded by the request timeout.
+        each wait lasts as long as the guest is alive (module docstring).
         """
 
         def stat_event(event: dict[str, object]) -> object:
@@ -231,8 +254,8 @@ class GuestChannel(ChannelCore):
 
         Streams as the guest's credit allows, so memory stays bounded. Cancelling (or an
         error in ``data``) abandons the write: the guest discards the temp file and the
-        old content stays. Raises the guest's error, Timeout (no progress for the
-        request timeout), Unavailable.
+        old content stays. Raises the guest's error, Timeout (the guest fell silent
+        while we waited on it), Unavailable.
         """
         request = {"op": "file.write", "path": path, "user": user, "mode": mode}
         stream = await self._open_stream(request, _stat_result)
@@ -246,7 +269,7 @@ class GuestChannel(ChannelCore):
             await self._send_input(stream, [])
         except TimeoutError:
             await self._abandon(stream)
-            raise Timeout(f"writing {path} made no progress", sandbox_id=self._sandbox_id) from None
+            raise self._silent(f"writing {path}") from None
         except BaseException:
             await asyncio.shield(self._abandon(stream))
             raise

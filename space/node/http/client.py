@@ -63,7 +63,9 @@ class RemoteNode(NodeService):
     boot under TCG takes seconds); ``lifecycle_timeout_s`` resume, hibernate, snapshot,
     restore and fork, which save or load guest memory (seconds each under TCG). Streams
     (exec, attach, file transfers, template builds) have no read deadline: a process or
-    a build step may stay silent for hours; their callers hold the deadline. A timeout
+    a build step may stay silent for hours, a busy guest may start a process late, and
+    the node itself fails a wait on a guest that stops responding (Timeout); their
+    callers hold any other deadline. A timeout
     raises Timeout but does not cancel the operation on the node, which may still
     complete: read the state back (or retry what is idempotent: create per sandbox id,
     snapshot per snapshot id).
