@@ -14,6 +14,7 @@ __all__ = [
     "DEFAULT_CPUS",
     "DEFAULT_DISK_MIB",
     "DEFAULT_MEMORY_MIB",
+    "DEFAULT_MEMORY_OVERCOMMIT",
     "DISK_MIB",
     "MAX_COMMAND_TIMEOUT_S",
     "MAX_EGRESS_LOG_EVENTS",
@@ -23,6 +24,10 @@ __all__ = [
     "MAX_SANDBOX_SECRETS",
     "MAX_TIMEOUT_S",
     "MEMORY_MIB",
+    "MEMORY_RESERVE_MIB",
+    "MEMORY_RESERVE_SHARE",
+    "POOL_RESERVE_MIB",
+    "POOL_RESERVE_SHARE",
     "RESOURCES",
     "Range",
 ]
@@ -41,6 +46,10 @@ class Range(NamedTuple):
             and not isinstance(value, bool)
             and self.low <= value <= self.high
         )
+
+    def clamp(self, value: int) -> int:
+        """``value`` moved into the range."""
+        return min(max(value, self.low), self.high)
 
     def refusal(self, name: str, value: object) -> str | None:
         """Why ``value`` cannot be ``name`` (the one wording every layer uses), or None."""
@@ -73,3 +82,15 @@ MAX_LIFETIME_S: Final = 30 * 24 * 3600
 MAX_IDLE_TIMEOUT_S: Final = 7 * 24 * 3600
 #: Longest a command may run (a day).
 MAX_COMMAND_TIMEOUT_S: Final = 24 * 3600
+
+#: A node's admission by capacity (issue 15; space/node/core/capacity.py has the formula
+#: and why these defaults). Host memory no sandbox may take: this share of MemTotal,
+#: within these MiB, unless the operator sets it.
+MEMORY_RESERVE_SHARE: Final = 0.10
+MEMORY_RESERVE_MIB: Final = Range(1024, 8192)
+#: Most memory the live VMs may grow to (guest RAM plus QEMU's overhead, summed), as a
+#: multiple of the host's memory less the reserve.
+DEFAULT_MEMORY_OVERCOMMIT: Final = 2.0
+#: Space kept free in the node's btrfs pool: this share of its size, within these MiB.
+POOL_RESERVE_SHARE: Final = 0.10
+POOL_RESERVE_MIB: Final = Range(1024, 32768)

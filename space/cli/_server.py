@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import signal
 import socket
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any, Literal, cast
@@ -19,9 +19,16 @@ from urllib.parse import urlsplit
 import click
 
 from space.cli._common import ProgressPrinter, fail
+from space.limits import (
+    DEFAULT_MEMORY_OVERCOMMIT,
+    MEMORY_RESERVE_MIB,
+    MEMORY_RESERVE_SHARE,
+    POOL_RESERVE_MIB,
+    POOL_RESERVE_SHARE,
+)
 from space.sdk.errors import SpaceError
 
-__all__ = ["DATA_DIR_OPTION", "keys", "node", "serve", "server_errors"]
+__all__ = ["DATA_DIR_OPTION", "capacity_options", "keys", "node", "serve", "server_errors"]
 
 DEFAULT_DATA_DIR = Path("/var/lib/space")
 
@@ -40,6 +47,40 @@ EGRESS_RESOLVER_OPTION = click.option(
     metavar="ADDR[:PORT]",
     help="DNS server the egress gateway resolves allowed names with (default: the host's).",
 )
+
+
+def capacity_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The node's admission settings (space/node/core/capacity.py), passed to NodeConfig
+    as ``max_sandboxes``, ``memory_reserve_mib``, ``memory_overcommit``, ``pool_reserve_mib``."""
+    low, high = MEMORY_RESERVE_MIB
+    pool_low, pool_high = POOL_RESERVE_MIB
+    options = (
+        click.option(
+            "--max-sandboxes", type=click.IntRange(min=1), default=None,
+            help="Most sandboxes the node runs, whatever its capacity (default: no cap).",
+        ),
+        click.option(
+            "--memory-reserve-mib", type=click.IntRange(min=0), default=None,
+            help=f"Host memory kept from sandboxes (default: {MEMORY_RESERVE_SHARE:.0%}"
+            f" of it, within {low}-{high} MiB).",
+        ),
+        click.option(
+            "--memory-overcommit", type=click.FloatRange(min=0, min_open=True, max=100),
+            default=DEFAULT_MEMORY_OVERCOMMIT, show_default=True,
+            help="Most memory the live VMs may grow to (guest RAM plus QEMU overhead, summed),"
+            " as a multiple of the host's memory less the reserve.",
+        ),
+        click.option(
+            "--pool-reserve-mib", type=click.IntRange(min=0), default=None,
+            help=f"Space kept free in the btrfs pool (default: {POOL_RESERVE_SHARE:.0%}"
+            f" of it, within {pool_low}-{pool_high} MiB).",
+        ),
+    )  # fmt: skip
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 EGRESS_CA_OPTION = click.option(
     "--egress-upstream-ca",
     type=click.Path(dir_okay=False, exists=True, path_type=Path),
@@ -67,6 +108,7 @@ EGRESS_CA_OPTION = click.option(
     "--reaper-interval", type=click.FloatRange(min=0.1), default=5.0, show_default=True,
     help="Seconds between checks for ended lifetimes and idle sandboxes.",
 )  # fmt: skip
+@capacity_options
 @EGRESS_RESOLVER_OPTION
 @EGRESS_CA_OPTION
 def serve(
@@ -81,6 +123,7 @@ def serve(
     reaper_interval: float,
     egress_resolvers: tuple[str, ...],
     egress_upstream_ca: Path | None,
+    **capacity: Any,
 ) -> None:
     """Run the control plane and one node in this process (the embedded default)."""
     if warm_min > warm_max:
@@ -106,6 +149,7 @@ def serve(
             warm_pool_max=warm_max,
             egress_resolvers=egress_resolvers,
             egress_upstream_ca=egress_upstream_ca,
+            **capacity,
         )
         local = await Node.start(config, progress=progress)
         try:
@@ -128,6 +172,7 @@ def serve(
 @DATA_DIR_OPTION
 @click.option("--accel", type=click.Choice(["auto", "kvm", "tcg"]), default="auto")
 @click.option("--pool-path", type=click.Path(path_type=Path), default=None, help="A btrfs mount.")
+@capacity_options
 @EGRESS_RESOLVER_OPTION
 @EGRESS_CA_OPTION
 def node(
@@ -140,6 +185,7 @@ def node(
     pool_path: Path | None,
     egress_resolvers: tuple[str, ...],
     egress_upstream_ca: Path | None,
+    **capacity: Any,
 ) -> None:
     """Run a node agent alone and register it with a control plane."""
     with server_errors():
@@ -163,6 +209,7 @@ def node(
             accel=_accel(accel),
             egress_resolvers=egress_resolvers,
             egress_upstream_ca=egress_upstream_ca,
+            **capacity,
         )
         local = await Node.start(config, progress=progress)
         try:

@@ -9,6 +9,7 @@ and does nothing for a sandbox already deleted.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import secrets
 from dataclasses import replace
@@ -19,7 +20,7 @@ from sqlalchemy.orm import Session
 from space.control import broker, egress
 from space.control.deps import ControlContext
 from space.control.errors import ApiError
-from space.control.scheduler import pick_node
+from space.control.scheduler import rank_nodes
 from space.control.schemas import SandboxCreate
 from space.control.store import repo
 from space.control.store import snapshots as snaps
@@ -27,6 +28,7 @@ from space.control.store.repo import SandboxRecord, SecretBinding
 from space.control.store.snapshots import SnapshotRecord
 from space.control.template_names import node_ref, parse_ref
 from space.node.api import (
+    InsufficientCapacity,
     NodeError,
     NodeService,
     NotFound,
@@ -65,12 +67,13 @@ def new_sandbox_id() -> str:
     return "sb-" + secrets.token_hex(12)
 
 
-async def _place(ctx: ControlContext) -> str:
+async def _place(ctx: ControlContext) -> list[str]:
+    """The nodes to ask for a new sandbox, in order (ApiError(unavailable) if none)."""
     load = await ctx.db.run(repo.active_counts)
-    node_id = pick_node(ctx.nodes.ids(), load)
-    if node_id is None:
+    nodes = rank_nodes(ctx.nodes.ids(), load)
+    if not nodes:
         raise ApiError("unavailable", "no node is registered to run sandboxes")
-    return node_id
+    return nodes
 
 
 async def _source(
@@ -142,34 +145,74 @@ async def create_sandbox(
     ``body`` gives them. Once the node runs it, its secret grants are sent.
     Raises ApiError(invalid_argument) for a malformed egress policy or an unknown
     secret (nothing recorded), ApiError(not_found) for a snapshot that is not the
-    tenant's, ApiError(unavailable) with no node, or the node's NodeError (with the
-    new sandbox's id in its details, the row then in state ``error``); a failure to
-    send its grants also leaves the row in ``error`` and deletes it on the node.
-    Cancelled mid-way, the row stays ``creating`` until reconciliation.
+    tenant's, ApiError(unavailable) with no node, InsufficientCapacity when no node
+    has room (each asked in ``_place``'s order; the row is then deleted: the sandbox
+    never existed), or another NodeError of the node (with the new sandbox's id in
+    its details, the row then in state ``error``); a failure to send its grants also
+    leaves the row in ``error`` and deletes it on the node. Cancelled mid-way, the row
+    stays ``creating`` until reconciliation.
     """
     given = None if body.egress is None else egress.canonical(body.egress)
     source = await _source(ctx, tenant, body.from_snapshot)
     node_ref(tenant, body.template)  # refuse a name too long to scope before any row
     parent = await _source_sandbox(ctx, source)
     bindings = await _bindings(ctx, tenant, body, parent)
-    node_id = source.node_id if source is not None else await _place(ctx)
+    # A sandbox from a snapshot runs where the snapshot is, or nowhere.
+    nodes = [source.node_id] if source is not None else await _place(ctx)
     timeout_s = body.timeout_s if timeout_given else ctx.settings.default_timeout_s
-    node = ctx.nodes.get(node_id)
     if source is None:
-        body = await _with_template_defaults(node, tenant, body)
+        body = await _with_template_defaults(ctx.nodes.get(nodes[0]), tenant, body)
     inherited = None if parent is None else parent.egress
     policy = given if "egress" in body.model_fields_set else inherited
-    record = _new_record(ctx, tenant, node_id, body, source, timeout_s, policy, bindings)
+    record = _new_record(ctx, tenant, nodes[0], body, source, timeout_s, policy, bindings)
     await ctx.db.run(lambda s: repo.insert_sandbox(s, record))
-    try:
-        status = await node.create_sandbox(_spec(record, body.from_snapshot))
-    except NodeError as exc:
-        await _creation_failed(ctx, record, exc)
-        raise
-    record = await record_status(ctx, record, status)
+    record = await _start(ctx, record, nodes, body.from_snapshot)
     if record.secrets:
         await _send_grants(ctx, record)
     return record
+
+
+async def _start(
+    ctx: ControlContext, record: SandboxRecord, nodes: list[str], from_snapshot: str | None
+) -> SandboxRecord:
+    """Create the recorded sandbox on the first of ``nodes`` that has room; the row
+    follows it there. Raises as ``create_sandbox``."""
+    sandbox_id = record.id
+    refusals: list[InsufficientCapacity] = []
+    for node_id in nodes:
+        if node_id != record.node_id:  # nothing of it exists on the node that refused
+            record = replace(record, node_id=node_id)
+            await ctx.db.run(
+                functools.partial(repo.set_node, sandbox_id=sandbox_id, node_id=node_id)
+            )
+        try:
+            status = await ctx.nodes.get(node_id).create_sandbox(_spec(record, from_snapshot))
+        except InsufficientCapacity as exc:
+            log.info("node %s has no room for sandbox %s: %s", node_id, record.id, exc)
+            refusals.append(exc)
+            continue
+        except NodeError as exc:
+            await _creation_failed(ctx, record, exc)
+            raise
+        return await record_status(ctx, record, status)
+    now = ctx.clock()
+    await ctx.db.run(lambda s: repo.mark_deleted(s, sandbox_id, now))
+    raise _no_room(refusals)
+
+
+def _no_room(refusals: list[InsufficientCapacity]) -> InsufficientCapacity:
+    """What a client hears when every node refused: the last node's refusal (and how
+    many nodes were asked), naming no sandbox: none was made."""
+    last = refusals[-1]
+    many = f"none of the {len(refusals)} nodes has room; the last: " if len(refusals) > 1 else ""
+    return InsufficientCapacity(
+        many + last.message,
+        resource=last.resource,
+        needed=last.needed,
+        available=last.available,
+        unit=last.unit,
+        retry_after_s=last.retry_after_s,
+    )
 
 
 async def _bindings(

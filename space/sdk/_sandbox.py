@@ -91,7 +91,8 @@ class AsyncSandboxes:
         Raises InvalidArgument (limits in docs/api.md, a size given with
         ``from_snapshot``, a ``secrets`` that is a string: nothing is sent then; an
         unknown secret, named by the server), NotFound (template or snapshot),
-        ResourceExhausted (quota, no capacity), AuthenticationError, Unavailable,
+        InsufficientCapacity (no node has room now: nothing was created; its
+        ``retry_after_s`` says when to try again), AuthenticationError, Unavailable,
         Timeout (after 180 s). Not idempotent. A cancellation mid-way may leave a
         sandbox behind that ``list()`` shows.
         """
@@ -296,7 +297,9 @@ class AsyncSandbox:
 
     async def resume(self) -> SandboxInfo:
         """Resume a paused sandbox (immediate) or wake a hibernated one (its memory is
-        loaded back: seconds); idempotent. Raises as ``pause()``.
+        loaded back: seconds); idempotent. Raises as ``pause()``, and
+        InsufficientCapacity if waking needs memory its node does not have now (it stays
+        hibernated; so does a command or file call that would wake it).
         """
         return await self._transition("resume")
 
@@ -391,7 +394,8 @@ class AsyncSandbox:
         configuration (close or kill each; children of a sandbox made through an
         ``AsyncSpace`` share that client's connection instead); this sandbox keeps its
         state after a brief pause. Not idempotent. Raises InvalidArgument (``n`` out of range),
-        ResourceExhausted (quota, no capacity), Conflict, NotFound. A cancellation
+        InsufficientCapacity (its node has no room for all ``n``: none is made),
+        Conflict, NotFound. A cancellation
         mid-way may leave children behind that ``list()`` shows.
         """
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_FORK_CHILDREN:

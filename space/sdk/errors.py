@@ -13,6 +13,7 @@ deadlines are translated here).
     ├── ResourceExhausted      429 resource_exhausted: a quota or size limit was hit
     ├── Timeout                504 timeout, or a client-side deadline passed
     ├── Unavailable            503 unavailable, or the API could not be reached
+    │   └── InsufficientCapacity   503 capacity: no node has room now; retry later
     ├── InternalError          500 internal, or an answer the SDK cannot understand
     ├── CommandExitError       a command exited non-zero and ``check=True`` was asked
     └── BuildError             a template build failed: ``step`` and the node's message
@@ -32,6 +33,7 @@ __all__ = [
     "BuildError",
     "CommandExitError",
     "Conflict",
+    "InsufficientCapacity",
     "InternalError",
     "InvalidArgument",
     "NotFound",
@@ -116,6 +118,27 @@ class Unavailable(SpaceError):
     code = "unavailable"
 
 
+class InsufficientCapacity(Unavailable):
+    """No node has room for the sandbox now (nothing was created); try again later.
+
+    ``resource`` names what ran short (``memory``, ``committed_memory``, ``pool`` or
+    ``sandboxes``), ``retry_after_s`` when to try again (the answer's Retry-After);
+    ``details`` also holds ``needed`` and ``available`` in ``details["unit"]``.
+    """
+
+    code = "capacity"
+
+    @property
+    def resource(self) -> str | None:
+        value = self.details.get("resource")
+        return value if isinstance(value, str) else None
+
+    @property
+    def retry_after_s(self) -> int | None:
+        value = self.details.get("retry_after_s")
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 class InternalError(SpaceError):
     code = "internal"
 
@@ -173,6 +196,8 @@ _ERROR_TABLE: tuple[tuple[int, str | None, type[SpaceError]], ...] = (
     (429, "resource_exhausted", ResourceExhausted),
     (500, "internal", InternalError),
     (502, None, Unavailable),
+    # A bare 503 (no readable code) is Unavailable: the last row of a status decides.
+    (503, "capacity", InsufficientCapacity),
     (503, "unavailable", Unavailable),
     (504, "timeout", Timeout),
 )

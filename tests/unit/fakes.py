@@ -18,6 +18,7 @@ from fastapi import FastAPI
 
 from space.control import ControlSettings, NodeRegistry, create_app, create_key
 from space.node.api import (
+    CapacityInfo,
     Conflict,
     ExecEvent,
     ExecExited,
@@ -139,7 +140,8 @@ class _Snapshot:
 class FakeNode(FakeTemplates, FakeEgress):
     """An in-memory NodeService. ``calls`` records (method, sandbox_id) of every call.
 
-    ``pools`` is what ``info`` reports as the node's warm pools (set it in a test).
+    ``pools`` and ``capacity`` are what ``info`` reports as the node's warm pools and
+    capacity figures (set them in a test); ``fail_create`` is raised by every create.
     Templates (build, list, delete) come from FakeTemplates; creating a sandbox from a
     template the node does not have is NotFound. Egress (set_egress, egress_log) comes
     from FakeEgress. ``grants`` holds each sandbox's secret grants as last set (checked
@@ -161,6 +163,7 @@ class FakeNode(FakeTemplates, FakeEgress):
         self.streams: list[FakeExecStream] = []
         self.snapshots: dict[str, _Snapshot] = {}
         self.pools: list[PoolInfo] = []
+        self.capacity: CapacityInfo | None = None
         self.boot_id = "boot-1"
         self.grants: dict[str, list[SecretGrant]] = {}
         self.grant_pushes: list[tuple[str, list[SecretGrant]]] = []
@@ -192,7 +195,13 @@ class FakeNode(FakeTemplates, FakeEgress):
 
     async def info(self) -> NodeInfo:
         return NodeInfo(
-            self.node_id, "tcg", ["base"], len(self.boxes), list(self.pools), self.boot_id
+            self.node_id,
+            "tcg",
+            ["base"],
+            len(self.boxes),
+            list(self.pools),
+            self.boot_id,
+            self.capacity,
         )
 
     async def set_secrets(self, sandbox_id: str, grants: list[SecretGrant]) -> None:

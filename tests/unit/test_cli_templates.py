@@ -140,10 +140,51 @@ def test_serve_passes_the_warm_pool_bounds_to_the_node(
     assert (default.warm_pool_min, default.warm_pool_max) == (0, 0)
 
 
+def test_serve_passes_the_admission_settings_to_the_node(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    args = ("--max-sandboxes", "150", "--memory-reserve-mib", "4096")
+    _, config = _serve(monkeypatch, tmp_path, *args, "--memory-overcommit", "1.5")
+    assert (config.max_sandboxes, config.memory_reserve_mib) == (150, 4096)
+    assert (config.memory_overcommit, config.pool_reserve_mib) == (1.5, None)
+    _, default = _serve(monkeypatch, tmp_path)
+    assert default.capacity == NodeConfig(data_dir=tmp_path).capacity
+    assert default.max_sandboxes is None
+
+
+def test_a_node_alone_takes_the_same_admission_settings(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from space.node.agent import Node
+
+    seen: list[NodeConfig] = []
+
+    async def start(config: NodeConfig, **_: object) -> None:
+        seen.append(config)
+        raise Unavailable("stopped by the test")
+
+    monkeypatch.setattr(Node, "start", staticmethod(start))
+    token = tmp_path / "token"
+    token.write_text("secret\n")
+    args = ["node", "--control-url", "http://ctl:8080", "--token-file", str(token)]
+    args += ["--data-dir", str(tmp_path), "--max-sandboxes", "7", "--pool-reserve-mib", "512"]
+    result = CliRunner().invoke(main, args)
+    assert "stopped by the test" in result.stderr
+    assert (seen[0].max_sandboxes, seen[0].pool_reserve_mib) == (7, 512)
+
+
 @pytest.mark.parametrize(
-    "args", [("--warm-min", "2", "--warm-max", "1"), ("--warm-min", "-1"), ("--warm-max", "-1")]
+    "args",
+    [
+        ("--warm-min", "2", "--warm-max", "1"),
+        ("--warm-min", "-1"),
+        ("--warm-max", "-1"),
+        ("--max-sandboxes", "0"),
+        ("--memory-overcommit", "0"),
+        ("--pool-reserve-mib", "-1"),
+    ],
 )
-def test_negative_bad_warm_pool_bounds_exit_2_without_starting_a_node(
+def test_negative_bad_pool_or_admission_settings_exit_2_without_starting_a_node(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, args: tuple[str, ...]
 ) -> None:
     result, config = _serve(monkeypatch, tmp_path, *args)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import json
 import os
@@ -12,11 +13,14 @@ from typing import Any
 import httpx
 import pytest
 
-from space.control import create_key, list_keys, revoke_key
+from space.control import NodeRegistry, create_key, list_keys, revoke_key
 from space.node.api import (
+    CapacityInfo,
     Conflict,
+    InsufficientCapacity,
     InvalidArgument,
     NodeError,
+    NodeInfo,
     NotFound,
     PermissionDenied,
     ResourceExhausted,
@@ -152,6 +156,119 @@ async def test_a_failed_creation_answers_the_node_error_and_keeps_the_row_in_err
         assert got["state"] == "error" and "no memory left" in got["error"]
         # The row is written before the node is asked: create came after nothing else.
         assert node.calls[0] == ("create_sandbox", sandbox_id)
+
+
+def _full(node_id: str, *, available: int = 40) -> FakeNode:
+    node = FakeNode(node_id)
+    node.fail_create = InsufficientCapacity(
+        f"{node_id} is full", resource="memory", needed=160, available=available
+    )
+    return node
+
+
+def _nodes(*nodes: FakeNode) -> NodeRegistry:
+    registry = NodeRegistry()
+    for node in nodes:
+        registry.register(node.node_id, node)
+    return registry
+
+
+async def test_negative_a_create_no_node_has_room_for_answers_503_and_records_nothing(
+    tmp_path: Path,
+) -> None:
+    node = _full("local")
+    async with control_app(tmp_path, node) as h:
+        headers = h.key("acme")
+        response = await h.client.post("/v1/sandboxes", json={}, headers=headers)
+        assert response.status_code == 503
+        assert response.headers["Retry-After"] == "30"
+        error = _error(response)
+        assert error["code"] == "capacity" and "local is full" in error["message"]
+        assert error["details"] == {
+            "resource": "memory",
+            "needed": 160,
+            "available": 40,
+            "unit": "MiB",
+            "retry_after_s": 30,
+        }  # no sandbox id: the sandbox never existed
+        assert (await h.client.get("/v1/sandboxes", headers=headers)).json()["sandboxes"] == []
+        assert [call for call, _ in node.calls] == ["create_sandbox"]  # no delete either
+
+
+async def test_a_create_a_full_node_refuses_is_placed_on_the_next_node(tmp_path: Path) -> None:
+    full, roomy = _full("n1"), FakeNode("n2")  # equally loaded: n1, the smaller id, first
+    async with control_app(tmp_path, full, registry=_nodes(full, roomy)) as h:
+        headers = h.key("acme")
+        sandbox = await _create(h, headers)
+        assert sandbox["state"] == "running" and sandbox["id"] in roomy.boxes
+        assert sandbox["node_id"] == "n2"
+        assert full.calls == [("create_sandbox", sandbox["id"])]
+        # The row followed it: later calls go to the node that runs it.
+        response = await h.client.delete(f"/v1/sandboxes/{sandbox['id']}", headers=headers)
+        assert response.status_code == 204
+        assert ("delete_sandbox", sandbox["id"]) in roomy.calls
+        assert not any(call == "delete_sandbox" for call, _ in full.calls)
+
+
+async def test_negative_when_every_node_refuses_the_answer_says_how_many_were_asked(
+    tmp_path: Path,
+) -> None:
+    first, second = _full("n1"), _full("n2", available=7)
+    async with control_app(tmp_path, first, registry=_nodes(first, second)) as h:
+        headers = h.key("acme")
+        response = await h.client.post("/v1/sandboxes", json={}, headers=headers)
+        assert response.status_code == 503
+        error = _error(response)
+        assert error["message"].startswith("none of the 2 nodes has room; the last: n2 is full")
+        assert error["details"]["available"] == 7
+        assert (await h.client.get("/v1/sandboxes", headers=headers)).json()["sandboxes"] == []
+
+
+class _Silent(FakeNode):
+    async def info(self) -> NodeInfo:
+        raise Unavailable("node unreachable")
+
+
+async def test_operators_read_each_nodes_capacity_with_the_node_token(tmp_path: Path) -> None:
+    roomy, silent = FakeNode("n1"), _Silent("n2")
+    roomy.capacity = CapacityInfo(
+        memory_total_mib=24576,
+        memory_available_mib=20000,
+        memory_starting_mib=160,
+        memory_reserve_mib=2457,
+        memory_committed_mib=3520,
+        memory_commit_limit_mib=44238,
+        pool_total_mib=20480,
+        pool_free_mib=15000,
+        pool_starting_mib=256,
+        pool_reserve_mib=2048,
+        starting=1,
+        max_sandboxes=None,
+        room=115,
+    )
+    async with control_app(tmp_path, roomy, registry=_nodes(roomy, silent)) as h:
+        await _create(h, h.key("acme"))
+        token = {"Authorization": f"Bearer {h.app.state.ctx.node_token}"}
+        response = await h.client.get("/v1/nodes", headers=token)
+        assert response.status_code == 200
+        first, second = response.json()["nodes"]
+        assert first == {
+            "node_id": "n1",
+            "url": "local",
+            "reachable": True,
+            "sandboxes": 1,
+            "capacity": dataclasses.asdict(roomy.capacity),
+        }
+        assert second == {
+            "node_id": "n2",
+            "url": "local",
+            "reachable": False,
+            "sandboxes": None,
+            "capacity": None,
+        }
+        # Tenants' keys do not open it: it is the operator's view.
+        refused = await h.client.get("/v1/nodes", headers=h.key("acme"))
+        assert refused.status_code == 401
 
 
 def _events(response: httpx.Response) -> list[dict[str, Any]]:
@@ -346,6 +463,7 @@ async def test_negative_mkdir_of_an_existing_path_answers_409(tmp_path: Path) ->
         (ResourceExhausted("x"), 429),
         (Timeout("x"), 504),
         (Unavailable("x"), 503),
+        (InsufficientCapacity("x"), 503),
         (NodeError("x"), 500),
     ],
 )

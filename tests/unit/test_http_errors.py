@@ -37,6 +37,11 @@ def _app(*, handlers_parse_bodies: bool = False) -> FastAPI:
     async def api_error() -> None:
         raise ApiError("conflict", "it is paused", state="paused")
 
+    @app.get("/retry/{seconds}")
+    async def retry(seconds: str) -> None:
+        hint: object = {"5": 5, "0": 0, "true": True, "text": "soon"}[seconds]
+        raise ApiError("capacity", "no room", retry_after_s=hint)
+
     @app.post("/typed")
     async def typed(body: _Body) -> int:
         return body.count
@@ -68,6 +73,19 @@ async def test_coded_errors_answer_their_code_status_message_and_details() -> No
         409,
         {"code": "conflict", "message": "it is paused", "details": {"state": "paused"}},
     )
+
+
+@pytest.mark.parametrize(
+    ("hint", "header"), [("5", "5"), ("0", None), ("true", None), ("text", None)]
+)
+async def test_a_retry_hint_in_the_details_answers_a_retry_after_header_if_it_is_seconds(
+    hint: str, header: str | None
+) -> None:
+    transport = httpx.ASGITransport(app=_app())
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        answer = await client.get(f"/retry/{hint}")
+    assert answer.status_code == 503 and answer.json()["error"]["code"] == "capacity"
+    assert answer.headers.get("Retry-After") == header
 
 
 async def test_negative_a_malformed_body_answers_422_naming_the_field() -> None:

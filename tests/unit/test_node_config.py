@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from space.node.api import InvalidArgument
+from space.node.core.capacity import Policy
 from space.node.core.config import DEFAULT_APT_SOURCES, NodeConfig
 
 
@@ -16,6 +17,23 @@ def test_the_defaults_are_valid_and_fetch_from_the_guest_release() -> None:
     assert (config.warm_pool_min, config.warm_pool_max, config.max_parallel_starts) == (0, 0, 4)
     assert config.apt_sources == DEFAULT_APT_SOURCES
     assert all(" bookworm" in line for line in DEFAULT_APT_SOURCES)
+
+
+def test_admission_is_by_capacity_with_no_cap_on_sandboxes_unless_the_operator_sets_one() -> None:
+    config = NodeConfig(data_dir=Path("/tmp/x"))
+    assert config.max_sandboxes is None
+    assert config.capacity == Policy()  # reserves relative to the host, overcommit 2.0
+    assert config.capacity.memory_overcommit == 2.0
+    chosen = NodeConfig(
+        data_dir=Path("/tmp/x"),
+        max_sandboxes=1,
+        memory_reserve_mib=0,
+        memory_overcommit=0.5,
+        pool_reserve_mib=0,
+    )
+    assert chosen.capacity == Policy(
+        memory_reserve_mib=0, memory_overcommit=0.5, pool_reserve_mib=0, max_sandboxes=1
+    )
 
 
 def test_a_pool_of_equal_bounds_is_valid() -> None:
@@ -31,6 +49,14 @@ def test_a_pool_of_equal_bounds_is_valid() -> None:
         ({"max_parallel_starts": 0}, "max_parallel_starts"),
         ({"max_sandboxes": 0}, "max_sandboxes"),
         ({"max_sandboxes": 2.5}, "max_sandboxes"),
+        ({"max_sandboxes": True}, "max_sandboxes"),
+        ({"memory_reserve_mib": -1}, "memory_reserve_mib"),
+        ({"pool_reserve_mib": 1.5}, "pool_reserve_mib"),
+        ({"memory_overcommit": 0}, "memory_overcommit"),
+        ({"memory_overcommit": -1.0}, "memory_overcommit"),
+        ({"memory_overcommit": 101}, "memory_overcommit"),
+        ({"memory_overcommit": float("nan")}, "memory_overcommit"),
+        ({"memory_overcommit": "2"}, "memory_overcommit"),
         ({"apt_sources": ("http://deb.debian.org/debian bookworm main",)}, "apt_sources"),
     ],
 )

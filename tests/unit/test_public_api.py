@@ -12,9 +12,9 @@ SDK_NAMES = {
     "BuildError", "Template", "TemplateInfo",
     "AuthenticationError", "ByteStream", "CommandExitError", "CommandHandle",
     "CommandResult", "Commands", "Conflict", "ConnectionConfig", "FileInfo", "Files",
-    "InternalError", "InvalidArgument", "NotFound", "PermissionDenied", "PoolInfo",
-    "ProcessInfo", "ResourceExhausted", "Sandbox", "SandboxInfo", "SnapshotInfo", "SpaceError",
-    "Timeout", "Unavailable",
+    "InsufficientCapacity", "InternalError", "InvalidArgument", "NotFound", "PermissionDenied",
+    "PoolInfo", "ProcessInfo", "ResourceExhausted", "Sandbox", "SandboxInfo", "SnapshotInfo",
+    "SpaceError", "Timeout", "Unavailable",
     "AsyncNetwork", "EgressEvent", "Network", "allow",
     "AsyncSecrets", "SecretBinding", "SecretInfo", "Secrets",
     "AsyncSpace", "Space",
@@ -22,9 +22,9 @@ SDK_NAMES = {
 
 TOP_NAMES = {
     "AsyncSandbox", "AuthenticationError", "CommandExitError", "CommandHandle",
-    "CommandResult", "Conflict", "FileInfo", "InternalError", "InvalidArgument", "NotFound",
-    "PermissionDenied", "ProcessInfo", "ResourceExhausted", "Sandbox", "SandboxInfo",
-    "SpaceError", "Timeout", "Unavailable",
+    "CommandResult", "Conflict", "FileInfo", "InsufficientCapacity", "InternalError",
+    "InvalidArgument", "NotFound", "PermissionDenied", "ProcessInfo", "ResourceExhausted",
+    "Sandbox", "SandboxInfo", "SpaceError", "Timeout", "Unavailable",
     "AsyncSpace", "Space",
 }  # fmt: skip
 
@@ -32,11 +32,11 @@ TOP_NAMES = {
 #: The node's contract: all the control plane may use of a node (tests/unit/test_layers.py).
 NODE_API_NAMES = {
     "BUILD_ID_HEADER", "BuildEvent", "BuildFailed", "BuildLog", "BuildStream",
-    "BuildSucceeded", "CidrRule", "Conflict", "DomainRule", "EgressEvent", "EgressPolicy",
-    "ExecEvent", "ExecExited", "ExecOutput", "ExecRequest", "ExecStream",
-    "FILE_STAT_HEADER", "FileReader", "FileStat", "GuestError", "InvalidArgument",
-    "MAX_BUILD_LOG_BYTES", "MAX_EGRESS_LOG_EVENTS", "MAX_FORK_CHILDREN", "MAX_GRANTS",
-    "NDJSON", "NODE_API_PREFIX", "NodeError", "NodeInfo", "NodeService", "NotFound",
+    "BuildSucceeded", "CapacityInfo", "CidrRule", "Conflict", "DomainRule", "EgressEvent",
+    "EgressPolicy", "ExecEvent", "ExecExited", "ExecOutput", "ExecRequest", "ExecStream",
+    "FILE_STAT_HEADER", "FileReader", "FileStat", "GuestError", "InsufficientCapacity",
+    "InvalidArgument", "MAX_BUILD_LOG_BYTES", "MAX_EGRESS_LOG_EVENTS", "MAX_FORK_CHILDREN",
+    "MAX_GRANTS", "NDJSON", "NODE_API_PREFIX", "NodeError", "NodeInfo", "NodeService", "NotFound",
     "PermissionDenied", "PoolInfo", "ProcessInfo", "ResourceExhausted", "STATUS_BY_CODE",
     "SandboxSpec", "SandboxState", "SandboxStatus", "SecretGrant", "SnapshotInfo",
     "TemplateInfo", "Timeout", "Unavailable", "Verdict", "blocked_category",

@@ -13,10 +13,12 @@ import pytest
 
 from space.control import NodeRegistry
 from space.node.api import (
+    CapacityInfo,
     Conflict,
     ExecExited,
     ExecOutput,
     ExecRequest,
+    InsufficientCapacity,
     InvalidArgument,
     NodeError,
     NodeInfo,
@@ -201,6 +203,7 @@ async def test_files_travel_whole_in_both_directions() -> None:
         ResourceExhausted("full"),
         Timeout("slow"),
         Unavailable("down"),
+        InsufficientCapacity("no room"),
     ],
 )
 async def test_node_errors_come_back_as_the_same_leaf(error: NodeError) -> None:
@@ -212,6 +215,62 @@ async def test_node_errors_come_back_as_the_same_leaf(error: NodeError) -> None:
             await client.stat("sb-1", "/")
         assert type(raised.value) is type(error)
         assert raised.value.sandbox_id == "sb-1"
+
+
+async def test_a_capacity_refusal_comes_back_with_what_ran_short_and_when_to_retry() -> None:
+    node = FakeNode()
+    node.fail_create = InsufficientCapacity(
+        "no room", resource="memory", needed=160, available=40, retry_after_s=12
+    )
+    async with remote(node) as client:
+        with pytest.raises(InsufficientCapacity) as raised:
+            await client.create_sandbox(SandboxSpec("sb-1"))
+    refusal = raised.value
+    assert (refusal.resource, refusal.needed, refusal.available, refusal.unit) == (
+        "memory",
+        160,
+        40,
+        "MiB",
+    )
+    assert refusal.retry_after_s == 12 and refusal.message == "no room"
+
+
+async def test_the_node_api_answers_a_capacity_refusal_503_with_retry_after() -> None:
+    node = FakeNode()
+    node.fail_create = InsufficientCapacity("no room", resource="pool", needed=256, available=-3)
+    transport = httpx.ASGITransport(app=create_node_app(node, TOKEN))
+    async with httpx.AsyncClient(transport=transport, base_url="http://node") as client:
+        answer = await client.post(
+            "/node/v1/sandboxes",
+            json=encode(SandboxSpec("sb-1")),
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
+    assert answer.status_code == 503 and answer.headers["Retry-After"] == "30"
+    assert answer.json()["error"] == {
+        "code": "capacity",
+        "message": "no room",
+        "details": {
+            "resource": "pool",
+            "needed": 256,
+            "available": -3,
+            "unit": "MiB",
+            "retry_after_s": 30,
+        },
+    }
+
+
+@pytest.mark.parametrize(
+    "details",
+    [{}, {"needed": "lots", "retry_after_s": True}, {"retry_after_s": -5}, "not an object"],
+)
+async def test_negative_malformed_capacity_details_still_make_a_capacity_refusal(
+    details: object,
+) -> None:
+    body = {"error": {"code": "capacity", "message": "full", "details": details}}
+    async with _mocked(_canned(503, body)) as client:
+        with pytest.raises(InsufficientCapacity, match="full") as raised:
+            await client.create_sandbox(SandboxSpec("sb-1"))
+    assert raised.value.needed == 0 and raised.value.retry_after_s >= 1
 
 
 async def test_negative_a_wrong_token_is_unavailable_and_reaches_no_node() -> None:
@@ -272,6 +331,37 @@ async def test_a_remote_node_registered_with_the_node_token_runs_sandboxes(
             f"/v1/sandboxes/{sid}/exec", json={"argv": ["echo", "far"]}, headers=headers
         )
         assert '"type":"exit"' in response.text
+
+
+async def test_a_full_remote_node_answers_the_client_503_capacity_naming_no_sandbox(
+    tmp_path: Path,
+) -> None:
+    remote_node = FakeNode("far")
+    remote_node.fail_create = InsufficientCapacity(
+        "node has no room", resource="pool", needed=256, available=10, retry_after_s=20
+    )
+    node_app = create_node_app(remote_node, TOKEN)
+
+    def factory(url: str, token: str) -> RemoteNode:
+        return RemoteNode(url, token, transport=httpx.ASGITransport(app=node_app))
+
+    registry = NodeRegistry(remote_factory=factory)
+    (tmp_path / "node-token").write_text(TOKEN + "\n")
+    async with control_app(tmp_path, FakeNode("unused"), registry=registry) as h:
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        body = {"node_id": "far", "url": "http://far:7071"}
+        assert (await h.client.post("/v1/nodes", json=body, headers=auth)).status_code == 200
+        response = await h.client.post("/v1/sandboxes", json={}, headers=h.key("acme"))
+    assert response.status_code == 503 and response.headers["Retry-After"] == "20"
+    error = response.json()["error"]
+    assert error["code"] == "capacity" and error["message"] == "node has no room"
+    assert error["details"] == {
+        "resource": "pool",
+        "needed": 256,
+        "available": 10,
+        "unit": "MiB",
+        "retry_after_s": 20,
+    }
 
 
 async def test_hibernate_snapshot_restore_and_fork_round_trip_through_the_node_api() -> None:
@@ -463,6 +553,19 @@ async def test_node_info_carries_the_warm_pools_through_the_node_api() -> None:
     async with remote(node) as client:
         info = await client.info()
     assert info == await node.info() and info.pools == node.pools
+
+
+async def test_node_info_carries_the_capacity_figures_through_the_node_api() -> None:
+    node = FakeNode("n1")
+    node.capacity = CapacityInfo(
+        24576, 20000, 160, 2457, 35200, 44238, 20480, 9000, 256, 2048, 1, None, 25
+    )
+    async with remote(node) as client:
+        info = await client.info()
+    assert info.capacity == node.capacity and info.capacity is not None
+    assert info.capacity.room == 25
+    async with _mocked(_canned(200, _NODE_INFO)) as client:  # a node that reports none
+        assert (await client.info()).capacity is None
 
 
 async def test_node_info_from_a_node_without_pools_has_none() -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from space.node.api import InsufficientCapacity as NodeCapacity
 from space.sdk import AsyncSandbox
 from space.sdk.errors import (
     AuthenticationError,
     Conflict,
+    InsufficientCapacity,
     InternalError,
     InvalidArgument,
     NotFound,
@@ -34,6 +36,7 @@ DOCUMENTED = [
     (409, "conflict", Conflict),
     (422, "invalid_argument", InvalidArgument),
     (429, "resource_exhausted", ResourceExhausted),
+    (503, "capacity", InsufficientCapacity),
     (503, "unavailable", Unavailable),
     (504, "timeout", Timeout),
     (500, "internal", InternalError),
@@ -54,6 +57,31 @@ async def test_negative_each_documented_error_answer_raises_its_leaf_with_contex
     assert (error.status_code, error.code, error.message) == (status, code, f"server says {code}")
     assert error.operation == "sandbox.list"
     assert f"server says {code}" in str(error) and "status=" in str(error)
+
+
+async def test_negative_a_create_no_node_has_room_for_raises_insufficient_capacity(
+    api: LiveApi,
+) -> None:
+    api.node.fail_create = NodeCapacity(
+        "node has no room", resource="committed_memory", needed=352, available=100
+    )
+    with pytest.raises(InsufficientCapacity, match="node has no room") as caught:
+        await AsyncSandbox.create(**api.connection())
+    error = caught.value
+    assert isinstance(error, Unavailable)  # ``except Unavailable`` still catches it
+    assert (error.status_code, error.code, error.operation) == (503, "capacity", "sandbox.create")
+    assert (error.resource, error.retry_after_s) == ("committed_memory", 30)
+    assert (error.details["needed"], error.details["available"]) == (352, 100)
+    assert error.sandbox_id is None
+    assert await AsyncSandbox.list(**api.connection()) == []
+
+
+async def test_a_capacity_refusal_with_odd_details_has_no_hint_rather_than_a_wrong_one() -> None:
+    body = {"error": {"code": "capacity", "message": "full", "details": {"retry_after_s": "x"}}}
+    transport = httpx.MockTransport(lambda _request: httpx.Response(503, json=body))
+    with pytest.raises(InsufficientCapacity) as caught:
+        await AsyncSandbox.list(api_key=API_KEY, _transport=transport)
+    assert (caught.value.resource, caught.value.retry_after_s) == (None, None)
 
 
 async def test_negative_a_wrong_api_key_raises_authentication_error(api: LiveApi) -> None:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import pytest
 
 from space.node.agent._pool import WarmPool
-from space.node.api import SandboxState, Unavailable
+from space.node.api import InsufficientCapacity, SandboxState, Unavailable
 from space.node.core.sandbox import LiveSandbox
 
 from .fakes import FakeClock
@@ -30,16 +31,17 @@ class _Vm:
 
 
 class _Maker:
-    def __init__(self, fail: int = 0) -> None:
+    def __init__(self, fail: int = 0, error: Exception | None = None) -> None:
         self.made: list[_Vm] = []
         self.destroyed: list[str] = []
         self.fail = fail
+        self.error = error or Unavailable("no memory")
 
     async def make(self) -> LiveSandbox:
         await asyncio.sleep(0)
         if self.fail:
             self.fail -= 1
-            raise Unavailable("no memory")
+            raise self.error
         vm = _Vm(f"vm{len(self.made)}")
         self.made.append(vm)
         return cast(LiveSandbox, vm)
@@ -123,6 +125,23 @@ async def test_negative_a_failing_refill_is_logged_and_retried_not_raised(
     await _settle(pool, 1)
     assert len(maker.made) == 1
     await pool.close()
+
+
+async def test_a_node_short_of_capacity_stops_the_refill_quietly_until_room_returns(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr("space.node.agent._pool._RETRY_S", 0.0)
+    full = InsufficientCapacity("node has no room for 1 more VM", resource="memory")
+    maker, clock = _Maker(fail=3, error=full), FakeClock()
+    pool = _pool(maker, clock)
+    with caplog.at_level(logging.INFO, logger="space.node.agent._pool"):
+        pool.start()
+        await _settle(pool, 1)
+        await pool.close()
+    assert len(maker.made) == 1  # made once room returned, after three refusals
+    refusals = [r for r in caplog.records if "not refilling" in r.getMessage()]
+    assert len(refusals) == 3 and all(r.levelno == logging.INFO for r in refusals)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_negative_sizes_out_of_order_are_refused() -> None:

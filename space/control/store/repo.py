@@ -183,6 +183,11 @@ def set_status(
     )
 
 
+def set_node(session: Session, sandbox_id: str, node_id: str) -> None:
+    """Place a sandbox that exists on no node yet (its create was refused) on another."""
+    session.execute(update(SandboxRow).where(SandboxRow.id == sandbox_id).values(node_id=node_id))
+
+
 def touch(session: Session, sandbox_id: str, now: float) -> None:
     """Record guest activity at ``now`` (never moves ``last_active_at`` backwards)."""
     session.execute(

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from space.node.agent._pool import POOL_PREFIX
 from space.node.api import ExecOutput, ExecRequest, SandboxSpec, SandboxState, Unavailable
 from space.node.channel import GuestChannel
+from space.node.core.capacity import Claim
 from space.node.core.sandbox import MEMORY_FILE, LiveSandbox
 from space.node.core.state import SandboxRecord
 from space.node.core.template import BASE, Shape, Template
@@ -45,7 +46,9 @@ async def boot_hidden(
     """Boot a VM of ``shape`` on a CoW clone of ``volume``; RUNNING once its guest
     daemon answered. ``grow`` grows the disk image to the shape (only for an image no
     guest wrote). ``ram_in_volume`` maps its RAM shared from a file in its volume, to be
-    captured as an image. On failure nothing of it remains."""
+    captured as an image. Admitted like a sandbox of ``shape`` (InsufficientCapacity if
+    the node has no room) and counted as the node's own running VM until ``destroy``.
+    On failure nothing of it remains."""
     life = node.life
     spec = SandboxSpec(
         sandbox_id=vm_id,
@@ -62,22 +65,24 @@ async def boot_hidden(
         run_dir=str(life.config.effective_run_dir / vm_id),
     )
     vm = node.live(record)
-    life.store.save(record)
-    try:
-        await life.pool.create_sandbox_volume(
-            record.volume, volume, disk_mib=shape.disk_mib, grow=grow
-        )
-        await vm.launch(
-            qemu_binary=life.config.qemu_binary,
-            memory_file=vm.volume / MEMORY_FILE if ram_in_volume else None,
-            memory_shared=ram_in_volume,
-        )
-        life.save(vm, SandboxState.CREATING)
-        await vm.connect(hello_timeout_s=life.config.boot_timeout_s)
-        life.save(vm, SandboxState.RUNNING)
-    except BaseException:
-        await asyncio.shield(node.destroy(vm))
-        raise
+    with node.admission.claim({vm_id: Claim.node_vm(shape.memory_mib)}):
+        life.store.save(record)
+        node.admission.hold(vm_id, shape.memory_mib)  # until destroy releases it
+        try:
+            await life.pool.create_sandbox_volume(
+                record.volume, volume, disk_mib=shape.disk_mib, grow=grow
+            )
+            await vm.launch(
+                qemu_binary=life.config.qemu_binary,
+                memory_file=vm.volume / MEMORY_FILE if ram_in_volume else None,
+                memory_shared=ram_in_volume,
+            )
+            life.save(vm, SandboxState.CREATING)
+            await vm.connect(hello_timeout_s=life.config.boot_timeout_s)
+            life.save(vm, SandboxState.RUNNING)
+        except BaseException:
+            await asyncio.shield(node.destroy(vm))
+            raise
     return vm
 
 

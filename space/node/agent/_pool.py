@@ -11,6 +11,12 @@ The pool refills in the background, one VM at a time. Its target follows demand:
 number of creates of the template in the last ``window_s`` seconds, clamped to
 ``min_size..max_size``. Pool VMs are not kept across node restarts (recovery removes
 them and the pool fills again).
+
+A refill is admitted like a create of the template's shape (space.node.agent._admission):
+on a node short of memory or pool space the pool stops refilling, and waits, rather than
+push the node past its reserve. A waiting pool VM holds its memory (MemAvailable shows
+it) but, paused, cannot grow, so it is no part of the committed memory; a hit is a
+create, admitted as one, and pool VMs are not sandboxes for the operator's cap.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from space.node.api import ExecRequest, NodeError, PoolInfo, SandboxState
+from space.node.api import ExecRequest, InsufficientCapacity, NodeError, PoolInfo, SandboxState
+from space.node.core.capacity import Claim
 from space.node.core.sandbox import LiveSandbox
 from space.node.core.state import Pending, SandboxRecord
 from space.node.core.template import Template
@@ -133,6 +140,9 @@ class WarmPool:
             while len(self._ready) < self.target:
                 try:
                     self._ready.append(await self._make())
+                except InsufficientCapacity as exc:  # expected on a full node: no alarm
+                    log.info("pool %s: not refilling: %s", self.template, exc)
+                    await asyncio.sleep(_RETRY_S)
                 except NodeError as exc:
                     log.warning("pool %s: making a VM failed: %s", self.template, exc)
                     await asyncio.sleep(_RETRY_S)
@@ -205,7 +215,10 @@ class Pools:
 
 
 async def make_pool_vm(node: Registry, template: Template) -> LiveSandbox:
-    """A paused, warmed VM of ``template``'s ready state, not listed among sandboxes."""
+    """A paused, warmed VM of ``template``'s ready state, not listed among sandboxes.
+
+    Raises InsufficientCapacity (nothing made) if the node has no room for it.
+    """
     assert template.ready is not None
     sid = pool_vm_id()
     record = SandboxRecord(
@@ -216,17 +229,18 @@ async def make_pool_vm(node: Registry, template: Template) -> LiveSandbox:
         run_dir=str(node.life.config.effective_run_dir / sid),
     )
     vm = node.live(record)
-    try:
-        await node.life.create_from_image(vm, template.ready)
-        assert vm.channel is not None
-        stream = await vm.channel.exec(ExecRequest(argv=["true"]))
-        async for _ in stream:
-            pass
-        await vm.pause()
-        node.life.save(vm, SandboxState.PAUSED)
-    except BaseException:
-        await asyncio.shield(node.destroy(vm))
-        raise
+    with node.admission.claim({sid: Claim.node_vm(record.spec.memory_mib)}):
+        try:
+            await node.life.create_from_image(vm, template.ready)
+            assert vm.channel is not None
+            stream = await vm.channel.exec(ExecRequest(argv=["true"]))
+            async for _ in stream:
+                pass
+            await vm.pause()
+            node.life.save(vm, SandboxState.PAUSED)
+        except BaseException:
+            await asyncio.shield(node.destroy(vm))
+            raise
     return vm
 
 

@@ -3,8 +3,9 @@ make and unmake one.
 
 ``Node`` makes one ``Registry`` and hands it to each of its services (space.node.agent);
 recovery, builds, ready states and warm pools get it too. It holds the node's stores,
-its btrfs pool, its template catalog, the per-id locks and the bound on VMs starting at
-once; nothing in it is specific to one service.
+its btrfs pool, its template catalog, the per-id locks, the bound on VMs starting at
+once and the admission every VM start asks first (space.node.agent._admission); nothing
+in it is specific to one service.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import weakref
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
+from space.node.agent._admission import Admission
 from space.node.agent._build_network import BuildNetwork
 from space.node.agent._catalog import Catalog
 from space.node.agent._egress import SandboxNetwork
 from space.node.agent._lifecycle import Lifecycle
 from space.node.api import EgressPolicy, NodeError, NotFound, SandboxState
+from space.node.core.capacity import Resident, measure_host
 from space.node.core.config import NodeConfig
 from space.node.core.sandbox import LiveSandbox, vm_config_for
 from space.node.core.state import SandboxRecord, SnapshotStore, StateStore
@@ -61,6 +64,17 @@ class Registry:
         # A hundred QEMUs starting at once on a small host time out on their sockets;
         # creates past the bound wait their turn instead. A pool hit starts none.
         self.starts = asyncio.Semaphore(config.max_parallel_starts)
+        self.admission = Admission(
+            config.capacity,
+            residents=self._residents,
+            measure=lambda: measure_host(pool.root),
+        )
+
+    def _residents(self) -> dict[str, Resident]:
+        return {
+            sid: Resident(sandbox.record.state, sandbox.record.spec.memory_mib)
+            for sid, sandbox in self.sandboxes.items()
+        }
 
     def lock(self, sandbox_id: str) -> asyncio.Lock:
         """The sandbox's lock (or the one of an id not in use yet, e.g. ``snapshot/<id>``)."""
@@ -104,6 +118,7 @@ class Registry:
         await self.remove_leftovers(sid, volume=sandbox.record.volume)
         shutil.rmtree(sandbox.record.run_dir, ignore_errors=True)  # a pool VM's keeps its name
         self.sandboxes.pop(sid, None)
+        self.admission.release(sid)
 
     async def remove_leftovers(self, sandbox_id: str, *, volume: str | None = None) -> None:
         """Remove volume (``volume``, else the one named after the id), run dir, console

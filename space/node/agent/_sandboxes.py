@@ -2,8 +2,10 @@
 
 ``Node`` delegates the sandbox calls of NodeService here. Each holds the sandbox's lock
 (space.node.agent._registry) and persists every transition before it is acknowledged;
-the transitions through saved memory are space.node.agent._lifecycle's. Every method
-raises space.node.api errors only.
+the transitions through saved memory are space.node.agent._lifecycle's. Every VM they
+start (a create, fork children, a wake, a restore of a sandbox without a VM) is
+admitted by capacity first (space.node.agent._admission). Every method raises
+space.node.api errors only.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from space.node.agent._snapshots import SAVEABLE, Snapshots
 from space.node.api import (
     Conflict,
     InvalidArgument,
-    ResourceExhausted,
     SandboxSpec,
     SandboxState,
     SandboxStatus,
+    SnapshotInfo,
 )
+from space.node.core.capacity import Claim, holds_memory
 from space.node.core.sandbox import LiveSandbox, not_allowed, settled, with_console
 from space.node.core.state import SandboxRecord
 from space.node.core.template import Template
@@ -49,9 +52,9 @@ class Sandboxes:
 
         Idempotent: the same spec for an existing id returns its status; a different
         spec raises Conflict. Raises InvalidArgument (resources out of range), NotFound
-        (template), ResourceExhausted (max_sandboxes), Unavailable/Timeout (boot failed;
-        the message carries the console tail). On failure or cancellation nothing of the
-        sandbox remains.
+        (template), InsufficientCapacity (no room on the node: nothing was started),
+        Unavailable/Timeout (boot failed; the message carries the console tail). On
+        failure or cancellation nothing of the sandbox remains.
         """
         registry = self._registry
         template = check_spec(spec, registry.catalog.resolve)
@@ -66,39 +69,51 @@ class Sandboxes:
                         "a sandbox with this id and another spec exists", sandbox_id=spec.sandbox_id
                     )
                 return existing.record.status()
-            self._check_capacity(1, spec.sandbox_id)
-            record = SandboxRecord(
-                spec=spec,
-                state=SandboxState.CREATING,
-                created_at=time.time(),
-                template_digest=template.digest,
-                run_dir=str(registry.run_root / spec.sandbox_id),
-                template_env=dict(template.env),
-                workdir=template.workdir,
-            )
-            sandbox = registry.live(record, lock)
-            registry.sandboxes[spec.sandbox_id] = sandbox
-            try:
-                if snapshot is not None:
-                    image = registry.pool.snapshot_path(snapshot.snapshot_id)
-                    async with registry.starts:
-                        await self._life.create_from_image(
-                            sandbox, image, head=snapshot.snapshot_id
-                        )
-                elif template.ready is not None and template.ready_fits(spec):
-                    await self._pools.create(sandbox, template.ready)
-                else:
-                    async with registry.starts:
-                        await self._boot(sandbox, template)
-                await self._network.apply(sandbox)
-            except BaseException as exc:
-                tail = sandbox.console_tail()
-                await asyncio.shield(registry.destroy(sandbox))
-                error = with_console(exc, spec.sandbox_id, tail)
-                if error is exc:
-                    raise
-                raise error from exc
+            # Admitted the same way whether a warm-pool VM serves it or not.
+            with registry.admission.claim({spec.sandbox_id: Claim.sandbox(spec.memory_mib)}):
+                sandbox = self._register(spec, template, lock)
+                try:
+                    await self._start(sandbox, template, snapshot)
+                    await self._network.apply(sandbox)
+                except BaseException as exc:
+                    tail = sandbox.console_tail()
+                    await asyncio.shield(registry.destroy(sandbox))
+                    error = with_console(exc, spec.sandbox_id, tail)
+                    if error is exc:
+                        raise
+                    raise error from exc
             return sandbox.record.status()
+
+    def _register(self, spec: SandboxSpec, template: Template, lock: asyncio.Lock) -> LiveSandbox:
+        registry = self._registry
+        record = SandboxRecord(
+            spec=spec,
+            state=SandboxState.CREATING,
+            created_at=time.time(),
+            template_digest=template.digest,
+            run_dir=str(registry.run_root / spec.sandbox_id),
+            template_env=dict(template.env),
+            workdir=template.workdir,
+        )
+        sandbox = registry.live(record, lock)
+        registry.sandboxes[spec.sandbox_id] = sandbox
+        return sandbox
+
+    async def _start(
+        self, sandbox: LiveSandbox, template: Template, snapshot: SnapshotInfo | None
+    ) -> None:
+        """Run a registered sandbox: from a snapshot, its template's ready state (a warm
+        pool VM if one waits) or a boot."""
+        registry = self._registry
+        if snapshot is not None:
+            image = registry.pool.snapshot_path(snapshot.snapshot_id)
+            async with registry.starts:
+                await self._life.create_from_image(sandbox, image, head=snapshot.snapshot_id)
+        elif template.ready is not None and template.ready_fits(sandbox.record.spec):
+            await self._pools.create(sandbox, template.ready)
+        else:
+            async with registry.starts:
+                await self._boot(sandbox, template)
 
     async def _boot(self, sandbox: LiveSandbox, template: Template) -> None:
         spec = sandbox.record.spec
@@ -140,8 +155,9 @@ class Sandboxes:
 
         Idempotent, persisted and raising as ``pause_sandbox``. The guest's clock is set
         to the host's (it stood still meanwhile). Waking a hibernated sandbox loads its
-        saved memory into a new VM; if that fails before the guest ran, it stays
-        HIBERNATED.
+        saved memory into a new VM, admitted like a create: InsufficientCapacity if the
+        node has no room; if that or the wake fails before the guest ran, it stays
+        HIBERNATED. Every guest operation on a hibernated sandbox wakes it this way.
         """
         return await self._switch(sandbox_id, SandboxState.RUNNING)
 
@@ -187,7 +203,9 @@ class Sandboxes:
             self._store.save(sandbox.mark(target))
         else:
             if state == SandboxState.HIBERNATED:
-                await self._life.wake(sandbox)
+                admission = self._registry.admission
+                with admission.claim(_waking(sandbox), sandbox_id=sandbox.sandbox_id):
+                    await self._life.wake(sandbox)
             else:
                 await sandbox.resume()
                 self._store.save(sandbox.mark(target))
@@ -199,7 +217,9 @@ class Sandboxes:
 
         Allowed unless the sandbox is CREATING. The guest gets a fresh identity. Raises
         NotFound (sandbox, snapshot), InvalidArgument (resources differ), Conflict,
-        Unavailable/Timeout (the sandbox is then ERROR: restore again or delete it).
+        InsufficientCapacity (a sandbox without a VM, hibernated or errored, gets one
+        again only if the node has room; it is left as it was), Unavailable/Timeout
+        (the sandbox is then ERROR: restore again or delete it).
         """
         check_id(snapshot_id, "snapshot id")
         registry = self._registry
@@ -209,7 +229,10 @@ class Sandboxes:
             check_compatible(sandbox.record.spec, snapshot)
             if sandbox.record.state == SandboxState.CREATING:
                 raise not_allowed("restore", sandbox)
-            await settled(self._life.restore(sandbox, snapshot))
+            # A sandbox without a VM (hibernated, or errored) gets one again.
+            claims = {} if holds_memory(sandbox.record.state) else _waking(sandbox)
+            with registry.admission.claim(claims, sandbox_id=sandbox_id):
+                await settled(self._life.restore(sandbox, snapshot))
             sandbox.trusted_ca = None  # the guest's files are the snapshot's now
             await self._network.apply(sandbox)
             return sandbox.record.status()
@@ -220,7 +243,8 @@ class Sandboxes:
         The parent (RUNNING, PAUSED or HIBERNATED) keeps its state. All or nothing: if
         a child fails, every child is removed and the error raised. Raises
         InvalidArgument (ids), Conflict (an id exists, or the parent's state),
-        ResourceExhausted (max_sandboxes), Unavailable/Timeout.
+        InsufficientCapacity (no room for all the children: none is started),
+        Unavailable/Timeout.
         """
         ids = [check_id(child) for child in child_ids]
         if not 1 <= len(ids) <= MAX_FORK_CHILDREN or len(set(ids)) != len(ids):
@@ -235,16 +259,17 @@ class Sandboxes:
             taken = [c for c in ids if c in registry.sandboxes or c == sandbox_id]
             if taken:
                 raise Conflict(f"sandbox {taken[0]} exists", sandbox_id=sandbox_id)
-            self._check_capacity(len(ids), sandbox_id)
-            children = [self._child(parent, child) for child in ids]
-            try:
-                await settled(self._life.fork(parent, children))
-                for child in children:
-                    await self._network.apply(child)
-            except BaseException:
-                for child in children:
-                    await asyncio.shield(registry.destroy(child))
-                raise
+            claims = {child: Claim.sandbox(parent.record.spec.memory_mib) for child in ids}
+            with registry.admission.claim(claims, sandbox_id=sandbox_id):
+                children = [self._child(parent, child) for child in ids]
+                try:
+                    await settled(self._life.fork(parent, children))
+                    for child in children:
+                        await self._network.apply(child)
+                except BaseException:
+                    for child in children:
+                        await asyncio.shield(registry.destroy(child))
+                    raise
             return [child.record.status() for child in children]
 
     async def get_sandbox(self, sandbox_id: str) -> SandboxStatus:
@@ -252,14 +277,6 @@ class Sandboxes:
 
     async def list_sandboxes(self) -> list[SandboxStatus]:
         return [s.record.status() for s in self._registry.sandboxes.values()]
-
-    def _check_capacity(self, more: int, sandbox_id: str) -> None:
-        count, limit = len(self._registry.sandboxes), self._registry.config.max_sandboxes
-        if count + more > limit:
-            raise ResourceExhausted(
-                f"node has {count} sandboxes, {more} more would pass the limit of {limit}",
-                sandbox_id=sandbox_id,
-            )
 
     def _child(self, parent: LiveSandbox, child_id: str) -> LiveSandbox:
         record = replace(
@@ -276,6 +293,11 @@ class Sandboxes:
         child = self._registry.live(record)
         self._registry.sandboxes[child_id] = child
         return child
+
+
+def _waking(sandbox: LiveSandbox) -> dict[str, Claim]:
+    """The claim of a sandbox whose VM starts again from the memory image it has."""
+    return {sandbox.sandbox_id: Claim.wake(sandbox.record.spec.memory_mib)}
 
 
 _VERBS = {

@@ -172,6 +172,12 @@ class Node:
         await self.close(unmount_pool=unmount_pool)
 
     async def info(self) -> NodeInfo:
+        """Identity, load, warm pools and the capacity figures admission decides from
+        (None if the host cannot be measured; the rest is still answered)."""
+        try:
+            capacity = self._registry.admission.info()
+        except NodeError:
+            capacity = None
         return NodeInfo(
             node_id=self.node_id,
             accelerator=self.accelerator,
@@ -179,6 +185,7 @@ class Node:
             sandboxes=len(self._registry.sandboxes),
             pools=self.pools.infos(),
             boot_id=self._boot_id,
+            capacity=capacity,
         )
 
     # sandboxes (each service documents its calls: raises, idempotence, persistence)

@@ -1,7 +1,8 @@
 """How both HTTP APIs (the control plane's REST API and a node's own) answer errors.
 
 One installer, one shape: ``{"error": {"code", "message", "details"}}`` with the status
-``STATUS_BY_CODE[code]`` (space.node.api.wire, the one table). Errors that carry a
+``STATUS_BY_CODE[code]`` (space.node.api.wire, the one table), and a ``Retry-After``
+header when the details name ``retry_after_s`` (a capacity refusal). Errors that carry a
 code (``NodeError`` and any class the app adds, such as the control plane's
 ``ApiError``) answer with it; a malformed request (validation, JSON) answers 422
 ``invalid_argument`` with the fields at fault; a framework HTTP error keeps its status;
@@ -58,7 +59,14 @@ def error_body(code: str, message: str, details: dict[str, Any] | None = None) -
 
 
 def _respond(code: str, message: str, details: dict[str, Any] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(code, message, details), status_code=status_for_code(code))
+    """The answer; details naming ``retry_after_s`` (whole seconds) add a Retry-After."""
+    retry = (details or {}).get("retry_after_s")
+    headers = None
+    if isinstance(retry, int) and not isinstance(retry, bool) and retry > 0:
+        headers = {"Retry-After": str(retry)}
+    return JSONResponse(
+        error_body(code, message, details), status_code=status_for_code(code), headers=headers
+    )
 
 
 async def _on_coded(_: Request, exc: Exception) -> JSONResponse:

@@ -19,6 +19,7 @@ __all__ = [
     "BuildLog",
     "BuildStream",
     "BuildSucceeded",
+    "CapacityInfo",
     "EgressEvent",
     "ExecEvent",
     "ExecExited",
@@ -254,6 +255,32 @@ class PoolInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class CapacityInfo:
+    """What a node's admission decides from, now (space/node/core/capacity.py has the
+    formula). Memory and pool figures in MiB."""
+
+    memory_total_mib: int
+    #: MemAvailable, and what starts in flight hold of it (not yet visible in it).
+    memory_available_mib: int
+    memory_starting_mib: int
+    memory_reserve_mib: int
+    #: What the live VMs may grow to (guest RAM plus QEMU overhead, summed), and its
+    #: limit: the overcommit ratio times (total - reserve).
+    memory_committed_mib: int
+    memory_commit_limit_mib: int
+    pool_total_mib: int
+    pool_free_mib: int
+    pool_starting_mib: int
+    pool_reserve_mib: int
+    #: VMs starting now (admitted, not yet running).
+    starting: int
+    #: The operator's cap on sandboxes, if any.
+    max_sandboxes: int | None
+    #: How many more sandboxes of the default shape the node would admit now.
+    room: int
+
+
+@dataclass(frozen=True, slots=True)
 class TemplateInfo:
     """One tag of a template on a node: what sandboxes created from it start with.
 
@@ -330,6 +357,8 @@ class NodeInfo:
     #: Changes each time the node agent starts: what it holds in memory only (secret
     #: grants) must be sent again.
     boot_id: str = ""
+    #: The node's capacity figures (None from a node that does not report them).
+    capacity: CapacityInfo | None = None
 
 
 class NodeService(Protocol):

@@ -78,7 +78,8 @@ MAX_BUILD_LOG_BYTES = 64 * 1024
 #: Most egress events one log request may ask for (the REST API's limit too).
 
 #: The one error code → HTTP status table, shared by the REST API (docs/api.md,
-#: "Errors") and the node API, which answer with the same codes.
+#: "Errors") and the node API, which answer with the same codes. Where two codes share a
+#: status, the last one is what a bare status (a framework's 503) stands for.
 STATUS_BY_CODE: dict[str, int] = {
     "unauthenticated": 401,
     "permission_denied": 403,
@@ -87,6 +88,7 @@ STATUS_BY_CODE: dict[str, int] = {
     "invalid_argument": 422,
     "resource_exhausted": 429,
     "internal": 500,
+    "capacity": 503,
     "unavailable": 503,
     "timeout": 504,
 }

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from space.limits import DEFAULT_MEMORY_OVERCOMMIT
 from space.node.api import InvalidArgument
+from space.node.core.capacity import Policy
 from space.node.network.resolvers import parse_resolvers, system_resolvers
 
 __all__ = ["Accel", "NodeConfig", "resolve_node_id"]
@@ -50,7 +52,14 @@ class NodeConfig:
     image_cache_dir: Path = Path("/var/cache/space/images")
     accel: Accel = "auto"
     node_id: str | None = None
-    max_sandboxes: int = 64
+    #: Admission by capacity (space/node/core/capacity.py has the formula): host memory
+    #: kept from sandboxes, the most memory the live VMs may grow to as a multiple of
+    #: the rest, pool space kept free (None: the defaults of space/limits.py, relative
+    #: to the host's memory and the pool's size), and an optional cap on sandboxes.
+    memory_reserve_mib: int | None = None
+    memory_overcommit: float = DEFAULT_MEMORY_OVERCOMMIT
+    pool_reserve_mib: int | None = None
+    max_sandboxes: int | None = None
     boot_timeout_s: float = 60.0
     run_dir: Path | None = None
     qemu_binary: str = "qemu-system-x86_64"
@@ -79,17 +88,12 @@ class NodeConfig:
     egress_upstream_ca: Path | None = None
 
     def __post_init__(self) -> None:
-        counts = {
-            "max_sandboxes": (self.max_sandboxes, 1),
-            "max_parallel_starts": (self.max_parallel_starts, 1),
-            "warm_pool_min": (self.warm_pool_min, 0),
-            "warm_pool_max": (self.warm_pool_max, self.warm_pool_min),
-        }
-        for name, (value, least) in counts.items():
-            if not isinstance(value, int) or value < least:
-                raise InvalidArgument(
-                    f"{name} must be an integer of at least {least}, got {value!r}"
-                )
+        self._check_counts()
+        ratio = self.memory_overcommit
+        if not isinstance(ratio, int | float) or isinstance(ratio, bool) or not 0 < ratio <= 100:
+            raise InvalidArgument(
+                f"memory_overcommit must be a number above 0 and at most 100, got {ratio!r}"
+            )
         try:
             parse_resolvers(self.egress_resolvers)
         except ValueError as exc:
@@ -98,6 +102,36 @@ class NodeConfig:
             raise InvalidArgument(
                 f"apt_sources must be one-line 'deb ...' sources: {self.apt_sources!r}"
             )
+
+    def _check_counts(self) -> None:
+        """Each count a whole number (not a bool) of at least its least; the optional
+        ones (None: unset) too when set."""
+        counts = {
+            "max_sandboxes": (self.max_sandboxes, 1),
+            "memory_reserve_mib": (self.memory_reserve_mib, 0),
+            "pool_reserve_mib": (self.pool_reserve_mib, 0),
+            "max_parallel_starts": (self.max_parallel_starts, 1),
+            "warm_pool_min": (self.warm_pool_min, 0),
+            "warm_pool_max": (self.warm_pool_max, self.warm_pool_min),
+        }
+        optional = {"max_sandboxes", "memory_reserve_mib", "pool_reserve_mib"}
+        for name, (value, least) in counts.items():
+            if value is None and name in optional:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise InvalidArgument(
+                    f"{name} must be an integer of at least {least}, got {value!r}"
+                )
+
+    @property
+    def capacity(self) -> Policy:
+        """The admission settings, for space.node.core.capacity."""
+        return Policy(
+            memory_reserve_mib=self.memory_reserve_mib,
+            memory_overcommit=self.memory_overcommit,
+            pool_reserve_mib=self.pool_reserve_mib,
+            max_sandboxes=self.max_sandboxes,
+        )
 
     @property
     def effective_run_dir(self) -> Path:

@@ -24,6 +24,7 @@ from space.node.api import (
     ExecExited,
     ExecOutput,
     FileStat,
+    InsufficientCapacity,
     InvalidArgument,
     NodeError,
     NodeInfo,
@@ -70,6 +71,7 @@ ERROR_BY_CODE: dict[str, type[NodeError]] = {
         ResourceExhausted,
         Timeout,
         Unavailable,
+        InsufficientCapacity,
     )
 }
 #: An NDJSON line longer than this ends the stream (a chunk is at most ~1 MiB base64'd).
@@ -84,11 +86,14 @@ def error_from_response(status: int, body: bytes, sandbox_id: str | None) -> Nod
     try:
         error = json.loads(body)["error"]
         code, message = str(error["code"]), str(error["message"])
-    except (ValueError, KeyError, TypeError):
+        details = error.get("details") or {}
+    except (ValueError, KeyError, TypeError, AttributeError):
         return Unavailable(f"node answered HTTP {status}", sandbox_id=sandbox_id)
     if code == "unauthenticated":
         return Unavailable(f"node rejected our token: {message}", sandbox_id=sandbox_id)
-    return ERROR_BY_CODE.get(code, NodeError)(message, sandbox_id=sandbox_id)
+    if not isinstance(details, dict):
+        details = {}
+    return ERROR_BY_CODE.get(code, NodeError).from_answer(message, details, sandbox_id=sandbox_id)
 
 
 def transport_error(exc: httpx.HTTPError, sandbox_id: str | None) -> NodeError:
