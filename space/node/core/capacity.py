@@ -37,9 +37,9 @@ The first guard that fails is the refusal: InsufficientCapacity (HTTP 503, code
 bounds what the admitted VMs can grow to; guard 3 is the live check, which stops
 admission before the host would swap or OOM even if the guests already use more than
 expected; guard 4 keeps btrfs (which fails badly when full) and hibernation working.
-MemAvailable counts page cache it could reclaim: while guest RAM is a shared mapping
-of a file in the pool, the guests' own pages are such cache and guard 3 is optimistic;
-guard 2 does not depend on it.
+What a guest dirties is its VM's anonymous memory (guest RAM is anonymous or a private
+mapping of a ready state's RAM file), so MemAvailable shows it; the ready state's clean
+pages, shared by all its sandboxes, are page cache it counts as reclaimable.
 
 Defaults (space/limits.py). R = a tenth of MemTotal within 1-8 GiB: the node agent,
 control plane, egress gateway and the page cache of the pool's images live there. o =
