@@ -75,10 +75,10 @@ async def _create_all(node: Node) -> list[list[str]]:
 def test_a_hundred_concurrent_creates_against_a_pool_of_ten_all_succeed_independently(
     node_config: NodeConfig, tmp_path: Path
 ) -> None:
-    # Its own pool (a sparse file), large enough for a hundred guests' dirtied memory
-    # and for what admission keeps free while they start at once: room to hibernate
-    # each (256 MiB) plus a tenth of the pool (issue 15). No cap on sandboxes:
-    # admission by capacity must let a hundred default ones in.
+    # Its own pool (a sparse file), large enough for what admission keeps free while a
+    # hundred start at once: room to hibernate each (256 MiB) plus a tenth of the pool
+    # (issue 15). No cap on sandboxes: admission by capacity must let a hundred default
+    # ones in.
     config = replace(
         node_config,
         data_dir=tmp_path / "node",
