@@ -13,4 +13,4 @@ echo "== mypy (strict on space/, check_untyped_defs on tests/ and bench/)"
 .venv/bin/mypy
 .venv/bin/mypy tests bench
 echo "== pytest"
-exec .venv/bin/pytest -q -p no:cacheprovider "$@"
+exec .venv/bin/pytest -q -p no:cacheprovider --durations=25 "$@"
