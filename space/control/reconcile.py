@@ -1,8 +1,9 @@
 """Driving observed state towards desired state: the reaper and startup reconciliation.
 
 The reaper deletes sandboxes whose lifetime ended and hibernates those idle for their
-``idle_timeout_s``, by the app's injected clock, and sends secret grants again to
-nodes that restarted (space.control.broker: a node holds them in memory only).
+``idle_timeout_s``, by the app's injected clock, records as ``error`` (with the node's
+reason) the sandboxes whose VM a node saw exit, and sends secret grants again to nodes
+that restarted (space.control.broker: a node holds them in memory only).
 Reconciliation compares every registered node's sandboxes and snapshots with the
 database: rows the node no longer knows become ``error`` (or ``deleted`` if deletion
 was wanted), pending snapshot rows are published if the node finished them and
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from dataclasses import replace
 
@@ -29,6 +31,7 @@ from space.node.api import NodeError, NotFound, SandboxState, SandboxStatus, Sna
 
 __all__ = [
     "hibernate_idle",
+    "notice_failed_vms",
     "reap",
     "reap_expired",
     "reaper_loop",
@@ -37,6 +40,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: Row states that claim a VM runs (or stands paused) on the node.
+_LIVE = (SandboxState.RUNNING.value, SandboxState.PAUSED.value)
 
 
 async def reap_expired(ctx: ControlContext) -> list[str]:
@@ -79,11 +85,50 @@ async def hibernate_idle(ctx: ControlContext) -> list[str]:
     return hibernated
 
 
+async def notice_failed_vms(ctx: ControlContext) -> list[str]:
+    """Record as ``error`` every running or paused sandbox whose node reports it in
+    ERROR (its VM exited unasked), with the node's reason; returns their ids.
+
+    A row an operation changed meanwhile is left to that operation; a node that cannot
+    be listed is logged and asked again next round.
+    """
+    failed = []
+    for node_id in ctx.nodes.ids():
+        try:
+            statuses = await ctx.nodes.get(node_id).list_sandboxes()
+        except (NodeError, ApiError) as exc:
+            log.warning("could not list the sandboxes of node %s: %s", node_id, exc)
+            continue
+        errors = {s.sandbox_id: s for s in statuses if s.state == SandboxState.ERROR}
+        if errors:
+            failed += await _mark_failed(ctx, node_id, errors)
+    return failed
+
+
+async def _mark_failed(
+    ctx: ControlContext, node_id: str, errors: dict[str, SandboxStatus]
+) -> list[str]:
+    failed = []
+    for record in await ctx.db.run(lambda s: repo.on_node(s, node_id)):
+        status = errors.get(record.id)
+        if status is None or record.state not in _LIVE:
+            continue
+        reason = status.error or "the node reports the sandbox in error"
+        mark = functools.partial(
+            repo.mark_failed, sandbox_id=record.id, seen_state=record.state, error=reason
+        )
+        if await ctx.db.run(mark):
+            log.warning("sandbox %s on node %s failed: %s", record.id, node_id, reason)
+            failed.append(record.id)
+    return failed
+
+
 async def reap(ctx: ControlContext) -> None:
-    """One reaper round: delete expired sandboxes, hibernate idle ones, then send their
-    grants to nodes whose boot id changed."""
+    """One reaper round: delete expired sandboxes, hibernate idle ones, record failed
+    VMs, then send grants to nodes whose boot id changed."""
     await reap_expired(ctx)
     await hibernate_idle(ctx)
+    await notice_failed_vms(ctx)
     await broker.sync_restarted_nodes(ctx)
 
 

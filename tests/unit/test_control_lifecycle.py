@@ -7,14 +7,15 @@ sleeping.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from space.control.deps import ControlContext
-from space.control.reconcile import reap
-from space.node.api import SandboxState, Unavailable
+from space.control.reconcile import notice_failed_vms, reap
+from space.node.api import SandboxState, SandboxStatus, Unavailable
 from tests.unit.fakes import Harness, control_app
 
 pytestmark = pytest.mark.anyio
@@ -323,3 +324,37 @@ async def test_timeouts_can_be_set_on_a_sandbox_in_error(tmp_path: Path) -> None
         body = {"max_lifetime_s": 10}
         answer = await h.client.put(f"/v1/sandboxes/{sid}/timeouts", json=body, headers=key)
         assert answer.status_code == 200 and answer.json()["max_lifetime_s"] == 10
+
+
+async def test_a_vm_its_node_saw_exit_is_recorded_as_error_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    async with control_app(tmp_path) as h:
+        key = h.key("t")
+        running, paused, healthy = [(await _create(h, key))["id"] for _ in range(3)]
+        assert (await h.client.post(f"/v1/sandboxes/{paused}/pause", headers=key)).is_success
+        for sid in (running, paused):
+            box = h.node.boxes[sid]
+            box.status = replace(
+                box.status, state=SandboxState.ERROR, error="VM exited unexpectedly; oom"
+            )
+        await reap(_ctx(h))
+        for sid in (running, paused):
+            failed = await _get(h, sid, key)
+            assert (failed["state"], failed["error"]) == ("error", "VM exited unexpectedly; oom")
+        assert (await _get(h, healthy, key))["state"] == "running"
+
+
+async def test_negative_a_node_that_cannot_list_its_sandboxes_changes_no_row(
+    tmp_path: Path,
+) -> None:
+    async with control_app(tmp_path) as h:
+        key = h.key("t")
+        sid = (await _create(h, key))["id"]
+
+        async def unreachable() -> list[SandboxStatus]:
+            raise Unavailable("node unreachable")
+
+        h.node.list_sandboxes = unreachable  # type: ignore[method-assign]
+        assert await notice_failed_vms(_ctx(h)) == []
+        assert (await _get(h, sid, key))["state"] == "running"

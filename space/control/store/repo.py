@@ -13,6 +13,7 @@ from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 
 from space.control.store.models import NodeRow, SandboxRow
+from space.node.api import SandboxState
 
 __all__ = [
     "DELETED",
@@ -28,6 +29,7 @@ __all__ = [
     "list_nodes",
     "list_sandboxes",
     "mark_deleted",
+    "mark_failed",
     "node_boot_id",
     "on_node",
     "set_desired_deleted",
@@ -170,6 +172,17 @@ def set_state(session: Session, sandbox_id: str, state: str, *, error: str | Non
     session.execute(
         update(SandboxRow).where(SandboxRow.id == sandbox_id).values(state=state, error=error)
     )
+
+
+def mark_failed(session: Session, sandbox_id: str, seen_state: str, error: str) -> bool:
+    """Record a sandbox whose VM failed as ``error`` if its row still says ``seen_state``
+    (an operation that changed it since wins); True if it did."""
+    result = session.execute(
+        update(SandboxRow)
+        .where(SandboxRow.id == sandbox_id, SandboxRow.state == seen_state)
+        .values(state=SandboxState.ERROR.value, error=error)
+    )
+    return bool(getattr(result, "rowcount", 0) == 1)
 
 
 def set_status(
