@@ -224,6 +224,13 @@ async def test_negative_a_node_refusing_the_grants_at_create_leaves_an_error_row
         ("N", {**SECRET, "value": ""}, "value", "non-empty"),
         ("N", {**SECRET, "hosts": ["a*.example.com"]}, "hosts", "hosts[0].domain"),
         ("N", {**SECRET, "hosts": []}, "hosts", "1..32 domain patterns"),
+        # Every host under a public suffix is nobody's: a secret is bound within one
+        # registrable domain (issue 17).
+        *[
+            ("N", {**SECRET, "hosts": ["api.example.com", host]}, "hosts", "registrable")
+            for host in ("*", "*.*", "*.com", "com", "*.co.uk", "co.uk", "*.github.io")
+        ],
+        ("N", {**SECRET, "hosts": ["api.*.com"]}, "hosts", "hosts[0] 'api.*.com'"),
         ("N", {**HEADER, "header": "Host"}, "header", "frames the request"),
         ("N", {**HEADER, "header": "Bad Header"}, "header", "HTTP header name"),
         ("N", {**HEADER, "format": "Bearer"}, "format", "'{value}' once"),
@@ -339,3 +346,21 @@ def _database_bytes(data_dir: Path) -> bytes:
     files = sorted(data_dir.glob("space.db*"))
     assert files
     return b"".join(path.read_bytes() for path in files)
+
+
+@pytest.mark.parametrize(
+    "hosts",
+    [
+        ["*.example.com"],
+        ["a.*.example.com"],
+        ["api.example.co.uk"],
+        ["*.me.github.io"],
+        ["tls.allowed.test"],  # a suffix the list does not know: registrable below it
+    ],
+)
+async def test_a_secret_bound_within_one_registrable_domain_is_accepted(
+    tmp_path: Path, hosts: list[str]
+) -> None:
+    async with control_app(tmp_path) as h:
+        put = await _put(h, h.key("acme"), "N", {**SECRET, "hosts": hosts})
+        assert put["hosts"] == hosts

@@ -7,8 +7,11 @@ is refused; error messages name the grant and the field, never the value.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
+
+from publicsuffixlist import PublicSuffixList
 
 from space.limits import MAX_SANDBOX_SECRETS
 from space.node.api.egress_policy import DomainRule, EgressPolicy
@@ -57,7 +60,8 @@ def check_secret_value(value: object, what: str = "value") -> str:
 
 
 def check_host_patterns(hosts: object, what: str = "hosts") -> tuple[str, ...]:
-    """Domain patterns as in egress rules ("api.example.com", "*.example.com")."""
+    """Domain patterns as in egress rules ("api.example.com", "*.example.com"), each
+    within one registrable domain (see ``_check_registrable``)."""
     if not isinstance(hosts, list | tuple) or not 1 <= len(hosts) <= MAX_HOSTS:
         raise InvalidArgument(f"{what} must be a list of 1..{MAX_HOSTS} domain patterns")
     rules = [{"domain": host} for host in hosts]
@@ -65,7 +69,32 @@ def check_host_patterns(hosts: object, what: str = "hosts") -> tuple[str, ...]:
         policy = EgressPolicy.parse({"allow": rules})
     except InvalidArgument as exc:
         raise InvalidArgument(exc.message.replace("allow[", f"{what}[", 1)) from exc
-    return tuple(rule.pattern for rule in policy.domains)
+    patterns = tuple(rule.pattern for rule in policy.domains)
+    for index, pattern in enumerate(patterns):
+        _check_registrable(pattern, f"{what}[{index}]")
+    return patterns
+
+
+def _check_registrable(pattern: str, what: str) -> None:
+    """A secret goes only to hosts of one owner: the labels after a pattern's last ``*``
+    must be a registrable domain or a name under one, by the Public Suffix List. So
+    ``*``, ``*.*``, ``*.com``, ``com``, ``*.co.uk`` and ``*.github.io`` (a suffix under
+    which anyone registers) are refused; ``*.example.com`` is not. A name under a
+    suffix the list does not know (``x.test``) counts as registrable."""
+    fixed = pattern.split(".")
+    if "*" in fixed:
+        fixed = fixed[len(fixed) - fixed[::-1].index("*") :]
+    if _public_suffixes().privatesuffix(".".join(fixed)) is None:
+        raise InvalidArgument(
+            f"{what} {pattern!r} is not within one registrable domain (such as "
+            "'api.example.com' or '*.example.com'): a secret cannot be bound to every "
+            "host under a public suffix"
+        )
+
+
+@functools.cache
+def _public_suffixes() -> PublicSuffixList:
+    return PublicSuffixList()  # the list bundled with the package: no network
 
 
 def check_header_name(header: object, what: str = "header") -> str:
