@@ -16,19 +16,23 @@ __all__ = [
     "DEFAULT_MEMORY_MIB",
     "DEFAULT_MEMORY_OVERCOMMIT",
     "DISK_MIB",
+    "ENV",
     "MAX_COMMAND_TIMEOUT_S",
     "MAX_EGRESS_LOG_EVENTS",
     "MAX_FORK_CHILDREN",
     "MAX_IDLE_TIMEOUT_S",
+    "MAX_JSON_BODY_BYTES",
     "MAX_LIFETIME_S",
     "MAX_SANDBOX_SECRETS",
     "MAX_TIMEOUT_S",
     "MEMORY_MIB",
     "MEMORY_RESERVE_MIB",
     "MEMORY_RESERVE_SHARE",
+    "METADATA",
     "POOL_RESERVE_MIB",
     "POOL_RESERVE_SHARE",
     "RESOURCES",
+    "MapLimit",
     "Range",
 ]
 
@@ -57,6 +61,66 @@ class Range(NamedTuple):
             return None
         return f"{name} must be within {self.low}..{self.high}, got {value!r}"
 
+
+class MapLimit(NamedTuple):
+    """Bounds of a map of strings (a sandbox's ``env`` or ``metadata``): most entries,
+    longest key and value (UTF-8 bytes), and most bytes of keys and values together.
+    ``env_names`` also refuses a key holding ``=`` (an environment name cannot)."""
+
+    entries: int
+    key_bytes: int
+    value_bytes: int
+    total_bytes: int
+    env_names: bool = False
+
+    def refusal(self, name: str, value: object) -> str | None:
+        """Why ``value`` cannot be ``name`` (the one wording every layer uses), or None."""
+        if not isinstance(value, dict):
+            return f"{name} must be an object of strings"
+        if len(value) > self.entries:
+            return f"{name} has {len(value)} entries; at most {self.entries} are allowed"
+        total = 0
+        for key, item in value.items():
+            why = self._entry_refusal(key, item)
+            if why is not None:
+                return f"{name}[{str(key)[:64]!r}] {why}"
+            total += len(key.encode()) + len(item.encode())
+        if total > self.total_bytes:
+            return f"{name} holds {total} bytes; at most {self.total_bytes} are allowed"
+        return None
+
+    def _entry_refusal(self, key: object, item: object) -> str | None:
+        if not isinstance(key, str) or not isinstance(item, str):
+            return "must map a string to a string"
+        if not key or "\0" in key or (self.env_names and "=" in key):
+            forbidden = "NUL or '='" if self.env_names else "NUL"
+            return f"must be named by a non-empty string without {forbidden}"
+        if "\0" in item:
+            return "must not hold NUL"
+        try:
+            key_bytes, item_bytes = len(key.encode()), len(item.encode())
+        except UnicodeEncodeError:
+            return "must be valid UTF-8"
+        if key_bytes > self.key_bytes:
+            return f"name is {key_bytes} bytes; at most {self.key_bytes} are allowed"
+        if item_bytes > self.value_bytes:
+            return f"is {item_bytes} bytes; at most {self.value_bytes} are allowed"
+        return None
+
+
+#: Most bytes of a JSON request body (issue 17: a body is refused at this size, 413,
+#: before it is read whole). File uploads and template build contexts stream instead and
+#: have their own caps.
+MAX_JSON_BODY_BYTES: Final = 1 << 20
+
+#: A sandbox's environment (at create) and an exec's (added to it). Both reach the guest
+#: in one exec request, whose JSON the guest protocol caps at 64 KiB
+#: (space/protocol/_messages.py MAX_JSON_BYTES): 24 KiB each leaves room for the command.
+ENV: Final = MapLimit(
+    entries=256, key_bytes=256, value_bytes=16 * 1024, total_bytes=24 * 1024, env_names=True
+)
+#: A sandbox's metadata: labels kept in its row and answered in every listing.
+METADATA: Final = MapLimit(entries=64, key_bytes=128, value_bytes=1024, total_bytes=16 * 1024)
 
 #: A sandbox's (or a template's) resources.
 CPUS: Final = Range(1, 8)

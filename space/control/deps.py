@@ -5,7 +5,7 @@ from __future__ import annotations
 import hmac
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated
@@ -27,6 +27,7 @@ __all__ = [
     "LiveSandbox",
     "Sandbox",
     "Tenant",
+    "authenticate",
     "load_or_create_node_token",
     "require_node_token",
 ]
@@ -71,15 +72,19 @@ def _context(request: Request) -> ControlContext:
 Context = Annotated[ControlContext, Depends(_context)]
 
 
-def _presented_key(request: Request) -> str | None:
-    scheme, _, value = request.headers.get("authorization", "").partition(" ")
+def _presented_key(headers: Mapping[str, str]) -> str | None:
+    scheme, _, value = headers.get("authorization", "").partition(" ")
     if scheme.lower() == "bearer" and value.strip():
         return value.strip()
-    return request.headers.get("x-api-key") or None
+    return headers.get("x-api-key") or None
 
 
-async def _tenant(request: Request, ctx: Context) -> str:
-    key = _presented_key(request)
+async def authenticate(ctx: ControlContext, headers: Mapping[str, str]) -> str:
+    """The tenant of the API key in ``headers`` (Authorization: Bearer, or X-API-Key).
+
+    Raises ApiError(unauthenticated) for a missing, unknown or revoked key.
+    """
+    key = _presented_key(headers)
     if key is None:
         raise ApiError(
             "unauthenticated", "missing API key: send Authorization: Bearer <key> or X-API-Key"
@@ -88,6 +93,14 @@ async def _tenant(request: Request, ctx: Context) -> str:
     if tenant is None:
         raise ApiError("unauthenticated", "unknown or revoked API key")
     return tenant
+
+
+async def _tenant(request: Request, ctx: Context) -> str:
+    # space.control.edges authenticated the request before its body was read.
+    tenant = getattr(request.state, "tenant", None)
+    if isinstance(tenant, str):
+        return tenant
+    return await authenticate(ctx, request.headers)
 
 
 Tenant = Annotated[str, Depends(_tenant)]

@@ -26,7 +26,7 @@ from space.control.store import repo
 from space.control.store import snapshots as snaps
 from space.control.store.repo import SandboxRecord, SecretBinding
 from space.control.store.snapshots import SnapshotRecord
-from space.control.template_names import node_ref, parse_ref
+from space.control.template_names import node_ref, parse_ref, scrub
 from space.node.api import (
     InsufficientCapacity,
     NodeError,
@@ -58,6 +58,12 @@ _PAUSABLE = frozenset({SandboxState.RUNNING.value, SandboxState.PAUSED.value})
 #: restore accept them.
 LIVE = frozenset({*_PAUSABLE, SandboxState.HIBERNATED.value})
 _SUSPENDABLE = LIVE
+#: Node errors that refuse a create as asked (the request's fault, or a limit): the
+#: sandbox never existed, so no row is kept. Any other error (the node failed) keeps
+#: the row in ``error`` for the tenant to see.
+_REFUSALS = frozenset(
+    {"not_found", "invalid_argument", "conflict", "permission_denied", "resource_exhausted"}
+)
 
 log = logging.getLogger(__name__)
 
@@ -147,10 +153,13 @@ async def create_sandbox(
     secret (nothing recorded), ApiError(not_found) for a snapshot that is not the
     tenant's, ApiError(unavailable) with no node, InsufficientCapacity when no node
     has room (each asked in ``_place``'s order; the row is then deleted: the sandbox
-    never existed), or another NodeError of the node (with the new sandbox's id in
-    its details, the row then in state ``error``); a failure to send its grants also
-    leaves the row in ``error`` and deletes it on the node. Cancelled mid-way, the row
-    stays ``creating`` until reconciliation.
+    never existed), the node's refusal of the request (not_found for an unknown
+    template, invalid_argument, conflict, permission_denied, resource_exhausted: no
+    row is kept, and the message names no node-internal template name), or another
+    NodeError of the node (with the new sandbox's id in its details, the row then in
+    state ``error``); a failure to send its grants also leaves the row in ``error``
+    and deletes it on the node. Cancelled mid-way, the row stays ``creating`` until
+    reconciliation.
     """
     given = None if body.egress is None else egress.canonical(body.egress)
     source = await _source(ctx, tenant, body.from_snapshot)
@@ -192,11 +201,15 @@ async def _start(
             refusals.append(exc)
             continue
         except NodeError as exc:
-            await _creation_failed(ctx, record, exc)
+            exc.message = scrub(record.tenant_id, exc.message)
+            if exc.code in _REFUSALS:
+                exc.sandbox_id = None  # nothing by that id exists
+                await _creation_refused(ctx, record)
+            else:
+                await _creation_failed(ctx, record, exc)
             raise
         return await record_status(ctx, record, status)
-    now = ctx.clock()
-    await ctx.db.run(lambda s: repo.mark_deleted(s, sandbox_id, now))
+    await ctx.db.run(lambda s: repo.forget_sandbox(s, sandbox_id))
     raise _no_room(refusals)
 
 
@@ -265,6 +278,14 @@ async def _with_template_defaults(
         if info.name == wanted.name and tagged:
             return body.model_copy(update={k: getattr(info, k) for k in missing})
     return body  # the node answers not_found on create
+
+
+async def _creation_refused(ctx: ControlContext, record: SandboxRecord) -> None:
+    """The node refused the request itself: nothing of the sandbox is kept (issue 17: a
+    refused create stored its env and metadata in an ``error`` row)."""
+    await ctx.db.run(lambda s: repo.forget_sandbox(s, record.id))
+    with contextlib.suppress(NodeError):
+        await ctx.nodes.get(record.node_id).delete_sandbox(record.id)
 
 
 async def _creation_failed(ctx: ControlContext, record: SandboxRecord, exc: NodeError) -> None:

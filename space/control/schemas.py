@@ -22,6 +22,7 @@ from space.limits import (
     DEFAULT_DISK_MIB,
     DEFAULT_MEMORY_MIB,
     DISK_MIB,
+    ENV,
     MAX_COMMAND_TIMEOUT_S,
     MAX_FORK_CHILDREN,
     MAX_IDLE_TIMEOUT_S,
@@ -29,6 +30,8 @@ from space.limits import (
     MAX_SANDBOX_SECRETS,
     MAX_TIMEOUT_S,
     MEMORY_MIB,
+    METADATA,
+    MapLimit,
 )
 from space.node.api import EgressEvent, FileStat, PoolInfo, ProcessInfo, TemplateInfo
 
@@ -87,9 +90,21 @@ def _no_nul(text: str) -> str:
 GuestPath = Annotated[str, AfterValidator(_check_path)]
 UserName = Annotated[str, Field(pattern=_USER_PATTERN)]
 _Text = Annotated[str, Field(max_length=_MAX_TEXT), AfterValidator(_no_nul)]
-_Env = Annotated[
-    dict[Annotated[str, Field(min_length=1, max_length=256)], _Text], Field(max_length=256)
-]
+
+
+def _bounded(limit: MapLimit, name: str) -> AfterValidator:
+    def check(value: dict[str, str]) -> dict[str, str]:
+        why = limit.refusal(name, value)
+        if why is not None:
+            raise ValueError(why)
+        return value
+
+    return AfterValidator(check)
+
+
+#: An environment (a sandbox's at create, an exec's): the same bounds at both.
+_Env = Annotated[dict[str, str], _bounded(ENV, "env")]
+_Metadata = Annotated[dict[str, str], _bounded(METADATA, "metadata")]
 #: A secret's name (as space.node.api.secret_grants.check_secret_name has it).
 SecretName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")]
 
@@ -109,7 +124,7 @@ class SandboxCreate(_Body):
     #: Seconds without guest activity before the sandbox is hibernated; null: never.
     idle_timeout_s: int | None = Field(None, ge=1, le=MAX_IDLE_TIMEOUT_S)
     env: _Env = Field(default_factory=dict)
-    metadata: _Env = Field(default_factory=dict)
+    metadata: _Metadata = Field(default_factory=dict)
     #: A snapshot of the tenant's to start from (its node, template and resources).
     from_snapshot: str | None = Field(None, pattern=_ID_PATTERN)
     #: Egress policy (space.node.api.egress_policy); null: no network; omitted: none, or

@@ -9,6 +9,11 @@ import httpx
 import uvicorn
 
 from space.control.app import create_app
+from space.control.connections import (
+    HEADER_TIMEOUT_S,
+    MAX_CONNECTIONS_PER_CLIENT,
+    guarded_protocol,
+)
 from space.control.nodes import NodeRegistry
 from space.control.settings import ControlSettings
 from space.node.api import NodeError, NodeService, Unavailable
@@ -18,7 +23,13 @@ __all__ = ["register_remote_node", "run_control_plane"]
 
 
 async def run_control_plane(
-    settings: ControlSettings, node: NodeService | None, *, host: str, port: int
+    settings: ControlSettings,
+    node: NodeService | None,
+    *,
+    host: str,
+    port: int,
+    header_timeout_s: float = HEADER_TIMEOUT_S,
+    max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT,
 ) -> None:
     """Serve the REST API on ``host:port`` until cancelled (or SIGINT/SIGTERM).
 
@@ -27,14 +38,19 @@ async def run_control_plane(
     the server down gracefully (listening socket closed, lifespan finished: the reaper
     stopped, the database disposed) before the CancelledError propagates. Raises
     Unavailable if the server could not start (e.g. the port is taken).
+
+    A connection whose request headers are not complete within ``header_timeout_s``
+    is closed, and so is one from a client address that already holds
+    ``max_connections_per_client`` (space.control.connections).
     """
     registry = NodeRegistry()
     if node is not None:
         registry.register("local", node)
     app = create_app(settings, registry)
-    config = uvicorn.Config(
-        app, host=host, port=port, lifespan="on", log_level="info", http="httptools"
+    http = guarded_protocol(
+        header_timeout_s=header_timeout_s, max_per_client=max_connections_per_client
     )
+    config = uvicorn.Config(app, host=host, port=port, lifespan="on", log_level="info", http=http)
     server = uvicorn.Server(config)
     with _listen(host, port) as sock:
         serving = asyncio.ensure_future(server.serve(sockets=[sock]))

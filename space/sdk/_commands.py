@@ -7,6 +7,7 @@ import builtins
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, overload
 
+from space.limits import ENV
 from space.sdk._events import (
     OutputCallback,
     OutputCollector,
@@ -17,6 +18,7 @@ from space.sdk._events import (
 )
 from space.sdk._http import ApiClient
 from space.sdk._models import CommandResult, ProcessInfo
+from space.sdk._sandbox_requests import bounded_map
 from space.sdk.errors import (
     CommandExitError,
     InternalError,
@@ -240,7 +242,7 @@ def _exec_body(
 ) -> dict[str, Any]:
     body: dict[str, Any] = {"cmd": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
     if env:
-        body["env"] = dict(env)
+        body["env"] = bounded_map(ENV, "env", env, "commands.run")
     if cwd is not None:
         body["cwd"] = cwd
     if user is not None:

@@ -13,13 +13,19 @@ from typing import Any, Final
 
 import httpx
 
-from space.limits import MAX_FORK_CHILDREN
+from space.limits import ENV, MAX_FORK_CHILDREN, METADATA
 from space.sdk._commands import AsyncCommands
 from space.sdk._files import AsyncFiles
 from space.sdk._http import ApiClient, json_object, listed, one_call, same_contract
 from space.sdk._models import PoolInfo, SandboxInfo, SnapshotInfo
 from space.sdk._network import AsyncNetwork
-from space.sdk._sandbox_requests import create_body, secret_names, segment, snapshot_id
+from space.sdk._sandbox_requests import (
+    bounded_map,
+    create_body,
+    secret_names,
+    segment,
+    snapshot_id,
+)
 from space.sdk.errors import InvalidArgument, NotFound
 
 __all__ = ["KEEP", "AsyncSandbox", "AsyncSandboxes"]
@@ -97,7 +103,11 @@ class AsyncSandboxes:
         sandbox behind that ``list()`` shows.
         """
         body = create_body(template, cpus, memory_mib, disk_mib, from_snapshot)
-        body.update(timeout_s=timeout_s, env=dict(env or {}), metadata=dict(metadata or {}))
+        body.update(
+            timeout_s=timeout_s,
+            env=bounded_map(ENV, "env", env, "sandbox.create"),
+            metadata=bounded_map(METADATA, "metadata", metadata, "sandbox.create"),
+        )
         if idle_timeout_s is not None:
             body["idle_timeout_s"] = idle_timeout_s
         if egress is not None:

@@ -4,10 +4,10 @@ checked before anything is sent (InvalidArgument, with nothing on the wire)."""
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from space.limits import RESOURCES
+from space.limits import RESOURCES, MapLimit
 from space.sdk._models import SnapshotInfo
 from space.sdk.errors import InvalidArgument
 
@@ -43,6 +43,18 @@ def create_body(
             )
         body["from_snapshot"] = snapshot_id(from_snapshot)
     return body
+
+
+def bounded_map(
+    limit: MapLimit, name: str, value: Mapping[str, str] | None, operation: str
+) -> dict[str, str]:
+    """``value`` as a dict, refused (InvalidArgument) as the API would refuse it: an
+    ``env`` or ``metadata`` over space.limits, or with a bad name."""
+    given = dict(value or {})
+    refusal = limit.refusal(name, given)
+    if refusal is not None:
+        raise InvalidArgument(refusal, operation=operation)
+    return given
 
 
 def secret_names(secrets: Sequence[str]) -> list[str]:

@@ -145,11 +145,11 @@ async def test_a_failed_creation_answers_the_node_error_and_keeps_the_row_in_err
     tmp_path: Path,
 ) -> None:
     node = FakeNode()
-    node.fail_create = ResourceExhausted("no memory left")
+    node.fail_create = Unavailable("boot failed: no memory left")
     async with control_app(tmp_path, node) as h:
         headers = h.key("acme")
         response = await h.client.post("/v1/sandboxes", json={}, headers=headers)
-        assert response.status_code == 429
+        assert response.status_code == 503
         error = _error(response)
         sandbox_id = error["details"]["sandbox_id"]
         got = (await h.client.get(f"/v1/sandboxes/{sandbox_id}", headers=headers)).json()

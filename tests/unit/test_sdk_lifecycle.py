@@ -10,7 +10,15 @@ from typing import Any
 import httpx
 import pytest
 
-from space.limits import CPUS, DISK_MIB, MAX_FORK_CHILDREN, MEMORY_MIB, RESOURCES
+from space.limits import (
+    CPUS,
+    DISK_MIB,
+    ENV,
+    MAX_FORK_CHILDREN,
+    MEMORY_MIB,
+    METADATA,
+    RESOURCES,
+)
 from space.node.api import SandboxState
 from space.sdk import AsyncSandbox, Sandbox, SandboxInfo
 from space.sdk._sandbox_requests import create_body
@@ -303,6 +311,30 @@ async def test_negative_create_past_a_resource_limit_raises_and_sends_nothing(
     with pytest.raises(InvalidArgument, match=f"{name} must be within"):
         await _sdk_sandbox(api, **{name: value})
     assert _bodies(api, "/v1/sandboxes") == [] and not api.node.boxes
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        ({"env": {"A\0B": "x"}}, "without NUL or '='"),
+        ({"env": {"A=B": "x"}}, "without NUL or '='"),
+        ({"env": {f"V{i}": "" for i in range(ENV.entries + 1)}}, "at most 256"),
+        ({"metadata": {"k": "v" * (METADATA.value_bytes + 1)}}, "at most 1024"),
+    ],
+)
+async def test_negative_a_bad_env_or_metadata_is_refused_before_sending(
+    api: LiveApi, options: dict[str, Any], words: str
+) -> None:
+    with pytest.raises(InvalidArgument, match=words):
+        await _sdk_sandbox(api, **options)
+    assert _bodies(api, "/v1/sandboxes") == [] and not api.node.boxes
+
+
+async def test_negative_a_bad_exec_env_is_refused_before_sending(api: LiveApi) -> None:
+    sandbox = await _sdk_sandbox(api)
+    with pytest.raises(InvalidArgument, match="without NUL or '='"):
+        await sandbox.commands.run("true", env={"A=B": "x"})
+    assert api.exec_bodies == []
 
 
 async def test_create_at_every_resource_limit_is_sent() -> None:

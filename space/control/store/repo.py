@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from space.control.store.models import NodeRow, SandboxRow
@@ -240,6 +240,11 @@ def mark_deleted(session: Session, sandbox_id: str, now: float) -> None:
         .where(SandboxRow.id == sandbox_id)
         .values(state=DELETED, desired_state=DELETED, deleted_at=now)
     )
+
+
+def forget_sandbox(session: Session, sandbox_id: str) -> None:
+    """Remove the row of a sandbox that never existed (its create was refused)."""
+    session.execute(delete(SandboxRow).where(SandboxRow.id == sandbox_id))
 
 
 def expired(session: Session, now: float) -> list[SandboxRecord]:
