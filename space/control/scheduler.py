@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-__all__ = ["pick_node", "rank_nodes"]
+__all__ = ["rank_nodes"]
 
 
 def rank_nodes(candidates: Iterable[str], load: Mapping[str, int]) -> list[str]:
@@ -18,9 +18,3 @@ def rank_nodes(candidates: Iterable[str], load: Mapping[str, int]) -> list[str]:
     ``load`` counts live sandboxes per node id; nodes missing from it have none.
     """
     return sorted(candidates, key=lambda node_id: (load.get(node_id, 0), node_id))
-
-
-def pick_node(candidates: Iterable[str], load: Mapping[str, int]) -> str | None:
-    """The first of ``rank_nodes``, or None if there is no candidate."""
-    ranked = rank_nodes(candidates, load)
-    return ranked[0] if ranked else None

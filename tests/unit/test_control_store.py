@@ -15,7 +15,7 @@ from space.control import ControlSettings, NodeRegistry, create_key, list_keys, 
 from space.control.errors import STATUS_BY_CODE, ApiError
 from space.control.keys import KEY_PREFIX, hash_key
 from space.control.reconcile import reap_expired
-from space.control.scheduler import pick_node
+from space.control.scheduler import rank_nodes
 from space.control.store import Database
 from space.control.store.db import alembic_config
 from space.control.store.models import ApiKeyRow, Base
@@ -104,11 +104,11 @@ def test_the_error_table_matches_the_documented_statuses() -> None:
         assert f"| {status} | `{code}` |" in doc
 
 
-def test_placement_picks_the_node_with_the_fewest_sandboxes() -> None:
-    assert pick_node(["a", "b", "c"], {"a": 3, "b": 1, "c": 2}) == "b"
-    assert pick_node(["a", "b"], {"a": 1}) == "b"
-    assert pick_node(["b", "a"], {}) == "a"
-    assert pick_node([], {"a": 0}) is None
+def test_placement_asks_the_node_with_the_fewest_sandboxes_first() -> None:
+    assert rank_nodes(["a", "b", "c"], {"a": 3, "b": 1, "c": 2}) == ["b", "c", "a"]
+    assert rank_nodes(["a", "b"], {"a": 1}) == ["b", "a"]
+    assert rank_nodes(["b", "a"], {}) == ["a", "b"]
+    assert rank_nodes([], {"a": 0}) == []
 
 
 async def test_new_sandboxes_spread_over_nodes(tmp_path: Path) -> None:

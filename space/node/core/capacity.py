@@ -83,7 +83,8 @@ __all__ = [
 
 #: Host memory a VM may take beyond its guest RAM: TCG's translation cache (64 MiB,
 #: space/node/vmm/qemu.py's tb-size) plus QEMU's own heap and device buffers (an
-#: estimate: 242 MiB RSS measured for a booted 256 MiB guest, RAM pages included).
+#: estimate: 132 MiB RSS measured for an idle 256 MiB sandbox woken from a ready state,
+#: its guest pages and the ready state's shared ones included; docs/benchmarks.md).
 VM_OVERHEAD_MIB = 96
 _MIB = 1024 * 1024
 #: Sandbox states whose VM holds (or is about to hold) host memory.
