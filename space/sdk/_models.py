@@ -50,7 +50,8 @@ class SandboxInfo:
     file calls; the last at ``last_active_at``); ``max_lifetime_s`` deletes it that long
     after ``created_at`` (at ``expires_at``); None means no such limit.
     ``head_snapshot`` is the snapshot it last came from or took: the parent of its next
-    snapshot.
+    snapshot. ``error`` says why a sandbox in state ``error`` is there (its VM exited,
+    its guest broke the protocol...); None otherwise.
     """
 
     sandbox_id: str
@@ -69,6 +70,7 @@ class SandboxInfo:
     last_active_at: datetime | None = None
     head_snapshot: str | None = None
     secrets: tuple[SecretBinding, ...] = ()
+    error: str | None = None
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> SandboxInfo:
@@ -91,6 +93,7 @@ class SandboxInfo:
                 last_active_at=_parse_time(body.get("last_active_at")),
                 head_snapshot=_optional_str(body, "head_snapshot"),
                 secrets=tuple(SecretBinding.from_wire(b) for b in body.get("secrets") or ()),
+                error=_optional_str(body, "error"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InternalError(f"malformed sandbox in answer: {exc!r}") from None

@@ -180,6 +180,28 @@ def test_a_killed_server_readopts_its_running_sandbox(platform: Platform, key: s
     again.kill()
 
 
+def test_a_vmm_killed_under_a_running_sandbox_shows_as_error_within_seconds(
+    platform: Platform, key: str
+) -> None:
+    sandbox = Sandbox.create(api_url=platform.url, api_key=key)
+    try:
+        (pid,) = [
+            p
+            for p in qemu_pids(platform.data_dir)
+            if sandbox.sandbox_id.encode() in Path(f"/proc/{p}/cmdline").read_bytes()
+        ]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 15  # the reaper asks the node every 5 s
+        info = sandbox.get_info()
+        while info.state != "error" and time.monotonic() < deadline:
+            time.sleep(0.25)
+            info = sandbox.get_info()
+        assert info.state == "error", info
+        assert info.error
+    finally:
+        sandbox.kill()
+
+
 def test_many_threads_share_one_sync_client_safely(sbx: Sandbox) -> None:
     errors: list[BaseException] = []
 
