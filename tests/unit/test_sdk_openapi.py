@@ -34,8 +34,8 @@ from space.sdk import (
 #: SDK model -> (API schema, SDK field -> API property where the names differ,
 #: API properties the SDK leaves out on purpose).
 MODELS: dict[type[Any], tuple[str, dict[str, str], set[str]]] = {
-    # ``egress`` is read through ``sandbox.network``; ``error`` is not shown yet.
-    SandboxInfo: ("SandboxOut", {"sandbox_id": "id"}, {"egress", "error"}),
+    # ``egress`` is read through ``sandbox.network``.
+    SandboxInfo: ("SandboxOut", {"sandbox_id": "id"}, {"egress"}),
     SecretBinding: ("SandboxSecretOut", {}, set()),
     SecretInfo: ("SecretOut", {}, set()),
     SnapshotInfo: ("SnapshotOut", {"snapshot_id": "id"}, set()),
