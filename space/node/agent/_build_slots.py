@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from space.node.api import ResourceExhausted
 
-__all__ = ["BuildSlots", "Ticket", "build_owner"]
+__all__ = ["OPERATOR", "BuildSlots", "Ticket", "build_owner"]
 
 #: The node-internal name of a tenant's template: ``t`` + 16 hex digits + ``.`` + the
 #: tenant's name (made by space/control/template_names.py, which the node may not import).
@@ -95,7 +95,8 @@ class BuildSlots:
         return ticket
 
     def ahead(self, ticket: Ticket) -> int:
-        """Waiting builds that would get a slot before ``ticket`` if none more came."""
+        """Waiting builds that would get a slot before ``ticket`` if none more came (an
+        estimate for the log: it leaves out that builds of one name wait for each other)."""
         running = Counter(self._running)
         served = dict(self._served)
         waiting = list(self._waiting)
