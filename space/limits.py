@@ -11,6 +11,7 @@ from typing import Final, NamedTuple
 
 __all__ = [
     "CPUS",
+    "DEFAULT_BUILD_SLOTS",
     "DEFAULT_CPUS",
     "DEFAULT_DISK_MIB",
     "DEFAULT_MEMORY_MIB",
@@ -158,3 +159,6 @@ DEFAULT_MEMORY_OVERCOMMIT: Final = 2.0
 #: Space kept free in the node's btrfs pool: this share of its size, within these MiB.
 POOL_RESERVE_SHARE: Final = 0.10
 POOL_RESERVE_MIB: Final = Range(1024, 32768)
+#: Template builds a node runs at once unless the operator sets it (issue 17): each in
+#: its own build VM, shared fairly between tenants (space/node/agent/_build_slots.py).
+DEFAULT_BUILD_SLOTS: Final = 2

@@ -20,6 +20,7 @@ import click
 
 from space.cli._common import ProgressPrinter, fail
 from space.limits import (
+    DEFAULT_BUILD_SLOTS,
     DEFAULT_MEMORY_OVERCOMMIT,
     MEMORY_RESERVE_MIB,
     MEMORY_RESERVE_SHARE,
@@ -51,7 +52,8 @@ EGRESS_RESOLVER_OPTION = click.option(
 
 def capacity_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """The node's admission settings (space/node/core/capacity.py), passed to NodeConfig
-    as ``max_sandboxes``, ``memory_reserve_mib``, ``memory_overcommit``, ``pool_reserve_mib``."""
+    as ``max_sandboxes``, ``memory_reserve_mib``, ``memory_overcommit``, ``pool_reserve_mib``,
+    and its build slots as ``build_slots``."""
     low, high = MEMORY_RESERVE_MIB
     pool_low, pool_high = POOL_RESERVE_MIB
     options = (
@@ -74,6 +76,10 @@ def capacity_options(command: Callable[..., Any]) -> Callable[..., Any]:
             "--pool-reserve-mib", type=click.IntRange(min=0), default=None,
             help=f"Space kept free in the btrfs pool (default: {POOL_RESERVE_SHARE:.0%}"
             f" of it, within {pool_low}-{pool_high} MiB).",
+        ),
+        click.option(
+            "--build-slots", type=click.IntRange(min=1), default=DEFAULT_BUILD_SLOTS,
+            show_default=True, help="Template builds the node runs at once, shared by tenant.",
         ),
     )  # fmt: skip
     for option in reversed(options):

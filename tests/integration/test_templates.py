@@ -6,10 +6,12 @@ state, so these tests take about half a minute per build under TCG.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import tarfile
 import textwrap
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -191,3 +193,44 @@ def test_packages_are_fetched_by_the_host_and_installed_in_the_build_vm(
         assert installed == "space-app 1:2.0\nspace-base 1.0\nspace-lib 1.0"
         assert _sh(node, "pkg", "dpkg-query -W -f '${Status}' space-app") == "install ok installed"
         assert _sh(node, "pkg", "ls /var/cache/space-build 2>/dev/null | wc -l") == "0"
+
+
+def test_b_s_one_step_build_finishes_while_a_s_slow_build_runs(
+    node: NodeHarness, tmp_path: Path
+) -> None:
+    # Node-internal names of two tenants' templates (space/control/template_names.py).
+    slow_name, quick_name = "t" + "a" * 16 + ".slow", "t" + "b" * 16 + ".quick"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+
+    async def until_sleeping() -> tuple[AsyncIterator[BuildEvent], list[BuildEvent]]:
+        slow = await node.node.build_template(
+            _context(tmp_path / "a", _spec(["sleep 600"], name=slow_name))
+        )
+        events = aiter(slow)
+        seen: list[BuildEvent] = []
+        async with asyncio.timeout(180):
+            while not any(line.startswith("step 2/3 run") for line in _logs(seen)):
+                seen.append(await anext(events))
+        return events, seen
+
+    slow_events, slow_seen = node.run(until_sleeping())
+    started = time.monotonic()
+    quick = node.run(_build(node.node, _context(tmp_path / "b", _spec([], name=quick_name))))
+    quick_s = time.monotonic() - started
+    assert _built(quick).name == quick_name
+    assert not any("waiting" in line for line in _logs(quick))
+    assert not any(isinstance(event, BuildSucceeded | BuildFailed) for event in slow_seen)
+
+    # A's build is still in its sleep: stopping the node's builds ends it, tag unmoved.
+    node.run(node.node.templates.close())
+    rest = node.run(_collect(slow_events))
+    outcome = rest[-1]
+    assert isinstance(outcome, BuildFailed) and outcome.code == "unavailable", outcome
+    assert slow_name not in {t.name for t in node.run(node.node.list_templates())}
+    print(f"B's one-step build took {quick_s:.1f} s while A's build slept")
+
+
+async def _collect(events: AsyncIterator[BuildEvent]) -> list[BuildEvent]:
+    async with asyncio.timeout(60):
+        return [event async for event in events]

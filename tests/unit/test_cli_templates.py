@@ -152,6 +152,15 @@ def test_serve_passes_the_admission_settings_to_the_node(
     assert default.max_sandboxes is None
 
 
+def test_serve_passes_the_build_slots_to_the_node(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _, config = _serve(monkeypatch, tmp_path, "--build-slots", "5")
+    assert config.build_slots == 5
+    _, default = _serve(monkeypatch, tmp_path)
+    assert default.build_slots == NodeConfig(data_dir=tmp_path).build_slots == 2
+
+
 def test_a_node_alone_takes_the_same_admission_settings(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -182,6 +191,7 @@ def test_a_node_alone_takes_the_same_admission_settings(
         ("--max-sandboxes", "0"),
         ("--memory-overcommit", "0"),
         ("--pool-reserve-mib", "-1"),
+        ("--build-slots", "0"),
     ],
 )
 def test_negative_bad_pool_or_admission_settings_exit_2_without_starting_a_node(

@@ -15,6 +15,7 @@ from space.node.core.config import DEFAULT_APT_SOURCES, NodeConfig
 def test_the_defaults_are_valid_and_fetch_from_the_guest_release() -> None:
     config = NodeConfig(data_dir=Path("/tmp/x"))
     assert (config.warm_pool_min, config.warm_pool_max, config.max_parallel_starts) == (0, 0, 4)
+    assert (config.build_slots, config.queued_builds_per_tenant) == (2, 4)
     assert config.apt_sources == DEFAULT_APT_SOURCES
     assert all(" bookworm" in line for line in DEFAULT_APT_SOURCES)
 
@@ -47,6 +48,8 @@ def test_a_pool_of_equal_bounds_is_valid() -> None:
         ({"warm_pool_min": 2, "warm_pool_max": 1}, "warm_pool_max"),
         ({"warm_pool_min": -1}, "warm_pool_min"),
         ({"max_parallel_starts": 0}, "max_parallel_starts"),
+        ({"build_slots": 0}, "build_slots"),
+        ({"queued_builds_per_tenant": -1}, "queued_builds_per_tenant"),
         ({"max_sandboxes": 0}, "max_sandboxes"),
         ({"max_sandboxes": 2.5}, "max_sandboxes"),
         ({"max_sandboxes": True}, "max_sandboxes"),

@@ -1,11 +1,13 @@
-"""Template builds as the node runs them: one at a time, in the background, logged.
+"""Template builds as the node runs them: in the background, logged, a few at a time.
 
 Private to space.node.agent (``Templates`` runs them). ``Builds.start`` unpacks the
-build context, reads and plans the spec (raising before anything runs), then runs the
-build in a task whose log a BuildStream follows. The task builds the layers
-(space.node.agent._builder), publishes the template's subvolume, has the node make its
-ready state, and only then moves the tag. A listener that goes away does not stop the
-build. The work directory goes in the end.
+build context, reads the spec, takes the build's place for a build slot
+(space.node.agent._build_slots: shared fairly between tenants, a bounded queue each)
+and plans the build, raising before anything runs; then it runs the build in a task
+whose log a BuildStream follows. The task waits for its slot (saying so in the log) and
+runs the build body it was given (``Templates``: layers, subvolume, ready state, tag).
+A listener that goes away does not stop the build. The work directory goes in the end,
+or at once when the build is refused.
 """
 
 from __future__ import annotations
@@ -15,22 +17,22 @@ import contextlib
 import logging
 import secrets
 import shutil
-import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from space.node.agent._builder import BuildStepFailed, Planned, build_layers, plan_build
+from space.node.agent._build_slots import BuildSlots, Ticket
+from space.node.agent._builder import BuildStepFailed, Planned, plan_build
 from space.node.agent._catalog import Catalog
 from space.node.api import BuildEvent, BuildFailed, BuildLog, BuildSucceeded, NodeError
 from space.node.core.template import Template
 from space.node.templates import load_spec
 from space.node.templates.context import unpack_context
 
-if TYPE_CHECKING:
-    from space.node.agent._registry import Registry
+__all__ = ["BuildBody", "Builds"]
 
-__all__ = ["Builds"]
+#: What a build does once it holds its slot: build ``Planned`` (logging through the
+#: callable), publish it and move its tag; returns the template the tag now names.
+BuildBody = Callable[[Planned, Callable[[str], None]], Awaitable[Template]]
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +47,14 @@ class _Log:
         self._queue: asyncio.Queue[BuildEvent] = asyncio.Queue(_BACKLOG)
         self._dropped = 0
         self.closed = False
+        self.ended = False
 
     def say(self, line: str) -> None:
         log.debug("build: %s", line)
         self._put(BuildLog(line))
 
     def end(self, event: BuildSucceeded | BuildFailed) -> None:
+        self.ended = True
         with contextlib.suppress(asyncio.QueueEmpty):
             while self._queue.full():  # the outcome is never the event dropped
                 self._queue.get_nowait()
@@ -93,56 +97,65 @@ class Builds:
 
     def __init__(
         self,
-        registry: Registry,
         catalog: Catalog,
         work_root: Path,
-        make_ready: Callable[[Template], Awaitable[Template]],
-        drop_build: Callable[[Template], Awaitable[None]],
+        body: BuildBody,
+        *,
+        slots: int,
+        queued_per_owner: int,
     ) -> None:
-        self._registry = registry
         self._catalog = catalog
         self._work_root = work_root
-        self._make_ready = make_ready
-        self._drop_build = drop_build
-        self._lock = asyncio.Lock()
+        self._body = body
+        self.slots = BuildSlots(slots, queued_per_owner)
         self._tasks: set[asyncio.Task[None]] = set()
         shutil.rmtree(work_root, ignore_errors=True)  # what builds cut short left
 
     async def start(self, context: AsyncIterable[bytes]) -> _Stream:
         """Unpack and plan a build, then run it in the background; see NodeService.
 
-        Raises InvalidArgument (TemplateSpecError) for a bad archive or spec.
+        Raises InvalidArgument (TemplateSpecError) for a bad archive or spec, and
+        ResourceExhausted when the template's tenant has as many builds waiting for a
+        slot as may wait; either way the unpacked context is removed before raising.
         """
         build_id = f"b{secrets.token_hex(6)}"
         work = self._work_root / build_id
         work.mkdir(parents=True)
+        ticket: Ticket | None = None
         try:
             spec_path = await unpack_context(context, work)
             spec = await asyncio.to_thread(load_spec, spec_path)
+            # Placed before planning (which hashes every copied file), so a refusal
+            # costs no more than the unpacking.
+            ticket = self.slots.enqueue(spec.name)
             planned = await plan_build(spec, spec_path.parent, self._catalog)
         except BaseException:
+            if ticket is not None:
+                self.slots.leave(ticket)
             shutil.rmtree(work, ignore_errors=True)
             raise
         events = _Log()
-        task = asyncio.get_running_loop().create_task(self._run(planned, events, work))
+        task = asyncio.get_running_loop().create_task(self._run(planned, ticket, events, work))
         self._tasks.add(task)
+        # Also for a task cancelled before it ran, which never reaches _run's finally.
+        task.add_done_callback(lambda _: self._forget(ticket, work, events))
         task.add_done_callback(self._tasks.discard)
         return _Stream(build_id, events)
 
     async def close(self) -> None:
-        """Cancel running builds (their build VMs are removed; tags do not move)."""
+        """Cancel queued and running builds (their build VMs are removed, their work
+        directories deleted, their listeners told; tags do not move)."""
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def _run(self, planned: Planned, events: _Log, work: Path) -> None:
+    async def _run(self, planned: Planned, ticket: Ticket, events: _Log, work: Path) -> None:
         name, tag = planned.spec.name, planned.spec.tag
         try:
-            if self._lock.locked():
-                events.say("waiting for another build on this node to finish")
-            async with self._lock:
-                events.say(f"building {name}:{tag} ({planned.digest[:12]}) on {planned.base.name}")
-                template = await self._build(planned, events)
+            self._say_waiting(ticket, events)
+            await self.slots.wait(ticket)
+            events.say(f"building {name}:{tag} ({planned.digest[:12]}) on {planned.base.name}")
+            template = await self._body(planned, events.say)
             events.say(f"{name}:{tag} is {template.digest}")
             events.end(BuildSucceeded(template.info()))
         except BuildStepFailed as exc:
@@ -153,19 +166,22 @@ class Builds:
             log.exception("template build of %s:%s failed", name, tag)
             events.end(BuildFailed("internal", f"{type(exc).__name__}: {exc}"))
         finally:
-            shutil.rmtree(work, ignore_errors=True)
+            self._forget(ticket, work, events)
 
-    async def _build(self, planned: Planned, events: _Log) -> Template:
-        registry = self._registry
-        volume = await build_layers(registry, planned, events.say)
-        spec = planned.spec
-        await registry.life.pool.publish_template(spec.name, planned.digest, volume)
-        build = planned.build_record(time.time())
+    def _say_waiting(self, ticket: Ticket, events: _Log) -> None:
+        if ticket.granted.is_set():
+            return
+        if self.slots.building(ticket.name):
+            events.say(f"waiting for the running build of {ticket.name} to finish")
         events.say(
-            f"making the ready state ({planned.shape.cpus} cpu, {planned.shape.memory_mib} MiB)"
+            f"waiting for a build slot: {self.slots.ahead(ticket)} builds ahead, "
+            f"{self.slots.running} running"
         )
-        await self._make_ready(self._catalog.template(spec.name, spec.tag, build))
-        template, orphans = self._catalog.add(spec.name, spec.tag, build)
-        for orphan in orphans:  # the tag's previous build, named by no other tag
-            await self._drop_build(orphan)
-        return template
+
+    def _forget(self, ticket: Ticket, work: Path, events: _Log) -> None:
+        """Free the build's slot (or place), delete its work directory, and tell a
+        listener of a build cancelled (by ``close``) so; idempotent."""
+        self.slots.leave(ticket)
+        shutil.rmtree(work, ignore_errors=True)
+        if not events.ended:
+            events.end(BuildFailed("unavailable", "the build was cancelled: the node is closing"))

@@ -7,9 +7,11 @@ space.node.agent._pool). Every method raises space.node.api errors only.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterable, Callable
 from dataclasses import replace
 
+from space.node.agent._builder import Planned, build_layers
 from space.node.agent._builds import Builds
 from space.node.agent._pool import Pools
 from space.node.agent._ready import ensure_ready
@@ -30,17 +32,19 @@ class Templates:
         #: The node's templates by name, tag and digest (public: bench/bench_create.py
         #: takes the base template's ready state away to time creates without it).
         self.catalog = registry.catalog
+        config = registry.config
         self._builds = Builds(
-            registry,
             registry.catalog,
-            registry.config.data_dir / "builds",
-            self._make_ready,
-            self._drop_build,
+            config.data_dir / "builds",
+            self._build,
+            slots=config.build_slots,
+            queued_per_owner=config.queued_builds_per_tenant,
         )
 
     async def build_template(self, context: AsyncIterable[bytes]) -> BuildStream:
         """Build a template from a context archive; see NodeService. The build runs in
-        the background, one at a time per node; its log is the returned stream."""
+        the background, ``build_slots`` at a time per node shared fairly by tenant
+        (space.node.agent._build_slots); its log is the returned stream."""
         return await self._builds.start(context)
 
     async def list_templates(self) -> list[TemplateInfo]:
@@ -83,6 +87,21 @@ class Templates:
         ready = replace(template, ready=path)
         self._pools.start(ready)
         return ready
+
+    async def _build(self, planned: Planned, say: Callable[[str], None]) -> Template:
+        """The body of a build holding its slot: layers, the template's subvolume, its
+        ready state, and only then the tag (whose previous build, if no other tag names
+        it, goes)."""
+        volume = await build_layers(self._registry, planned, say)
+        spec = planned.spec
+        await self._registry.pool.publish_template(spec.name, planned.digest, volume)
+        build = planned.build_record(time.time())
+        say(f"making the ready state ({planned.shape.cpus} cpu, {planned.shape.memory_mib} MiB)")
+        await self._make_ready(self.catalog.template(spec.name, spec.tag, build))
+        template, orphans = self.catalog.add(spec.name, spec.tag, build)
+        for orphan in orphans:
+            await self._drop_build(orphan)
+        return template
 
     async def _drop_build(self, template: Template) -> None:
         await self._pools.drop(template.digest)

@@ -386,9 +386,12 @@ class NodeService(Protocol):
     build_template reads a build context: a tar stream (plain or gzip) holding the spec
     as ``space.toml`` at its root and the files its copy steps name, only regular files
     and directories (space.node.templates.context has the limits). A bad archive or spec
-    raises InvalidArgument (TemplateSpecError, with the key path) before any event; the
-    build then runs on the node, its log streamed, and ends with BuildSucceeded (the tag
-    now names the new build) or BuildFailed (the tag still names the previous build).
+    raises InvalidArgument (TemplateSpecError, with the key path) before any event, and
+    so does ResourceExhausted when the template's tenant has as many builds waiting for
+    a build slot on the node as may wait (the context is removed then); the build then
+    waits for its slot and runs on the node, its log streamed, and ends with
+    BuildSucceeded (the tag now names the new build) or BuildFailed (the tag still names
+    the previous build).
     Steps whose digest the node has built before are reused. list_templates lists every
     tag, ``base:latest`` included. delete_template takes ``name`` or ``name:tag`` (that
     tag) or ``name@digest`` (every tag of that build); sandboxes already created from it

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from space.limits import DEFAULT_MEMORY_OVERCOMMIT
+from space.limits import DEFAULT_BUILD_SLOTS, DEFAULT_MEMORY_OVERCOMMIT
 from space.node.api import InvalidArgument
 from space.node.core.capacity import Policy
 from space.node.network.resolvers import parse_resolvers, system_resolvers
@@ -75,6 +75,11 @@ class NodeConfig:
     warm_pool_max: int = 0
     #: VMs started (booted or woken from memory) at once; more creates wait their turn.
     max_parallel_starts: int = 4
+    #: Template builds run at once (each in its own build VM, admitted like any VM),
+    #: shared fairly between tenants; and how many more of one tenant's builds may wait
+    #: for a slot before the next is refused (space/node/agent/_build_slots.py).
+    build_slots: int = DEFAULT_BUILD_SLOTS
+    queued_builds_per_tenant: int = 4
     #: Longest a template build's run step or package install may take.
     build_step_timeout_s: float = 1800.0
     #: Where template builds fetch packages from (apt one-line sources; the host
@@ -111,6 +116,8 @@ class NodeConfig:
             "memory_reserve_mib": (self.memory_reserve_mib, 0),
             "pool_reserve_mib": (self.pool_reserve_mib, 0),
             "max_parallel_starts": (self.max_parallel_starts, 1),
+            "build_slots": (self.build_slots, 1),
+            "queued_builds_per_tenant": (self.queued_builds_per_tenant, 0),
             "warm_pool_min": (self.warm_pool_min, 0),
             "warm_pool_max": (self.warm_pool_max, self.warm_pool_min),
         }
