@@ -231,8 +231,10 @@ async def test_negative_a_refused_spec_or_plan_takes_no_place_in_the_queue(
     await bodies.until(lambda: bool(bodies.running))
     with pytest.raises(InvalidArgument, match="no template"):
         await builds.start(_context(A + "x", base="template:nope:latest"))
-    with pytest.raises(InvalidArgument):
+    with pytest.raises(InvalidArgument) as refused:
         await builds.start(_context("-bad-name-"))
+    assert refused.value.message.startswith("space.toml: ")  # not the node's work path
+    assert str(tmp_path) not in str(refused.value)
     assert builds.slots.waiting() == 0
     assert len(list(_work_root(tmp_path).iterdir())) == 1
     await builds.start(_context(A + "queued"))  # its one place is still free

@@ -129,10 +129,13 @@ class Builds:
             # costs no more than the unpacking.
             ticket = self.slots.enqueue(spec.name)
             planned = await plan_build(spec, spec_path.parent, self._catalog)
-        except BaseException:
+        except BaseException as exc:
             if ticket is not None:
                 self.slots.leave(ticket)
             shutil.rmtree(work, ignore_errors=True)
+            if isinstance(exc, NodeError):  # the node's paths are not the tenant's business
+                exc.message = exc.message.replace(f"{work}/", "")
+                exc.args = (exc.message, *exc.args[1:])
             raise
         events = _Log()
         task = asyncio.get_running_loop().create_task(self._run(planned, ticket, events, work))
