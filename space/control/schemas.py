@@ -404,7 +404,8 @@ class EgressEventOut(BaseModel):
     host: str | None
     address: str | None
     port: int | None
-    #: "allow" or "deny", and why.
+    #: "allow" or "deny", and why; "drop" (protocol "audit"): the audit's own note of
+    #: how many events it dropped over the sandbox's write budget.
     decision: str
     reason: str
     bytes_out: int
@@ -425,6 +426,15 @@ class EgressEventOut(BaseModel):
             bytes_in=event.bytes_in,
             secrets=list(event.secrets),
         )
+
+
+class EgressLogOut(BaseModel):
+    """``GET .../egress/log``: the latest decisions, oldest first, and how many the
+    node's audit dropped over the sandbox's write budget (50/s, bursts of 200) since the
+    sandbox began."""
+
+    events: list[EgressEventOut]
+    dropped: int
 
 
 class PoolOut(BaseModel):

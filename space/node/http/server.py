@@ -13,7 +13,8 @@ body and answers the build's NDJSON events (its id in ``X-Build-Id``); ``GET`` l
 ``DELETE /templates/{ref}`` deletes (``name``, ``name:tag``, ``name@digest``). A
 sandbox's egress policy is ``PUT /sandboxes/{id}/egress`` with ``{"policy": {...} |
 null}`` (204); ``GET /sandboxes/{id}/egress/log?limit=N`` (1 to MAX_EGRESS_LOG_EVENTS,
-default 100) answers ``{"events": [EgressEvent, ...]}``, oldest first. Its secret
+default 100) answers ``{"events": [EgressEvent, ...], "dropped": N}``, oldest first
+(``dropped``: events the audit dropped over its write budget). Its secret
 grants are ``PUT /sandboxes/{id}/secrets`` with ``{"grants": [SecretGrant, ...]}``
 (204); that body holds secret values, so no body is ever logged here. Errors
 answer ``{"error": {"code", "message", "details"}}`` with the status of
@@ -311,7 +312,8 @@ async def _egress_log(
     sandbox_id: str,
     limit: Annotated[int, Query(ge=1, le=MAX_EGRESS_LOG_EVENTS)] = 100,
 ) -> Any:
-    return {"events": [encode(event) for event in await node.egress_log(sandbox_id, limit=limit)]}
+    read = await node.egress_log(sandbox_id, limit=limit)
+    return {"events": [encode(event) for event in read.events], "dropped": read.dropped}
 
 
 @_router.post("/templates/builds")
