@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from space.control.node_text import scrub
 from space.control.store.repo import SandboxRecord
 from space.control.store.secrets import SecretRecord
 from space.control.store.snapshots import SnapshotRecord
@@ -217,7 +218,7 @@ class SandboxOut(BaseModel):
             created_at=_iso(record.created_at) or "",
             expires_at=_iso(record.expires_at),
             node_id=record.node_id,
-            error=record.error,
+            error=None if record.error is None else scrub(record.error),
             idle_timeout_s=record.idle_timeout_s,
             max_lifetime_s=record.max_lifetime_s,
             last_active_at=_iso(record.last_active_at),
