@@ -17,6 +17,7 @@ from space.control.node_text import NODE_PATH, scrub
 from space.control.reconcile import notice_failed_vms
 from space.control.template_names import tenant_prefix
 from space.node.api import (
+    BuildEvent,
     BuildFailed,
     BuildLog,
     Conflict,
@@ -59,8 +60,11 @@ class LeakyNode(FakeNode):
 
     async def build_template(self, context: AsyncIterable[bytes]) -> FakeBuildStream:
         await super().build_template(context)
-        events = [BuildLog(f"step 1/1 run: {_leak()}"), BuildFailed("build_failed", _leak(), 1)]
-        return FakeBuildStream("b-leak", list(events))
+        events: list[BuildEvent] = [
+            BuildLog(f"step 1/1 run: {_leak()}"),
+            BuildFailed("build_failed", _leak(), 1),
+        ]
+        return FakeBuildStream("b-leak", events)
 
     async def delete_template(self, ref: str) -> None:
         raise Conflict(_leak())

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import socket
+import tarfile
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -120,6 +122,25 @@ async def test_a_file_upload_streams_past_the_json_cap(node: FakeNode) -> None:
         assert answer.status_code == 200, answer.text
         assert answer.json()["size"] == 2 * MAX_NODE_JSON_BODY_BYTES
         assert max(node.upload_chunk_sizes) <= _CHUNK  # handed on as it came, not buffered
+
+
+async def test_a_build_context_streams_past_the_json_cap(node: FakeNode) -> None:
+    async with _client(node) as client:
+        content = tarred({"space.toml": b'name = "big"\nbase = "debian:bookworm"\n'})
+        content += b"\0" * (2 * MAX_NODE_JSON_BODY_BYTES)  # tar's end-of-archive padding
+        answer = await client.post("/templates/builds", content=content, headers=AUTH)
+        assert answer.status_code == 200, answer.text
+        assert ("big", "latest") in node.templates
+
+
+def tarred(files: dict[str, bytes]) -> bytes:
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return raw.getvalue()
 
 
 # -- a served node: header deadline, header size, connections per client ------------

@@ -83,8 +83,9 @@ T = TypeVar("T")
 
 #: Most bytes of a JSON body to a node. The control plane builds these from tenant
 #: bodies of at most MAX_JSON_BODY_BYTES and from what it holds: an exec's stdin grows
-#: by 4/3 in base64, a sandbox's secret grants reach 64 x 16 KiB of values (twice that
-#: JSON-escaped) plus their hosts. Four times the tenant's cap holds each with room.
+#: by 4/3 in base64; a sandbox's secret grants reach 64 values of 16 KiB, which JSON's
+#: ``\uXXXX`` escapes can triple (3 MiB), plus 64 x 32 hosts (0.5 MiB). Four times
+#: the tenant's cap holds each.
 MAX_NODE_JSON_BODY_BYTES = 4 * MAX_JSON_BODY_BYTES
 
 #: The routes whose bodies stream through: a file upload (bounded by the sandbox's
