@@ -121,7 +121,7 @@ class Guest:
 
     def audit(self) -> list[EgressEvent]:
         """The sandbox's latest 1000 egress events, oldest first."""
-        return self.h.run(self.node.egress_log(SANDBOX, limit=1000))
+        return self.h.run(self.node.egress_log(SANDBOX, limit=1000)).events
 
 
 async def output(node: Node, request: ExecRequest, sandbox_id: str = SANDBOX) -> str:

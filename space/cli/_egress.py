@@ -86,9 +86,12 @@ def egress_log(
         events = sandbox.network.log(limit)
     if as_json:
         click.echo(json.dumps([_as_json(event) for event in events]))
-        return
-    header = ("TIME", "DECISION", "PROTO", "HOST", "ADDRESS:PORT", "BYTES OUT/IN", "SECRETS")
-    echo_table((*header, "REASON"), [_row(event) for event in events])
+    else:
+        header = ("TIME", "DECISION", "PROTO", "HOST", "ADDRESS:PORT", "BYTES OUT/IN", "SECRETS")
+        echo_table((*header, "REASON"), [_row(event) for event in events])
+    if events.dropped:
+        # On stderr: --json's stdout stays the list it always was.
+        click.echo(f"{events.dropped} events dropped over the audit's budget", err=True)
 
 
 def _row(event: EgressEvent) -> tuple[str, ...]:

@@ -195,12 +195,10 @@ def node(
 ) -> None:
     """Run a node agent alone and register it with a control plane."""
     with server_errors():
-        import uvicorn
-
         from space.control.server import register_remote_node
         from space.node.agent import Node
         from space.node.core.config import NodeConfig
-        from space.node.http.server import create_node_app
+        from space.node.http.server import create_node_app, node_server
 
     control_url = _check_url(control_url)
     host, port = _split_listen(listen)
@@ -220,9 +218,7 @@ def node(
         local = await Node.start(config, progress=progress)
         try:
             app = create_node_app(local, token)
-            server = uvicorn.Server(
-                uvicorn.Config(app, host=host, port=port, log_level="info", http="httptools")
-            )
+            server = node_server(app, host=host, port=port)
             serving = asyncio.create_task(server.serve())
             # uvicorn offers a flag, not an event: poll it while the task lives.
             while not server.started and not serving.done():

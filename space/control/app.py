@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from space.control import broker
 from space.control.deps import ControlContext, load_or_create_node_token
-from space.control.edges import Edges
+from space.control.edges import control_edges
 from space.control.errors import install_error_handlers
 from space.control.nodes import LOCAL_URL, NodeRegistry
 from space.control.reconcile import reaper_loop, reconcile
@@ -117,5 +117,5 @@ def create_app(
     for module in (sandboxes, snapshots, egress, secrets, commands, files, pools, templates):
         app.include_router(module.router)
     app.include_router(node_routes.router)
-    app.add_middleware(Edges)
+    app.add_middleware(control_edges)
     return app

@@ -96,7 +96,7 @@ async def authenticate(ctx: ControlContext, headers: Mapping[str, str]) -> str:
 
 
 async def _tenant(request: Request, ctx: Context) -> str:
-    # space.control.edges authenticated the request before its body was read.
+    # The edge (space.control.edges) authenticated the request before its body was read.
     tenant = getattr(request.state, "tenant", None)
     if isinstance(tenant, str):
         return tenant

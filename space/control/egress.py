@@ -19,7 +19,7 @@ from space.control.store import repo
 from space.control.store.repo import SandboxRecord
 from space.node.api import (
     MAX_EGRESS_LOG_EVENTS,
-    EgressEvent,
+    EgressLog,
     EgressPolicy,
     InvalidArgument,
     NodeError,
@@ -65,8 +65,9 @@ async def set_policy(ctx: ControlContext, record: SandboxRecord, data: object) -
     return policy
 
 
-async def read_log(ctx: ControlContext, record: SandboxRecord, limit: int) -> list[EgressEvent]:
-    """The sandbox's latest ``limit`` egress decisions, oldest first (node errors raised).
+async def read_log(ctx: ControlContext, record: SandboxRecord, limit: int) -> EgressLog:
+    """The sandbox's latest ``limit`` egress decisions, oldest first, and how many its
+    audit dropped (node errors raised).
 
     Raises ApiError(invalid_argument) unless 1 <= limit <= MAX_LOG_LIMIT.
     """

@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from space.control.node_text import scrub
 from space.node.api import STATUS_BY_CODE
 from space.node.api.http_errors import error_body, status_for_code
 from space.node.api.http_errors import install_error_handlers as install_node_error_handlers
@@ -41,5 +42,6 @@ class ApiError(Exception):
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Answer every error of ``app`` with the JSON error shape, ApiError included."""
-    install_node_error_handlers(app, ApiError)
+    """Answer every error of ``app`` with the JSON error shape, ApiError included; a
+    node error's text without node-internal names (space.control.node_text)."""
+    install_node_error_handlers(app, ApiError, node_text=scrub)

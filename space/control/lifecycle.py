@@ -20,13 +20,14 @@ from sqlalchemy.orm import Session
 from space.control import broker, egress
 from space.control.deps import ControlContext
 from space.control.errors import ApiError
+from space.control.node_text import scrub
 from space.control.scheduler import rank_nodes
 from space.control.schemas import SandboxCreate
 from space.control.store import repo
 from space.control.store import snapshots as snaps
 from space.control.store.repo import SandboxRecord, SecretBinding
 from space.control.store.snapshots import SnapshotRecord
-from space.control.template_names import node_ref, parse_ref, scrub
+from space.control.template_names import node_ref, parse_ref
 from space.node.api import (
     InsufficientCapacity,
     NodeError,
@@ -201,7 +202,7 @@ async def _start(
             refusals.append(exc)
             continue
         except NodeError as exc:
-            exc.message = scrub(record.tenant_id, exc.message)
+            exc.message = scrub(exc.message)  # it is kept as the row's error too
             if exc.code in _REFUSALS:
                 exc.sandbox_id = None  # nothing by that id exists
                 await _creation_refused(ctx, record)

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from space.control.node_text import scrub
 from space.control.store.repo import SandboxRecord
 from space.control.store.secrets import SecretRecord
 from space.control.store.snapshots import SnapshotRecord
@@ -217,7 +218,7 @@ class SandboxOut(BaseModel):
             created_at=_iso(record.created_at) or "",
             expires_at=_iso(record.expires_at),
             node_id=record.node_id,
-            error=record.error,
+            error=None if record.error is None else scrub(record.error),
             idle_timeout_s=record.idle_timeout_s,
             max_lifetime_s=record.max_lifetime_s,
             last_active_at=_iso(record.last_active_at),
@@ -404,7 +405,8 @@ class EgressEventOut(BaseModel):
     host: str | None
     address: str | None
     port: int | None
-    #: "allow" or "deny", and why.
+    #: "allow" or "deny", and why; "drop" (protocol "audit"): the audit's own note of
+    #: how many events it dropped over the sandbox's write budget.
     decision: str
     reason: str
     bytes_out: int
@@ -425,6 +427,15 @@ class EgressEventOut(BaseModel):
             bytes_in=event.bytes_in,
             secrets=list(event.secrets),
         )
+
+
+class EgressLogOut(BaseModel):
+    """``GET .../egress/log``: the latest decisions, oldest first, and how many the
+    node's audit dropped over the sandbox's write budget (50/s, bursts of 200) since the
+    sandbox began."""
+
+    events: list[EgressEventOut]
+    dropped: int
 
 
 class PoolOut(BaseModel):

@@ -9,14 +9,14 @@ import httpx
 import uvicorn
 
 from space.control.app import create_app
-from space.control.connections import (
+from space.control.nodes import NodeRegistry
+from space.control.settings import ControlSettings
+from space.node.api import NodeError, NodeService, Unavailable
+from space.node.api.http_connections import (
     HEADER_TIMEOUT_S,
     MAX_CONNECTIONS_PER_CLIENT,
     guarded_protocol,
 )
-from space.control.nodes import NodeRegistry
-from space.control.settings import ControlSettings
-from space.node.api import NodeError, NodeService, Unavailable
 from space.node.http.client import error_from_response
 
 __all__ = ["register_remote_node", "run_control_plane"]
@@ -41,7 +41,7 @@ async def run_control_plane(
 
     A connection whose request headers are not complete within ``header_timeout_s``
     is closed, and so is one from a client address that already holds
-    ``max_connections_per_client`` (space.control.connections).
+    ``max_connections_per_client`` (space.node.api.http_connections).
     """
     registry = NodeRegistry()
     if node is not None:

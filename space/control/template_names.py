@@ -6,7 +6,8 @@ is ``t`` + the first 16 hex digits of the SHA-256 of the tenant id + ``.`` (18
 characters: node names are at most 64, so a tenant's names are at most 46). Every name
 that crosses the seam is mapped: ``node_ref`` on the way in, ``tenant_name`` on the way
 out (None for a name that is not the tenant's: it is never shown). ``base`` is the same
-on both sides, shared by every tenant and read-only.
+on both sides, shared by every tenant and read-only. A node's own text that quotes a
+node name is cleaned by space.control.node_text.
 
 References are ``name`` (tag ``latest``), ``name:tag`` or ``name@<64 hex>`` with names
 and tags matching ``[a-z0-9][a-z0-9_.-]{0,63}``, as the node's own parser
@@ -29,7 +30,6 @@ __all__ = [
     "node_name",
     "node_ref",
     "parse_ref",
-    "scrub",
     "tenant_name",
     "tenant_prefix",
 ]
@@ -120,8 +120,3 @@ def tenant_name(tenant: str, name: str) -> str | None:
         return BASE
     prefix = tenant_prefix(tenant)
     return name[len(prefix) :] if name.startswith(prefix) and len(name) > len(prefix) else None
-
-
-def scrub(tenant: str, text: str) -> str:
-    """``text`` (a node's log line or message) with ``tenant``'s node prefix removed."""
-    return text.replace(tenant_prefix(tenant), "")

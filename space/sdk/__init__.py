@@ -27,6 +27,7 @@ from space.sdk._http import ConnectionConfig
 from space.sdk._models import (
     CommandResult,
     EgressEvent,
+    EgressLog,
     FileInfo,
     PoolInfo,
     ProcessInfo,
@@ -85,6 +86,7 @@ __all__ = [
     "Conflict",
     "ConnectionConfig",
     "EgressEvent",
+    "EgressLog",
     "FileInfo",
     "Files",
     "InsufficientCapacity",

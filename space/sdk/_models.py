@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, overload
 
 from space.sdk.errors import InternalError
 
 __all__ = [
     "CommandResult",
     "EgressEvent",
+    "EgressLog",
     "FileInfo",
     "PoolInfo",
     "ProcessInfo",
@@ -283,8 +284,9 @@ class EgressEvent:
     ``protocol`` is ``dns``, ``tcp``, ``tls`` or ``http``; ``host`` the name the sandbox
     asked for (DNS name, SNI or Host), ``address``/``port`` where the gateway connected
     (or would have). ``decision`` is ``allow`` or ``deny`` and ``reason`` says why in a
-    few words. ``bytes_out``/``bytes_in`` count the connection's traffic; ``secrets``
-    names the secrets injected into the request (never their values).
+    few words; ``drop`` (protocol ``audit``) is the audit's note of events it dropped.
+    ``bytes_out``/``bytes_in`` count the connection's traffic; ``secrets`` names the
+    secrets injected into the request (never their values).
     """
 
     time: datetime
@@ -320,6 +322,29 @@ class EgressEvent:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InternalError(f"malformed egress event in answer: {exc!r}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class EgressLog(Sequence[EgressEvent]):
+    """A read of a sandbox's egress decisions (``sandbox.network.log()``): a sequence of
+    its latest events, oldest first, and ``dropped``, how many events the node's audit
+    dropped over the sandbox's write budget (50/s, bursts of 200) since it began. Each
+    drop is also noted in the log as an event with ``decision`` ``drop``."""
+
+    events: tuple[EgressEvent, ...]
+    dropped: int = 0
+
+    @overload
+    def __getitem__(self, index: int) -> EgressEvent: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[EgressEvent]: ...
+
+    def __getitem__(self, index: int | slice) -> EgressEvent | Sequence[EgressEvent]:
+        return self.events[index]
+
+    def __len__(self) -> int:
+        return len(self.events)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,6 @@ path of the bad item.
 
 from __future__ import annotations
 
-import builtins
 import ipaddress
 import re
 from collections.abc import Mapping
@@ -23,8 +22,8 @@ from typing import Any
 
 from space.limits import MAX_EGRESS_LOG_EVENTS
 from space.sdk._http import ApiClient, json_object, listed
-from space.sdk._models import EgressEvent
-from space.sdk.errors import InvalidArgument
+from space.sdk._models import EgressEvent, EgressLog
+from space.sdk.errors import InternalError, InvalidArgument
 
 __all__ = ["DEFAULT_LOG_LIMIT", "MAX_LOG_LIMIT", "AsyncNetwork", "allow"]
 
@@ -141,8 +140,9 @@ class AsyncNetwork:
         )
         return json_object(body)
 
-    async def log(self, limit: int = DEFAULT_LOG_LIMIT) -> builtins.list[EgressEvent]:
-        """The sandbox's latest ``limit`` (1 to 1000) egress decisions, oldest first.
+    async def log(self, limit: int = DEFAULT_LOG_LIMIT) -> EgressLog:
+        """The sandbox's latest ``limit`` (1 to 1000) egress decisions, oldest first (a
+        sequence), and ``dropped``: how many the node's audit dropped over its budget.
 
         Raises InvalidArgument for a ``limit`` out of range (nothing is sent), NotFound.
         """
@@ -156,7 +156,14 @@ class AsyncNetwork:
             sandbox_id=self._sandbox_id,
             params={"limit": str(limit)},
         )
-        return [EgressEvent.from_wire(json_object(e)) for e in listed(body, "events", operation)]
+        events = tuple(
+            EgressEvent.from_wire(json_object(e)) for e in listed(body, "events", operation)
+        )
+        # A control plane older than issue 17 answers no count: nothing was dropped.
+        dropped = json_object(body).get("dropped", 0)
+        if not _is_int(dropped) or dropped < 0:
+            raise InternalError(f"malformed drop count in answer: {dropped!r}")
+        return EgressLog(events, dropped)
 
     def _path(self, suffix: str = "") -> str:
         return f"/v1/sandboxes/{self._sandbox_id}/egress{suffix}"

@@ -15,6 +15,7 @@ import pytest
 
 from space.node.api import ExecRequest, SandboxSpec, SecretGrant
 from space.node.core.config import NodeConfig
+from space.node.egress.audit import DEFAULT_BURST, DEFAULT_RATE_PER_S, DROP_DECISION
 
 from ..egress_guest import POLICY, SANDBOX, Guest, booted_guest, output
 from ..egress_world import OTHER, UPSTREAM
@@ -219,3 +220,39 @@ def _wait_for_file(guest: Guest, path: str, timeout_s: float = 30.0) -> str:
         assert time.monotonic() < deadline, f"{path} did not appear in the guest"
         time.sleep(0.2)
     return out
+
+
+_DNS_FLOOD = r"""
+import re, socket, struct, time
+server = re.search(r"nameserver\s+(\S+)", open("/etc/resolv.conf").read()).group(1)
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+started = time.monotonic()
+for n in range(4000):
+    labels = (f"q{n}", "flood", "test")
+    name = b"".join(bytes([len(part)]) + part.encode() for part in labels) + b"\0"
+    query = struct.pack(">6H", n, 0x0100, 1, 0, 0, 0) + name + struct.pack(">2H", 1, 1)
+    s.sendto(query, (server, 53))
+    time.sleep(0.0005)  # ~1,500 queries a second at most: the gateway's UDP buffer keeps up
+print(time.monotonic() - started)
+"""
+
+
+def test_negative_a_dns_flood_is_audited_at_the_bound_and_the_drops_are_counted(
+    guest: Guest,
+) -> None:
+    """Probe 10 (issue 17): a guest's DNS queries at hundreds a second wrote megabytes of
+    audit. Now at most the burst plus the rate get in, and the rest are counted."""
+    before = guest.h.run(guest.node.egress_log(SANDBOX, limit=1))
+    started = time.monotonic()
+    request = ExecRequest(argv=["python3", "-c", _DNS_FLOOD], user="root", timeout_s=300)
+    guest.h.run(output(guest.node, request))
+    elapsed_s = time.monotonic() - started
+    time.sleep(1.5)  # past the drop report interval: the next event writes the count
+    assert not guest.probe("resolve", name="other.test")["ok"]
+    log = guest.h.run(guest.node.egress_log(SANDBOX, limit=1000))
+    flood = [e for e in log.events if e.host is not None and e.host.endswith(".flood.test")]
+    assert len(flood) <= DEFAULT_BURST + DEFAULT_RATE_PER_S * (elapsed_s + 2)
+    assert log.dropped > before.dropped
+    notes = [e for e in log.events if e.decision == DROP_DECISION]
+    assert notes and sum(int(e.reason.split()[0]) for e in notes) <= log.dropped
+    assert len(flood) + log.dropped - before.dropped <= 4000

@@ -2,14 +2,15 @@
 
 ``egress`` holds each sandbox's policy as the node got it (at create, fork or
 set_egress); ``egress_events`` is what ``egress_log`` answers for a sandbox (set it in
-a test), the latest ``limit`` of them. A malformed policy is refused as the node does.
+a test), the latest ``limit`` of them, with ``egress_dropped`` its drop count. A
+malformed policy is refused as the node does.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from space.node.api import EgressEvent, EgressPolicy
+from space.node.api import EgressEvent, EgressLog, EgressPolicy
 
 __all__ = ["CANNED_EVENTS", "FakeEgress"]
 
@@ -27,6 +28,7 @@ class FakeEgress:
     def __init__(self) -> None:
         self.egress: dict[str, dict[str, object] | None] = {}
         self.egress_events: dict[str, list[EgressEvent]] = {}
+        self.egress_dropped: dict[str, int] = {}
 
     def _box(self, method: str, sandbox_id: str) -> Any:
         raise NotImplementedError  # FakeNode's
@@ -37,7 +39,7 @@ class FakeEgress:
             EgressPolicy.parse(policy)  # InvalidArgument, the old policy kept
         self.egress[sandbox_id] = policy
 
-    async def egress_log(self, sandbox_id: str, *, limit: int = 100) -> list[EgressEvent]:
+    async def egress_log(self, sandbox_id: str, *, limit: int = 100) -> EgressLog:
         self._box("egress_log", sandbox_id)
         events = self.egress_events.get(sandbox_id, list(CANNED_EVENTS))
-        return events[-limit:]
+        return EgressLog(events[-limit:], self.egress_dropped.get(sandbox_id, 0))

@@ -130,6 +130,17 @@ def test_egress_log_json_prints_the_events_and_shows_ipv6_bracketed(fake: LiveAp
     assert "[2001:db8::1]:443" in table.stdout
 
 
+def test_egress_log_says_how_many_events_the_audit_dropped(fake: LiveApi) -> None:
+    sid = _new_sandbox(fake)
+    fake.node.egress_events[sid] = EVENTS
+    assert "dropped" not in _space(fake, "egress", "log", sid).output
+    fake.node.egress_dropped[sid] = 7
+    for args in ((), ("--json",)):
+        result = _space(fake, "egress", "log", sid, *args)
+        assert result.exit_code == 0, result.output
+        assert "7 events dropped" in result.stderr and "dropped" not in result.stdout
+
+
 @pytest.mark.parametrize("limit", ["0", "1001", "x"])
 def test_negative_egress_log_limit_out_of_range_exits_2(fake: LiveApi, limit: str) -> None:
     sid = _new_sandbox(fake)

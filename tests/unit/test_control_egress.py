@@ -189,6 +189,16 @@ async def test_the_log_answers_the_nodes_events_with_every_field(tmp_path: Path)
             "secrets": ["PYPI_TOKEN"],
         }
         assert (second["decision"], second["address"], second["port"]) == ("deny", None, None)
+        assert answer.json()["dropped"] == 0
+
+
+async def test_the_log_answers_how_many_events_the_nodes_audit_dropped(tmp_path: Path) -> None:
+    async with control_app(tmp_path) as h:
+        key = h.key("t")
+        sid = (await _create(h, key))["id"]
+        h.node.egress_dropped[sid] = 9750
+        answer = await h.client.get(f"/v1/sandboxes/{sid}/egress/log", headers=key)
+        assert answer.status_code == 200 and answer.json()["dropped"] == 9750
 
 
 async def _log(h: Harness, sid: str, key: dict[str, str], query: str) -> httpx.Response:

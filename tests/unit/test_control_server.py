@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from space.control import ControlSettings, register_remote_node, run_control_plane
-from space.control.connections import MAX_HEADER_BYTES
 from space.node.api import Unavailable
+from space.node.api.http_connections import MAX_HEADER_BYTES
 from tests.unit.fakes import FakeNode
 
 pytestmark = pytest.mark.anyio

@@ -12,7 +12,13 @@ import pytest
 
 from space.node.api import EgressEvent, InvalidArgument, Unavailable
 from space.node.egress import audit
-from space.node.egress.audit import MAX_READ_LIMIT, AuditLog
+from space.node.egress.audit import (
+    DEFAULT_BURST,
+    DEFAULT_RATE_PER_S,
+    DROP_DECISION,
+    MAX_READ_LIMIT,
+    AuditLog,
+)
 
 
 def _event(i: int = 0, *, host: str | None = "pypi.org", reason: str = "policy") -> EgressEvent:
@@ -149,7 +155,7 @@ def test_a_second_rotation_replaces_the_older_file(tmp_path: Path) -> None:
 
 
 def test_lines_split_across_read_blocks_are_read_whole(tmp_path: Path) -> None:
-    log = AuditLog(tmp_path)
+    log = AuditLog(tmp_path, burst=400)
     events = [_event(i, reason="r" * (i * 37 % 3000)) for i in range(400)]
     for event in events:
         log.write("sb-1", event)
@@ -262,3 +268,132 @@ def test_negative_a_log_that_cannot_be_removed_is_unavailable(tmp_path: Path) ->
         AuditLog(tmp_path).remove("sb-1")
     assert info.value.sandbox_id == "sb-1"
     assert (tmp_path / "sb-1.jsonl").is_dir()
+
+
+# -- the write budget (issue 17: a guest's DNS flood wrote 3.7 MB in 30 s) -------------
+
+
+class _Clock:
+    """Monotonic seconds that a test moves."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _admitted(log: AuditLog, sandbox_id: str = "sb-1") -> list[EgressEvent]:
+    return [e for e in log.read(sandbox_id, MAX_READ_LIMIT) if e.decision != DROP_DECISION]
+
+
+def _drop_notes(log: AuditLog, sandbox_id: str = "sb-1") -> list[int]:
+    """The counts the log's drop events state."""
+    notes = [e for e in log.read(sandbox_id, MAX_READ_LIMIT) if e.decision == DROP_DECISION]
+    assert all(e.protocol == "audit" for e in notes)
+    return [int(e.reason.split()[0]) for e in notes]
+
+
+def test_negative_a_flood_of_ten_thousand_events_in_a_second_keeps_burst_and_rate(
+    tmp_path: Path,
+) -> None:
+    clock = _Clock()
+    log = AuditLog(tmp_path, clock=clock)
+    for i in range(10_000):
+        clock.now = 1000.0 + i / 10_000  # 10,000 events over one second
+        log.write("sb-1", _event(i))
+    admitted = _admitted(log)
+    assert len(admitted) <= DEFAULT_BURST + DEFAULT_RATE_PER_S
+    assert admitted[:DEFAULT_BURST] == [_event(i) for i in range(DEFAULT_BURST)]
+    clock.now += 2
+    log.write("sb-1", _event(10_000))  # writing resumes: the drops are written first
+    dropped = 10_000 - len(admitted)
+    assert log.dropped("sb-1") == dropped == sum(_drop_notes(log))
+    assert log.read("sb-1", 1) == [_event(10_000)]
+    files = list(tmp_path.iterdir())
+    assert sum(f.stat().st_size for f in files) < 100 * 1024  # not 3.7 MB
+    assert log.dropped("sb-2") == 0
+
+
+def test_a_sustained_flood_notes_its_drops_once_a_second(tmp_path: Path) -> None:
+    clock = _Clock()
+    log = AuditLog(tmp_path, clock=clock, rate_per_s=10, burst=10)
+    for i in range(600 * 5):  # 600/s for 5 s, as probe 10's DNS flood
+        clock.now = 1000.0 + i / 600
+        log.write("sb-1", _event(i))
+    assert 4 <= len(_drop_notes(log)) <= 6
+    kept = len(_admitted(log))
+    assert kept <= 10 + 10 * 5
+    clock.now += 2
+    log.write("sb-1", _event(0))
+    assert log.dropped("sb-1") == sum(_drop_notes(log)) == 600 * 5 - kept
+
+
+def test_events_within_the_rate_are_all_kept(tmp_path: Path) -> None:
+    clock = _Clock()
+    log = AuditLog(tmp_path, clock=clock)
+    for i in range(1000):  # 40 a second, under the rate, for 25 s
+        clock.now = 1000.0 + i / 40
+        log.write("sb-1", _event(i))
+    assert log.read("sb-1", 1000) == [_event(i) for i in range(1000)]
+    assert log.dropped("sb-1") == 0
+    assert not (tmp_path / "sb-1.dropped").exists()
+
+
+def test_one_sandbox_flooding_leaves_anothers_budget_whole(tmp_path: Path) -> None:
+    clock = _Clock()
+    log = AuditLog(tmp_path, clock=clock)
+    for i in range(5000):
+        log.write("sb-a", _event(i))
+    for i in range(DEFAULT_BURST):
+        log.write("sb-b", _event(i))
+    assert log.read("sb-b", MAX_READ_LIMIT) == [_event(i) for i in range(DEFAULT_BURST)]
+
+
+def test_a_capped_flood_still_rotates_and_stays_under_twice_the_file_cap(tmp_path: Path) -> None:
+    clock = _Clock()
+    line_bytes = len(audit._encode(_sized(0)))
+    log = AuditLog(tmp_path, clock=clock, max_bytes=50 * line_bytes, rate_per_s=20, burst=20)
+    for i in range(60 * 200):  # 200/s for 60 s
+        clock.now = 1000.0 + i / 200
+        log.write("sb-1", _sized(i % 10))
+    assert (tmp_path / "sb-1.jsonl.1").exists()
+    for name in ("sb-1.jsonl", "sb-1.jsonl.1"):
+        assert (tmp_path / name).stat().st_size <= 50 * line_bytes
+    assert log.dropped("sb-1") > 0 and _drop_notes(log)
+
+
+def test_the_drop_total_survives_a_new_writer(tmp_path: Path) -> None:
+    clock = _Clock()
+    first = AuditLog(tmp_path, clock=clock, rate_per_s=1, burst=1)
+    for i in range(4):
+        first.write("sb-1", _event(i))  # 1 kept, 3 dropped
+    clock.now += 2
+    first.write("sb-1", _event(4))
+    assert first.dropped("sb-1") == 3
+    second = AuditLog(tmp_path, clock=clock, rate_per_s=1, burst=1)  # a restarted gateway
+    for i in range(3):
+        second.write("sb-1", _event(i))  # 1 kept, 2 dropped
+    clock.now += 2
+    second.write("sb-1", _event(5))
+    assert second.dropped("sb-1") == AuditLog(tmp_path).dropped("sb-1") == 5
+
+
+def test_remove_deletes_the_drop_total_too(tmp_path: Path) -> None:
+    clock = _Clock()
+    log = AuditLog(tmp_path, clock=clock, rate_per_s=1, burst=1)
+    for i in range(3):
+        log.write("sb-1", _event(i))
+    clock.now += 2
+    log.write("sb-1", _event(3))
+    assert log.dropped("sb-1") == 2
+    log.remove("sb-1")
+    assert list(tmp_path.iterdir()) == [] and log.dropped("sb-1") == 0
+
+
+@pytest.mark.parametrize(("rate", "burst"), [(0, 10), (-1, 10), (10, 0)])
+def test_negative_a_budget_that_admits_nothing_is_refused(
+    tmp_path: Path, rate: float, burst: int
+) -> None:
+    with pytest.raises(InvalidArgument):
+        AuditLog(tmp_path, rate_per_s=rate, burst=burst)

@@ -123,5 +123,8 @@ async def test_both_apps_answer_a_node_error_in_the_same_shape(tmp_path: Path) -
         {"code": "unavailable", "message": "the VM is down", "details": {"sandbox_id": "sb-1"}},
     )
     control = create_app(ControlSettings(data_dir=tmp_path), NodeRegistry())
-    for kind in (NodeError, RequestValidationError, StarletteHTTPException, Exception):
+    for kind in (RequestValidationError, StarletteHTTPException, Exception):
         assert control.exception_handlers[kind] is node_app.exception_handlers[kind], kind
+    # The control plane's NodeError handler is the same answer, its text without
+    # node-internal names (space.control.node_text; tests/unit/test_internal_names.py).
+    assert control.exception_handlers[NodeError] is not node_app.exception_handlers[NodeError]

@@ -9,12 +9,13 @@ import pytest
 
 from space.node.api import (
     MAX_EGRESS_LOG_EVENTS,
-    EgressEvent,
+    EgressLog,
     InvalidArgument,
     NotFound,
     SandboxSpec,
     Unavailable,
 )
+from space.node.http.client import RemoteNode
 from space.node.http.server import create_node_app
 from tests.unit._fake_egress import CANNED_EVENTS
 from tests.unit.fakes import FakeNode
@@ -68,14 +69,38 @@ async def test_the_egress_log_round_trips_every_field() -> None:
     node = FakeNode()
     async with remote(node) as client:
         await client.create_sandbox(SandboxSpec("sb-1"))
-        assert await client.egress_log("sb-1") == list(CANNED_EVENTS)
-        assert await client.egress_log("sb-1", limit=1) == [CANNED_EVENTS[-1]]
+        node.egress_dropped["sb-1"] = 1234
+        assert await client.egress_log("sb-1") == EgressLog(list(CANNED_EVENTS), 1234)
+        assert await client.egress_log("sb-1", limit=1) == EgressLog([CANNED_EVENTS[-1]], 1234)
+
+
+@pytest.mark.parametrize("dropped", [-1, "3", 2.0, True, None])
+async def test_negative_a_node_answering_a_bad_drop_count_is_unavailable(dropped: object) -> None:
+    class Miscounting(FakeNode):
+        async def egress_log(self, sandbox_id: str, *, limit: int = 100) -> EgressLog:
+            return EgressLog([], dropped)  # type: ignore[arg-type]
+
+    async with remote(Miscounting()) as client:
+        with pytest.raises(Unavailable, match="bad drop count"):
+            await client.egress_log("sb-1")
+
+
+async def test_a_node_answering_no_drop_count_has_dropped_nothing() -> None:
+    async def old_answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"events": []})
+
+    transport = httpx.MockTransport(old_answer)
+    client = RemoteNode("http://node", TOKEN, transport=transport)
+    try:
+        assert await client.egress_log("sb-1") == EgressLog([], 0)
+    finally:
+        await client.aclose()
 
 
 async def test_negative_a_node_answering_more_events_than_asked_is_unavailable() -> None:
     class Flooding(FakeNode):
-        async def egress_log(self, sandbox_id: str, *, limit: int = 100) -> list[EgressEvent]:
-            return list(CANNED_EVENTS) * limit
+        async def egress_log(self, sandbox_id: str, *, limit: int = 100) -> EgressLog:
+            return EgressLog(list(CANNED_EVENTS) * limit)
 
     async with remote(Flooding()) as client:
         with pytest.raises(Unavailable, match="4 egress events, asked for 2"):

@@ -15,7 +15,7 @@ SDK_NAMES = {
     "InsufficientCapacity", "InternalError", "InvalidArgument", "NotFound", "PermissionDenied",
     "PoolInfo", "ProcessInfo", "ResourceExhausted", "Sandbox", "SandboxInfo", "SnapshotInfo",
     "SpaceError", "Timeout", "Unavailable",
-    "AsyncNetwork", "EgressEvent", "Network", "allow",
+    "AsyncNetwork", "EgressEvent", "EgressLog", "Network", "allow",
     "AsyncSecrets", "SecretBinding", "SecretInfo", "Secrets",
     "AsyncSpace", "Space",
 }  # fmt: skip
@@ -33,6 +33,7 @@ TOP_NAMES = {
 NODE_API_NAMES = {
     "BUILD_ID_HEADER", "BuildEvent", "BuildFailed", "BuildLog", "BuildStream",
     "BuildSucceeded", "CapacityInfo", "CidrRule", "Conflict", "DomainRule", "EgressEvent",
+    "EgressLog",
     "EgressPolicy", "ExecEvent", "ExecExited", "ExecOutput", "ExecRequest", "ExecStream",
     "FILE_STAT_HEADER", "FileReader", "FileStat", "GuestError", "InsufficientCapacity",
     "InvalidArgument", "MAX_BUILD_LOG_BYTES", "MAX_EGRESS_LOG_EVENTS", "MAX_FORK_CHILDREN",

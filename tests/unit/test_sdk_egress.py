@@ -129,6 +129,14 @@ async def test_log_parses_every_field_of_the_events(api: LiveApi) -> None:
     assert (denied.address, denied.port, denied.secrets) == (None, None, ())
 
 
+async def test_log_carries_the_audits_drop_count(api: LiveApi) -> None:
+    sandbox = await _create(api)
+    assert (await sandbox.network.log()).dropped == 0
+    api.node.egress_dropped[sandbox.sandbox_id] = 42
+    read = await sandbox.network.log(1)
+    assert read.dropped == 42 and list(read) == [read[0]] and read[-1:] == read.events[-1:]
+
+
 async def test_log_sends_its_limit_which_defaults_to_100(api: LiveApi) -> None:
     sandbox = await _create(api)
     events = [replace(CANNED_EVENTS[1], host=f"h{n}.example") for n in range(1200)]

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Path, Response
 from fastapi.responses import StreamingResponse
 
 from space.control.deps import Context, LiveSandbox
+from space.control.node_text import scrub
 from space.control.schemas import ExecBody, KillBody, ProcessOut
 from space.node.api import NDJSON, ExecRequest, ndjson_lines
 
@@ -40,7 +41,7 @@ async def exec_command(body: ExecBody, sandbox: LiveSandbox, ctx: Context) -> St
     """
     node = ctx.nodes.get(sandbox.node_id)
     stream = await node.exec(sandbox.id, _exec_request(body))
-    lines = ctx.activity.watch(sandbox.id, ndjson_lines(stream))
+    lines = ctx.activity.watch(sandbox.id, ndjson_lines(stream, scrub))
     return StreamingResponse(lines, media_type=NDJSON)
 
 
@@ -56,7 +57,7 @@ async def stream_process(
 ) -> StreamingResponse:
     """The process's buffered output, then live events, as NDJSON (like exec)."""
     stream = await ctx.nodes.get(sandbox.node_id).attach(sandbox.id, process_id)
-    lines = ctx.activity.watch(sandbox.id, ndjson_lines(stream))
+    lines = ctx.activity.watch(sandbox.id, ndjson_lines(stream, scrub))
     return StreamingResponse(lines, media_type=NDJSON)
 
 

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Body, Query
 
 from space.control import egress
 from space.control.deps import Context, Sandbox
-from space.control.schemas import EgressEventOut, policy_out
+from space.control.schemas import EgressEventOut, EgressLogOut, policy_out
 
 __all__ = ["router"]
 
@@ -43,7 +43,10 @@ async def egress_log(
     sandbox: Sandbox,
     ctx: Context,
     limit: Annotated[int, Query(ge=1, le=egress.MAX_LOG_LIMIT)] = egress.DEFAULT_LOG_LIMIT,
-) -> dict[str, list[EgressEventOut]]:
-    """The latest ``limit`` (1 to 1000) egress decisions, oldest first."""
-    events = await egress.read_log(ctx, sandbox, limit)
-    return {"events": [EgressEventOut.of(event) for event in events]}
+) -> EgressLogOut:
+    """The latest ``limit`` (1 to 1000) egress decisions, oldest first, and how many
+    the node's audit dropped over the sandbox's write budget."""
+    read = await egress.read_log(ctx, sandbox, limit)
+    return EgressLogOut(
+        events=[EgressEventOut.of(event) for event in read.events], dropped=read.dropped
+    )

@@ -27,13 +27,13 @@ from space.control.build_context import (
 )
 from space.control.deps import Context, ControlContext, Tenant
 from space.control.errors import ApiError
+from space.control.node_text import scrub
 from space.control.schemas import TemplateOut
 from space.control.template_names import (
     BASE,
     REF_PATTERN,
     node_ref,
     parse_ref,
-    scrub,
     tenant_name,
 )
 from space.control.template_spec import rewrite_spec
@@ -180,7 +180,7 @@ async def _start_builds(
             node = ctx.nodes.get(node_id)
             streams[node_id] = await node.build_template(file_chunks(context))
     except NodeError as exc:
-        exc.message = scrub(tenant, exc.message)
+        exc.message = scrub(exc.message)
         await _close_all(streams)
         raise
     except BaseException:
@@ -224,7 +224,7 @@ async def _build_lines(
             while (item := await queue.get())[1] is not None:
                 node_id, event = item
                 if isinstance(event, BuildLog):
-                    yield _line({"type": "log", "line": _says(tenant, node_id, event.line, prefix)})
+                    yield _line({"type": "log", "line": _says(node_id, event.line, prefix)})
                 elif event is not None:
                     outcomes[node_id] = event
         yield _line(_result(tenant, list(streams), outcomes, prefix))
@@ -244,7 +244,7 @@ def _result(
     results = [(node_id, outcomes.get(node_id, lost)) for node_id in node_ids]
     for node_id, outcome in results:
         if isinstance(outcome, BuildFailed):
-            message = _says(tenant, node_id, outcome.message, prefix)
+            message = _says(node_id, outcome.message, prefix)
             return {"type": "error", "code": outcome.code, "message": message, "step": outcome.step}
     built = next(o for _, o in results if isinstance(o, BuildSucceeded))
     out = _out(tenant, built.template)
@@ -253,8 +253,8 @@ def _result(
     return {"type": "template", "template": out.model_dump()}
 
 
-def _says(tenant: str, node_id: str, text: str, prefix: bool) -> str:
-    text = scrub(tenant, text)
+def _says(node_id: str, text: str, prefix: bool) -> str:
+    text = scrub(text)
     return f"[{node_id}] {text}" if prefix else text
 
 

@@ -23,7 +23,7 @@ from space.limits import MAX_EGRESS_LOG_EVENTS
 from space.node.agent._build_network import BuildNetwork, open_build_network
 from space.node.agent._hidden import is_hidden
 from space.node.api import (
-    EgressEvent,
+    EgressLog,
     EgressPolicy,
     InvalidArgument,
     NodeError,
@@ -182,11 +182,14 @@ class Egress:
             self._registry.get(sandbox_id)
             await self._network.gateway.set_secrets(sandbox_id, grants)
 
-    async def egress_log(self, sandbox_id: str, *, limit: int = 100) -> list[EgressEvent]:
-        """The sandbox's latest ``limit`` (1..1000) egress decisions, oldest first."""
+    async def egress_log(self, sandbox_id: str, *, limit: int = 100) -> EgressLog:
+        """The sandbox's latest ``limit`` (1..1000) egress decisions, oldest first, and
+        how many its audit dropped over the write budget."""
         if not 1 <= limit <= MAX_EGRESS_LOG_EVENTS:
             raise InvalidArgument(
                 f"limit must be 1..{MAX_EGRESS_LOG_EVENTS}", sandbox_id=sandbox_id
             )
         self._registry.get(sandbox_id)
-        return await asyncio.to_thread(self._network.audit.read, sandbox_id, limit)
+        audit = self._network.audit
+        events = await asyncio.to_thread(audit.read, sandbox_id, limit)
+        return EgressLog(events, await asyncio.to_thread(audit.dropped, sandbox_id))

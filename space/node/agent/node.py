@@ -31,7 +31,7 @@ from space.node.agent._snapshots import Snapshots
 from space.node.agent._templates import Templates
 from space.node.api import (
     BuildStream,
-    EgressEvent,
+    EgressLog,
     ExecRequest,
     ExecStream,
     FileReader,
@@ -279,7 +279,7 @@ class Node:
     async def set_egress(self, sandbox_id: str, policy: dict[str, object] | None) -> None:
         await self.egress.set_egress(sandbox_id, policy)
 
-    async def egress_log(self, sandbox_id: str, *, limit: int = 100) -> list[EgressEvent]:
+    async def egress_log(self, sandbox_id: str, *, limit: int = 100) -> EgressLog:
         return await self.egress.egress_log(sandbox_id, limit=limit)
 
     async def set_secrets(self, sandbox_id: str, grants: list[SecretGrant]) -> None:

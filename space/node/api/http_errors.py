@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -74,6 +74,20 @@ async def _on_coded(_: Request, exc: Exception) -> JSONResponse:
     return _respond(coded.code, coded.message, dict(coded.details))
 
 
+def _on_filtered(text: Callable[[str], str]) -> Callable[[Request, Exception], Any]:
+    """Answer a coded error with ``text`` applied to its message and string details."""
+
+    async def on_coded(_: Request, exc: Exception) -> JSONResponse:
+        coded: CodedError = exc  # type: ignore[assignment]  # registered for coded classes
+        details = {
+            key: text(value) if isinstance(value, str) else value
+            for key, value in coded.details.items()
+        }
+        return _respond(coded.code, text(coded.message), details)
+
+    return on_coded
+
+
 async def _on_validation_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError | ValidationError)
     errors = [
@@ -105,17 +119,25 @@ async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
 
 
 def install_error_handlers(
-    app: FastAPI, *coded: type[Exception], handlers_parse_bodies: bool = False
+    app: FastAPI,
+    *coded: type[Exception],
+    handlers_parse_bodies: bool = False,
+    node_text: Callable[[str], str] | None = None,
 ) -> None:
     """Answer every error of ``app`` in the JSON error shape (see the module docstring).
+
+    ``node_text`` is applied to a NodeError's message and string details before they
+    are answered (the control plane takes node-internal names out of them).
 
     ``coded`` adds exception classes with ``code``, ``message`` and ``details``
     attributes (CodedError), answered like node errors. ``handlers_parse_bodies``: the
     app's handlers parse request bodies themselves, so a pydantic or JSON error they
     raise is the request's fault (422), not the server's (500).
     """
-    kinds: tuple[type[Exception], ...] = (NodeError, *coded)
-    for kind in kinds:
+    app.add_exception_handler(
+        NodeError, _on_coded if node_text is None else _on_filtered(node_text)
+    )
+    for kind in coded:
         app.add_exception_handler(kind, _on_coded)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     if handlers_parse_bodies:

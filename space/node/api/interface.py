@@ -21,6 +21,7 @@ __all__ = [
     "BuildSucceeded",
     "CapacityInfo",
     "EgressEvent",
+    "EgressLog",
     "ExecEvent",
     "ExecExited",
     "ExecOutput",
@@ -153,7 +154,8 @@ class EgressEvent:
     #: The address the gateway connected to (or would have), if it got that far.
     address: str | None
     port: int | None
-    #: "allow" or "deny".
+    #: "allow" or "deny"; "drop" for the audit's own event (protocol "audit") saying how
+    #: many events it dropped over the sandbox's write budget (issue 17).
     decision: str
     #: Why, in a few words ("policy", "no rule for host", "blocked address: metadata").
     reason: str
@@ -161,6 +163,15 @@ class EgressEvent:
     bytes_in: int = 0
     #: Names of the secrets injected into this request.
     secrets: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class EgressLog:
+    """A read of a sandbox's egress audit: its latest events, oldest first, and how many
+    events its audit has dropped over its write budget since the sandbox began."""
+
+    events: list[EgressEvent]
+    dropped: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -400,7 +411,8 @@ class NodeService(Protocol):
     set_egress replaces a sandbox's egress policy (in any state but deleted); it takes
     effect for new connections and DNS queries within a second. A malformed policy
     raises InvalidArgument and leaves the old one. None means no network. egress_log
-    returns the sandbox's most recent egress decisions, oldest first, at most ``limit``.
+    returns the sandbox's most recent egress decisions, oldest first, at most ``limit``,
+    and the count of decisions its audit dropped over the write budget.
     set_secrets replaces the secrets the sandbox's gateway may inject; the node keeps
     them in memory only (never on disk), so the control plane sends them again after
     a node restart (``info().boot_id`` changes). The placeholders are the guest's to
@@ -467,7 +479,7 @@ class NodeService(Protocol):
 
     async def set_egress(self, sandbox_id: str, policy: dict[str, object] | None) -> None: ...
 
-    async def egress_log(self, sandbox_id: str, *, limit: int = 100) -> list[EgressEvent]: ...
+    async def egress_log(self, sandbox_id: str, *, limit: int = 100) -> EgressLog: ...
 
     async def set_secrets(self, sandbox_id: str, grants: list[SecretGrant]) -> None: ...
 

@@ -14,7 +14,7 @@ import base64
 import dataclasses
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from pydantic import TypeAdapter, ValidationError
@@ -275,8 +275,11 @@ def error_line(code: str, message: str) -> bytes:
     return _line({"type": "error", "code": code, "message": message})
 
 
-async def ndjson_lines(stream: ExecStream) -> AsyncIterator[bytes]:
-    """``start``, each event as produced, then nothing (or an ``error`` line if it fails).
+async def ndjson_lines(
+    stream: ExecStream, error_text: Callable[[str], str] = str
+) -> AsyncIterator[bytes]:
+    """``start``, each event as produced, then nothing (or an ``error`` line if it fails;
+    its message passed through ``error_text``).
 
     Closing the iterator early (client gone) closes ``stream``: a foreground process is
     killed, a background one keeps running.
@@ -286,7 +289,7 @@ async def ndjson_lines(stream: ExecStream) -> AsyncIterator[bytes]:
         async for event in stream:
             yield event_line(event)
     except NodeError as exc:
-        yield error_line(exc.code, exc.message)
+        yield error_line(exc.code, error_text(exc.message))
     except Exception as exc:
         log.exception("exec stream failed")
         yield error_line("internal", f"stream failed: {type(exc).__name__}")

@@ -5,6 +5,14 @@ its field names). A file that would grow past ``max_bytes`` is first rotated to
 ``<sandbox_id>.jsonl.1`` (replacing the previous one), so a sandbox holds at most about
 twice ``max_bytes`` on disk however much its guest talks.
 
+Writes are bounded per sandbox too (issue 17: a guest's DNS queries at 600/s wrote
+3.7 MB in 30 s): a token bucket admits ``rate_per_s`` events a second on average and
+``burst`` at once; events past it are dropped and counted. When an event is admitted
+again (at most once a second), an audit event ``decision="drop"`` saying how many were
+dropped is written before it, and the sandbox's total drops since its log began go to
+``<sandbox_id>.dropped`` (``dropped`` reads it). Drops after the last admitted event
+are counted but written only with the next one.
+
 Writing never raises for the disk (a failure is logged): auditing must not break the
 guest's traffic. Reading reads only the tail of the files.
 """
@@ -16,16 +24,39 @@ import json
 import logging
 import os
 import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from space.node.api import EgressEvent, InvalidArgument, Unavailable
 from space.node.core.validation import check_id
 
-__all__ = ["DEFAULT_MAX_BYTES", "MAX_READ_LIMIT", "AuditLog"]
+__all__ = [
+    "DEFAULT_BURST",
+    "DEFAULT_MAX_BYTES",
+    "DEFAULT_RATE_PER_S",
+    "DROP_DECISION",
+    "MAX_READ_LIMIT",
+    "AuditLog",
+]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024
+#: Events a second one sandbox may add to its audit on average, and at once. A busy
+#: but ordinary guest (a package install: a DNS query and a connection per download)
+#: makes tens a second in bursts of a few hundred; at 50/s of ~250-byte lines a
+#: sandbox writes ~12 KB/s, and the node's 64 sandboxes together ~3,200 small writes a
+#: second at worst, instead of one guest's flood setting the pace.
+DEFAULT_RATE_PER_S = 50.0
+DEFAULT_BURST = 200
+#: The decision of the audit's own event that counts the events it dropped.
+DROP_DECISION = "drop"
+#: Seconds between two drop events of one sandbox: a sustained flood adds one a second.
+_DROP_REPORT_INTERVAL_S = 1.0
+#: Sandboxes whose bucket state is kept before idle (full, nothing pending) ones go.
+_MAX_IDLE_BUCKETS = 1024
 #: Most events one read returns.
 MAX_READ_LIMIT = 10_000
 _BLOCK_BYTES = 64 * 1024
@@ -33,22 +64,49 @@ _OPEN_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFO
 _FIELDS = frozenset(field.name for field in dataclasses.fields(EgressEvent))
 
 
+@dataclass(slots=True)
+class _Bucket:
+    """One sandbox's write budget: a token bucket, and the drops not yet written."""
+
+    tokens: float
+    updated: float
+    pending: int = 0
+    reported: float = float("-inf")
+
+
 class AuditLog:
     """The audit files of a node's sandboxes, under ``root`` (created on first write).
 
     Sandbox ids are checked with space.node.core.validation.check_id (InvalidArgument), so
-    no id names a file outside ``root``. Safe to share between threads.
+    no id names a file outside ``root``. Safe to share between threads. ``clock``
+    (monotonic seconds) paces the write budget, so tests can move time.
     """
 
-    def __init__(self, root: Path, *, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        rate_per_s: float = DEFAULT_RATE_PER_S,
+        burst: int = DEFAULT_BURST,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if max_bytes < 1:
             raise InvalidArgument(f"max_bytes must be positive, got {max_bytes!r}")
+        if not rate_per_s > 0 or burst < 1:
+            raise InvalidArgument(f"rate {rate_per_s!r}/s, burst {burst!r}: both must be > 0")
         self._root = root
         self._max_bytes = max_bytes
+        self._rate_per_s = rate_per_s
+        self._burst = burst
+        self._clock = clock
+        self._buckets: dict[str, _Bucket] = {}
+        self._dropped: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def write(self, sandbox_id: str, event: EgressEvent) -> None:
-        """Append ``event`` to the sandbox's log, rotating the file first if it is full.
+        """Append ``event`` to the sandbox's log, rotating the file first if it is full;
+        past the sandbox's write budget, count it as dropped instead (see the module).
 
         Raises InvalidArgument for a bad sandbox id only; a disk error (or an event
         that does not serialize) is logged as a warning and the event is lost.
@@ -57,9 +115,87 @@ class AuditLog:
         try:
             line = _encode(event)
             with self._lock:
+                report = self._admit(sandbox_id)
+                if report is None:
+                    return
+                if report:
+                    self._append(path, _encode(self._drop_event(report)))
+                    self._record_dropped(sandbox_id, report)
                 self._append(path, line)
         except (OSError, ValueError, TypeError) as exc:
             log.warning("egress audit of %s lost an event: %s", sandbox_id, exc)
+
+    def dropped(self, sandbox_id: str) -> int:
+        """How many of the sandbox's events were dropped over its write budget, as of
+        the last drop event written (0 if none). Raises InvalidArgument for a bad id,
+        Unavailable if the count exists but cannot be read."""
+        path = self._dropped_path(sandbox_id)
+        try:
+            return _read_count(path)
+        except OSError as exc:
+            raise Unavailable(
+                f"cannot read the egress drop count: {exc}", sandbox_id=sandbox_id
+            ) from exc
+
+    def _admit(self, sandbox_id: str) -> int | None:
+        """None: drop the event (counted). Else admit it, after a drop event for the
+        returned count if that is not 0."""
+        now = self._clock()
+        bucket = self._buckets.get(sandbox_id)
+        if bucket is None:
+            self._forget_idle_buckets()
+            bucket = self._buckets[sandbox_id] = _Bucket(float(self._burst), now)
+        elapsed = max(0.0, now - bucket.updated)
+        bucket.tokens = min(float(self._burst), bucket.tokens + elapsed * self._rate_per_s)
+        bucket.updated = now
+        if bucket.tokens < 1:
+            bucket.pending += 1
+            return None
+        bucket.tokens -= 1
+        if not bucket.pending or now - bucket.reported < _DROP_REPORT_INTERVAL_S:
+            return 0
+        report, bucket.pending, bucket.reported = bucket.pending, 0, now
+        return report
+
+    def _forget_idle_buckets(self) -> None:
+        """Bound the buckets kept: past _MAX_IDLE_BUCKETS, forget every sandbox whose
+        bucket would be full now and has no drops pending (forgetting it changes
+        nothing: a new bucket starts full)."""
+        if len(self._buckets) < _MAX_IDLE_BUCKETS:
+            return
+        now = self._clock()
+        for sandbox_id, bucket in list(self._buckets.items()):
+            refilled = bucket.tokens + (now - bucket.updated) * self._rate_per_s
+            if not bucket.pending and refilled >= self._burst:
+                del self._buckets[sandbox_id]
+                self._dropped.pop(sandbox_id, None)
+
+    def _drop_event(self, count: int) -> EgressEvent:
+        return EgressEvent(
+            time=time.time(),
+            protocol="audit",
+            host=None,
+            address=None,
+            port=None,
+            decision=DROP_DECISION,
+            reason=f"{count} events dropped: over {self._rate_per_s:g}/s (burst {self._burst})",
+        )
+
+    def _record_dropped(self, sandbox_id: str, count: int) -> None:
+        """Add ``count`` to the sandbox's total on disk (written whole, then renamed)."""
+        path = self._dropped_path(sandbox_id)
+        total = self._dropped.get(sandbox_id)
+        if total is None:
+            total = _read_count(path)
+        self._dropped[sandbox_id] = total = total + count
+        staging = path.with_name(path.name + ".new")
+        staging.unlink(missing_ok=True)
+        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, f"{total}\n".encode())
+        finally:
+            os.close(fd)
+        os.replace(staging, path)
 
     def read(self, sandbox_id: str, limit: int = 100) -> list[EgressEvent]:
         """The sandbox's most recent ``limit`` events, oldest first.
@@ -94,6 +230,9 @@ class AuditLog:
             with self._lock:
                 path.unlink(missing_ok=True)
                 _rotated(path).unlink(missing_ok=True)
+                self._dropped_path(sandbox_id).unlink(missing_ok=True)
+                self._buckets.pop(sandbox_id, None)
+                self._dropped.pop(sandbox_id, None)
         except OSError as exc:
             raise Unavailable(
                 f"cannot remove the egress log: {exc}", sandbox_id=sandbox_id
@@ -101,6 +240,9 @@ class AuditLog:
 
     def _path(self, sandbox_id: str) -> Path:
         return self._root / f"{check_id(sandbox_id)}.jsonl"
+
+    def _dropped_path(self, sandbox_id: str) -> Path:
+        return self._root / f"{check_id(sandbox_id)}.dropped"
 
     def _append(self, path: Path, line: bytes) -> None:
         self._root.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -120,6 +262,19 @@ class AuditLog:
 
 def _rotated(path: Path) -> Path:
     return path.with_name(path.name + ".1")
+
+
+def _read_count(path: Path) -> int:
+    """The count a drop total file holds; 0 if it is missing or not a count."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return 0
+    try:
+        text = os.read(fd, 32).strip()
+    finally:
+        os.close(fd)
+    return int(text) if text.isdigit() else 0
 
 
 def _encode(event: EgressEvent) -> bytes:

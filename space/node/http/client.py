@@ -20,6 +20,7 @@ from space.node.api import (
     FILE_STAT_HEADER,
     NODE_API_PREFIX,
     EgressEvent,
+    EgressLog,
     ExecRequest,
     FileStat,
     NodeInfo,
@@ -334,9 +335,10 @@ class RemoteNode(NodeService):
         url = f"/sandboxes/{sandbox_id}/secrets"
         await self._json("PUT", url, sandbox_id, json=encode_grants(grants))
 
-    async def egress_log(self, sandbox_id: str, *, limit: int = 100) -> list[EgressEvent]:
+    async def egress_log(self, sandbox_id: str, *, limit: int = 100) -> EgressLog:
         """The latest ``limit`` egress decisions, oldest first (1 to MAX_EGRESS_LOG_EVENTS,
-        else InvalidArgument from the node); more than ``limit`` back is Unavailable."""
+        else InvalidArgument from the node); more than ``limit`` back is Unavailable. A
+        node that answers no ``dropped`` (older than issue 17) has dropped nothing."""
         url = f"/sandboxes/{sandbox_id}/egress/log"
         body = await self._json("GET", url, sandbox_id, params={"limit": limit})
         events = parse(list[EgressEvent], member(body, "events", sandbox_id), sandbox_id)
@@ -345,7 +347,10 @@ class RemoteNode(NodeService):
                 f"node answered {len(events)} egress events, asked for {limit}",
                 sandbox_id=sandbox_id,
             )
-        return events
+        dropped = body.get("dropped", 0) if isinstance(body, dict) else 0
+        if not isinstance(dropped, int) or isinstance(dropped, bool) or dropped < 0:
+            raise Unavailable(f"node answered a bad drop count {dropped!r}", sandbox_id=sandbox_id)
+        return EgressLog(events, dropped)
 
     async def build_template(self, context: AsyncIterable[bytes]) -> RemoteBuildStream:
         """Upload ``context`` (streamed, never held whole) and follow the build's events.

@@ -13,12 +13,19 @@ body and answers the build's NDJSON events (its id in ``X-Build-Id``); ``GET`` l
 ``DELETE /templates/{ref}`` deletes (``name``, ``name:tag``, ``name@digest``). A
 sandbox's egress policy is ``PUT /sandboxes/{id}/egress`` with ``{"policy": {...} |
 null}`` (204); ``GET /sandboxes/{id}/egress/log?limit=N`` (1 to MAX_EGRESS_LOG_EVENTS,
-default 100) answers ``{"events": [EgressEvent, ...]}``, oldest first. Its secret
+default 100) answers ``{"events": [EgressEvent, ...], "dropped": N}``, oldest first
+(``dropped``: events the audit dropped over its write budget). Its secret
 grants are ``PUT /sandboxes/{id}/secrets`` with ``{"grants": [SecretGrant, ...]}``
 (204); that body holds secret values, so no body is ever logged here. Errors
 answer ``{"error": {"code", "message", "details"}}`` with the status of
 ``STATUS_BY_CODE`` (space.node.api.http_errors, shared with the control plane). Every
 request needs ``Authorization: Bearer <node token>``.
+
+The edge is the control plane's (issue 17; space.node.api.http_edges and
+http_connections, shared): the token is checked from the headers before a byte of the
+body is read (401), a JSON body over MAX_NODE_JSON_BODY_BYTES is 413 unread (file
+uploads and build contexts stream with their own caps), and ``node_server`` bounds the
+header read time and size and each client's open connections.
 
 The JSON and NDJSON shapes live in space.node.api.wire, shared with RemoteNode and the
 control plane.
@@ -28,13 +35,17 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, TypeVar
 
+import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.responses import StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.datastructures import Headers
+from starlette.types import Scope
 
+from space.limits import MAX_JSON_BODY_BYTES
 from space.node.api import (
     BUILD_ID_HEADER,
     FILE_STAT_HEADER,
@@ -55,25 +66,46 @@ from space.node.api import (
     encode_templates,
     ndjson_lines,
 )
+from space.node.api.http_connections import (
+    HEADER_TIMEOUT_S,
+    MAX_CONNECTIONS_PER_CLIENT,
+    guarded_protocol,
+)
+from space.node.api.http_edges import Authenticate, Edges, Refused, StreamedRoute
 from space.node.api.http_errors import install_error_handlers
 
-__all__ = ["create_node_app"]
+__all__ = ["MAX_NODE_JSON_BODY_BYTES", "STREAMED_ROUTES", "create_node_app", "node_server"]
 
 T = TypeVar("T")
 
 
-# -- auth -----------------------------------------------------------------
+# -- edges ---------------------------------------------------------------------------
+
+#: Most bytes of a JSON body to a node. The control plane builds these from tenant
+#: bodies of at most MAX_JSON_BODY_BYTES and from what it holds: an exec's stdin grows
+#: by 4/3 in base64; a sandbox's secret grants reach 64 values of 16 KiB, which JSON's
+#: ``\uXXXX`` escapes can triple (3 MiB), plus 64 x 32 hosts (0.5 MiB). Four times
+#: the tenant's cap holds each.
+MAX_NODE_JSON_BODY_BYTES = 4 * MAX_JSON_BODY_BYTES
+
+#: The routes whose bodies stream through: a file upload (bounded by the sandbox's
+#: disk) and a build context (bounded by the node's build, space.node.templates).
+STREAMED_ROUTES: tuple[StreamedRoute, ...] = (
+    ("PUT", re.compile(re.escape(NODE_API_PREFIX) + r"/sandboxes/[^/]+/files")),
+    ("POST", re.compile(re.escape(NODE_API_PREFIX) + r"/templates/builds")),
+)
 
 
-def _auth_dependency(token: str) -> Any:
+def _token_check(token: str) -> Authenticate:
+    """Every request needs the node token, checked from its headers alone."""
     expected = f"Bearer {token}".encode()
 
-    async def check(request: Request) -> None:
-        given = request.headers.get("authorization", "").encode()
+    async def check(scope: Scope, headers: Headers) -> None:
+        given = headers.get("authorization", "").encode()
         if not hmac.compare_digest(given, expected):
-            raise StarletteHTTPException(401, "missing or wrong node token")
+            raise Refused("unauthenticated", "missing or wrong node token")
 
-    return Depends(check)
+    return check
 
 
 # -- routes --------------------------------------------------------------------------
@@ -281,7 +313,8 @@ async def _egress_log(
     sandbox_id: str,
     limit: Annotated[int, Query(ge=1, le=MAX_EGRESS_LOG_EVENTS)] = 100,
 ) -> Any:
-    return {"events": [encode(event) for event in await node.egress_log(sandbox_id, limit=limit)]}
+    read = await node.egress_log(sandbox_id, limit=limit)
+    return {"events": [encode(event) for event in read.events], "dropped": read.dropped}
 
 
 @_router.post("/templates/builds")
@@ -313,6 +346,32 @@ def create_node_app(node: NodeService, token: str) -> FastAPI:
         raise ValueError("the node API needs a non-empty token")
     app = FastAPI(title="SPACE node", docs_url=None, redoc_url=None)
     app.state.node = node
-    app.include_router(_router, prefix=NODE_API_PREFIX, dependencies=[_auth_dependency(token)])
+    app.include_router(_router, prefix=NODE_API_PREFIX)
     install_error_handlers(app, handlers_parse_bodies=True)
+    app.add_middleware(
+        Edges,
+        authenticate=_token_check(token),
+        streamed_routes=STREAMED_ROUTES,
+        max_body_bytes=MAX_NODE_JSON_BODY_BYTES,
+    )
     return app
+
+
+def node_server(
+    app: FastAPI,
+    *,
+    host: str,
+    port: int,
+    header_timeout_s: float = HEADER_TIMEOUT_S,
+    max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT,
+) -> uvicorn.Server:
+    """A uvicorn server for the node's API ``app`` on ``host:port`` (not yet serving).
+
+    Its connections are bounded as the control plane's (space.node.api.http_connections):
+    headers complete within ``header_timeout_s``, at most 64 KiB of them, and at most
+    ``max_connections_per_client`` open connections per client address.
+    """
+    http = guarded_protocol(
+        header_timeout_s=header_timeout_s, max_per_client=max_connections_per_client
+    )
+    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", http=http))

@@ -1,5 +1,5 @@
-"""The API server's connections (issue 17): a deadline for a request's headers, a cap on
-their size, and a cap on one client's open connections.
+"""The connections of both HTTP API servers (issue 17): a deadline for a request's
+headers, a cap on their size, and a cap on one client's open connections.
 
 uvicorn's httptools protocol arms no timer before a request's headers are complete
 (its keep-alive timer runs only between requests, and any byte cancels it), so a
@@ -9,7 +9,11 @@ makes a subclass that closes a connection whose headers are not complete
 ``header_timeout_s`` after it opened (or after its request began), answers 400 and
 closes for headers over ``max_header_bytes``, and closes at once a connection from a
 client address that already has ``max_per_client`` open. Bodies are bounded by
-space.control.edges.
+space.node.api.http_edges. The control plane's REST API and a node's own API both serve
+with it.
+
+Not exported from space.node.api itself: it needs uvicorn, which the gateway process
+(which imports the contract) does not.
 """
 
 from __future__ import annotations
