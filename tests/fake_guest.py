@@ -14,6 +14,7 @@ import contextlib
 import socket
 import struct
 from collections.abc import Mapping
+from typing import Any
 
 from space.node.channel import GuestChannel
 from space.protocol import Frame, FrameDecoder, FrameKind, decode_json, encode_json
@@ -61,10 +62,11 @@ class FakeGuest:
 
 
 async def connect(
-    sandbox_id: str, *, channel_options: Mapping[str, float] | None = None, **hello: object
+    sandbox_id: str, *, channel_options: Mapping[str, Any] | None = None, **hello: object
 ) -> tuple[GuestChannel, FakeGuest]:
     """A channel and the FakeGuest at its other end; ``hello`` overrides fields of the
-    guest's HELLO, ``channel_options`` are GuestChannel.open's timing arguments."""
+    guest's HELLO, ``channel_options`` are more of GuestChannel.open's arguments
+    (timing, budget, on_abuse)."""
     host_sock, guest_sock = socket.socketpair()
     host_reader, host_writer = await asyncio.open_unix_connection(sock=host_sock)
     guest = FakeGuest(*await asyncio.open_unix_connection(sock=guest_sock))

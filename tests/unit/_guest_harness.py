@@ -49,7 +49,7 @@ class Guest:
         lines = self.identity_record.read_text().splitlines()
         return [json.loads(line) for line in lines]
 
-    async def channel(self, sandbox_id: str = "sb-test", **timing: float) -> GuestChannel:
+    async def channel(self, sandbox_id: str = "sb-test", **timing: Any) -> GuestChannel:
         """A new channel (a new session); ``timing``: GuestChannel.open's silence_timeout_s
         and ping_interval_s."""
         assert self.proc.stdout is not None and self.proc.stdin is not None

@@ -144,12 +144,16 @@ class Registry:
         return self.store.directory / f"{sandbox_id}.console.log"
 
     def on_vm_exit(self, sandbox: LiveSandbox) -> None:
-        """QEMU exited without being asked: the sandbox goes to ERROR (kept for inspection)."""
-        tail = sandbox.console_tail()
-        log.warning(
-            "sandbox %s: qemu exited unexpectedly; console tail:\n%s", sandbox.sandbox_id, tail
-        )
-        error = f"VM exited unexpectedly; console tail: {tail[-500:]}"
+        """QEMU exited without being asked (or was stopped because its guest abused the
+        channel, ``fault``): the sandbox goes to ERROR (kept for inspection)."""
+        if sandbox.fault is not None:
+            error = sandbox.fault  # logged when the VM was stopped
+        else:
+            tail = sandbox.console_tail()
+            log.warning(
+                "sandbox %s: qemu exited unexpectedly; console tail:\n%s", sandbox.sandbox_id, tail
+            )
+            error = f"VM exited unexpectedly; console tail: {tail[-500:]}"
         self.store.save(sandbox.mark(SandboxState.ERROR, error=error))
         task = asyncio.get_running_loop().create_task(sandbox.disconnect())
         self._tasks.add(task)

@@ -18,6 +18,7 @@ from space.node.api import (
     error_for_code,
 )
 from space.node.channel import _parse as parse
+from space.node.channel._budget import BudgetLimits, ChannelAbuse, ChannelBudget
 from space.node.channel._liveness import (
     DEFAULT_PING_INTERVAL_S,
     DEFAULT_SILENCE_TIMEOUT_S,
@@ -37,6 +38,7 @@ from space.protocol import (
     MAX_STREAMS,
     Channel,
     Frame,
+    FrameDecoder,
     FrameKind,
     ProtocolError,
     check_length,
@@ -54,16 +56,22 @@ from space.protocol import (
     unpack_length,
 )
 
-__all__ = ["MAX_LIST_ITEMS", "ChannelCore"]
+__all__ = ["MAX_LIST_ITEMS", "READ_CHUNK_BYTES", "AbuseHandler", "ChannelCore"]
 
 _log = logging.getLogger("space.node.channel")
 T = TypeVar("T")
+#: Called once with the reason when the guest abuses its channel (space.node.channel._budget).
+AbuseHandler = Callable[[str], None]
 
 #: Most entries a file.list or process.list answer may carry in total.
 MAX_LIST_ITEMS = 10_000
 #: Bytes we may have queued towards a guest that does not read (PONG floods) before we
 #: call it a violation.
 MAX_UNREAD_BYTES = 8 * 1024 * 1024
+#: Most bytes read (and parsed) from the guest before the reader yields to the event
+#: loop: at most ~7,000 minimal frames, a few ms of parsing, between two turns of the
+#: other sandboxes' channels and the HTTP API.
+READ_CHUNK_BYTES = 64 * 1024
 _GUEST_MAY_NOT_SEND = (FrameKind.HELLO, FrameKind.OPEN, FrameKind.SIGNAL, FrameKind.CANCEL)
 #: The payload of the PINGs that keep a waiting request informed; its PONG matches no
 #: ``ping()`` waiter (their tokens are 8 random bytes) and only counts as a sign of life.
@@ -83,6 +91,8 @@ class ChannelCore:
         *,
         silence_timeout_s: float = DEFAULT_SILENCE_TIMEOUT_S,
         ping_interval_s: float = DEFAULT_PING_INTERVAL_S,
+        on_abuse: AbuseHandler | None = None,
+        budget: BudgetLimits | None = None,
     ) -> None:
         self._reader = reader
         self._writer = writer
@@ -98,6 +108,10 @@ class ChannelCore:
         self._closed = False
         self._failure: Unavailable | None = None
         self._reader_task: asyncio.Task[None] | None = None
+        self._on_abuse = on_abuse
+        self.budget = ChannelBudget(budget)
+        #: Why the channel was closed for abuse, if it was.
+        self.abuse: str | None = None
         self.hello = {}
 
     @property
@@ -123,11 +137,11 @@ class ChannelCore:
         with contextlib.suppress(Exception):
             await self._writer.wait_closed()
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, reason: str, *, level: int = logging.ERROR) -> None:
         """The channel broke: log once, fail everything pending, close the writer."""
         if self._closed:
             return
-        _log.error("guest channel of sandbox %s closed: %s", self._sandbox_id, reason)
+        _log.log(level, "guest channel of sandbox %s closed: %s", self._sandbox_id, reason)
         self._shutdown(Unavailable(f"guest channel broken: {reason}", sandbox_id=self._sandbox_id))
         self._writer.close()
 
@@ -155,17 +169,41 @@ class ChannelCore:
         return parse_body(await self._reader.readexactly(length))
 
     async def _read_loop(self) -> None:
+        decoder = FrameDecoder()
         try:
             while True:
-                frame = await self._read_frame()
-                self._liveness.heard()
-                self._dispatch(frame)
+                chunk = await self._reader.read(READ_CHUNK_BYTES)
+                if not chunk:
+                    partial = decoder.buffered_bytes
+                    self._fail(f"EOF inside a frame ({partial} B)" if partial else "EOF")
+                    return
+                frames = decoder.feed(chunk)
+                if frames:
+                    self._liveness.heard()
+                for frame in frames:
+                    self._dispatch(frame)
+                self.budget.charge(len(frames), len(chunk))
+                # Yield after every chunk, and stop reading while over budget: the
+                # guest's writes then block in the guest (back-pressure through QEMU).
+                await asyncio.sleep(self.budget.throttle_s())
+        except ChannelAbuse as exc:
+            self._abused(str(exc))
         except ProtocolError as exc:
             self._fail(f"protocol violation: {exc}")
-        except asyncio.IncompleteReadError as exc:
-            self._fail("EOF" if not exc.partial else f"EOF inside a frame ({len(exc.partial)} B)")
         except OSError as exc:
             self._fail(f"read failed: {exc}")
+
+    def _abused(self, reason: str) -> None:
+        """Close the channel for abuse and report it (once): the node stops the VM."""
+        if self._closed:
+            return
+        self.abuse = reason
+        self._fail(reason, level=logging.WARNING)
+        if self._on_abuse is not None:
+            try:
+                self._on_abuse(reason)
+            except Exception:  # the channel is closed either way
+                _log.exception("sandbox %s: handling channel abuse failed", self._sandbox_id)
 
     def _dispatch(self, frame: Frame) -> None:
         kind = frame.kind
@@ -176,9 +214,11 @@ class ChannelCore:
             return
         stream = self._streams.get(frame.stream)
         if stream is None:
-            if kind is not FrameKind.CREDIT:  # CREDIT may cross our stream's end
+            if kind is not FrameKind.CREDIT:
                 raise ProtocolError(f"{kind.name} for unknown stream {frame.stream}")
             decode_credit(frame.payload)
+            # A few may cross our stream's end (a race); a flood makes no sense.
+            self.budget.senseless(f"CREDIT for stream {frame.stream}, not open")
             return
         if kind is FrameKind.DATA:
             channel, data = decode_data(frame.payload)
@@ -200,6 +240,9 @@ class ChannelCore:
             waiter = self._pings.pop(frame.payload, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
+            elif waiter is None and frame.payload != _KEEPALIVE:
+                # A late answer to a ping() given up is a race; a flood makes no sense.
+                self.budget.senseless("a PONG that answers no PING")
             return
         if self._writer.transport.get_write_buffer_size() > MAX_UNREAD_BYTES:
             raise ProtocolError("the guest does not read what we send")

@@ -5,7 +5,10 @@ treated as hostile: a frame's length is checked before its body is read, every f
 and JSON message is validated, and per-stream memory is bounded by the credit window.
 Any violation (or EOF) closes this channel only: it logs one error on the
 "space.node.channel" logger, fails every pending call with Unavailable and marks
-``closed``; the node reconnects by opening a new GuestChannel.
+``closed``; the node reconnects by opening a new GuestChannel. What the guest may make
+us read is budgeted (frames and bytes per second, senseless frames): past the budget
+the channel stops reading for a while, and a guest that keeps at it has its channel
+closed with one warning and ``on_abuse`` called (space.node.channel._budget).
 
 Every method raises space.node.api.errors leaves carrying the sandbox id: guest RESULT
 errors map through ``error_for_code``. No call is failed for being slow: every wait on the
@@ -36,7 +39,8 @@ from space.node.api import (
     Unavailable,
 )
 from space.node.channel import _parse as parse
-from space.node.channel._core import MAX_LIST_ITEMS, ChannelCore
+from space.node.channel._budget import BudgetLimits
+from space.node.channel._core import MAX_LIST_ITEMS, AbuseHandler, ChannelCore
 from space.node.channel._liveness import DEFAULT_PING_INTERVAL_S, DEFAULT_SILENCE_TIMEOUT_S
 from space.node.channel._streams import (
     ChannelExecStream,
@@ -73,6 +77,8 @@ class GuestChannel(ChannelCore):
         hello_timeout_s: float = 60.0,
         silence_timeout_s: float = DEFAULT_SILENCE_TIMEOUT_S,
         ping_interval_s: float = DEFAULT_PING_INTERVAL_S,
+        on_abuse: AbuseHandler | None = None,
+        budget: BudgetLimits | None = None,
     ) -> GuestChannel:
         """Send HELLO and wait for the guest's; the channel then owns ``writer``.
 
@@ -81,6 +87,10 @@ class GuestChannel(ChannelCore):
         the connection drops, the first frame is not a valid HELLO, or no version is
         shared. On failure the writer is closed. ``silence_timeout_s`` and
         ``ping_interval_s`` bound every later wait (see the module docstring).
+
+        ``budget`` (default: space.node.channel._budget's constants) bounds what the
+        guest may make us read; a guest that abuses it gets its channel closed, and
+        ``on_abuse`` is called once with the reason (``abuse`` holds it too).
         """
         channel = cls(
             reader,
@@ -88,6 +98,8 @@ class GuestChannel(ChannelCore):
             sandbox_id,
             silence_timeout_s=silence_timeout_s,
             ping_interval_s=ping_interval_s,
+            on_abuse=on_abuse,
+            budget=budget,
         )
         session = secrets.token_hex(16)
         hello: dict[str, object] = {"versions": [PROTOCOL_VERSION], "session": session}

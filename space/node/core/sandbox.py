@@ -125,6 +125,10 @@ class LiveSandbox:
     watcher: asyncio.Task[None] | None = None
     #: The egress CA certificate (PEM) installed in this guest's filesystem, if any.
     trusted_ca: bytes | None = None
+    #: Why the node stopped this VM itself (its guest abused the channel), if it did:
+    #: the reason its exit is reported with, and no new channel is opened to it.
+    fault: str | None = None
+    _stopping: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
     def sandbox_id(self) -> str:
@@ -191,19 +195,46 @@ class LiveSandbox:
         return console_tail(self.config.console_log, _CONSOLE_TAIL_BYTES)
 
     async def connect(self, *, hello_timeout_s: float) -> GuestChannel:
-        """Open a fresh guest channel (a new HELLO, a new guest session)."""
+        """Open a fresh guest channel (a new HELLO, a new guest session).
+
+        A guest that abuses the channel gets its VM killed (``fault`` says why); the
+        watcher then reports the exit as for any VM that exits unasked.
+        """
+        if self.fault is not None:
+            raise Unavailable(self.fault, sandbox_id=self.sandbox_id)
         if self.vm is None or not self.vm.alive:
             raise Unavailable("the sandbox's VM is not running", sandbox_id=self.sandbox_id)
         reader, writer = await self.vm.open_agent()
         try:
             channel = await GuestChannel.open(
-                reader, writer, sandbox_id=self.sandbox_id, hello_timeout_s=hello_timeout_s
+                reader,
+                writer,
+                sandbox_id=self.sandbox_id,
+                hello_timeout_s=hello_timeout_s,
+                on_abuse=self._on_channel_abuse,
             )
         except BaseException:
             writer.close()
             raise
         self.channel = channel
         return channel
+
+    def _on_channel_abuse(self, reason: str) -> None:
+        """The guest abused its channel (already closed): an errored sandbox's VM must
+        not keep burning a core, so it is killed; the watcher reports the exit."""
+        self.fault = reason
+        log.warning("sandbox %s: %s; stopping its VM", self.sandbox_id, reason)
+        vm = self.vm
+        if vm is not None and vm.alive and self._stopping is None:
+            self._stopping = asyncio.get_running_loop().create_task(
+                self._kill(vm), name=f"abuse-{self.sandbox_id}"
+            )
+
+    async def _kill(self, vm: QemuVM) -> None:
+        try:
+            await vm.kill()
+        except NodeError as exc:
+            log.error("sandbox %s: killing its VM failed: %s", self.sandbox_id, exc)
 
     async def pause(self) -> None:
         """Stop the vCPUs; returns once QEMU confirmed. Unavailable if it cannot."""
