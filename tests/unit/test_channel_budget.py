@@ -125,6 +125,21 @@ def test_a_guest_that_comes_back_under_budget_starts_a_new_abuse_period() -> Non
     assert budget.throttle_s() > 0  # 1.5 s over, not 6.4 s
 
 
+def test_negative_a_flood_that_dips_under_budget_for_a_moment_stays_over_budget() -> None:
+    clock = Clock()
+    budget = ChannelBudget(
+        BudgetLimits(frames_per_s=1000, frame_burst=1000, abuse_after_s=5), clock
+    )
+    budget.charge(2000, 0)
+    while clock.now < 105.0:
+        clock.now += budget.throttle_s() + 0.01  # overslept: 10 tokens to spare
+        budget.charge(5, 0)  # a short read leaves the bucket above zero
+        assert budget.throttle_s() == 0
+        budget.charge(1100, 0)
+    with pytest.raises(ChannelAbuse):
+        budget.throttle_s()
+
+
 def test_senseless_frames_are_tolerated_up_to_the_limit_per_window() -> None:
     clock = Clock()
     budget = ChannelBudget(clock=clock)

@@ -143,11 +143,18 @@ class ChannelBudget:
 
     def throttle_s(self) -> float:
         """Seconds to stop reading (0: read on). Raises ChannelAbuse once the guest has
-        been over budget for ``abuse_after_s`` without a break."""
+        been over budget for ``abuse_after_s`` without a break: an over-budget period
+        ends only once half of each burst has built up again."""
         wait_s = max(self._frames.wait_s(), self._bytes.wait_s())
         now = self._clock()
         if wait_s <= 0:
-            self._over_since = None
+            # The period ends once the guest has let half a burst build up again: a
+            # flood read at the rate keeps the buckets near empty (a short read after
+            # a long sleep only lifts them above zero for a moment).
+            if self._frames.tokens >= self._frames.burst / 2 and (
+                self._bytes.tokens >= self._bytes.burst / 2
+            ):
+                self._over_since = None
             return 0.0
         if self._over_since is None:
             self._over_since, self._over_frames, self._over_bytes = now, 0, 0
