@@ -320,18 +320,29 @@ class _StubVm:
         self.killed.set()
 
 
+def _live(sandbox_id: str) -> LiveSandbox:
+    record = cast(SandboxRecord, SimpleNamespace(sandbox_id=sandbox_id))
+    return LiveSandbox(record=record, config=cast(VmConfig, None))
+
+
+async def _connected(sandbox: LiveSandbox) -> tuple[_StubVm, FakeGuest]:
+    host_sock, guest_sock = socket.socketpair()
+    vm = _StubVm(*await asyncio.open_unix_connection(sock=host_sock))
+    guest = FakeGuest(*await asyncio.open_unix_connection(sock=guest_sock))
+    sandbox.vm = cast(QemuVM, vm)
+    answering = asyncio.create_task(guest.answer_hello())
+    await sandbox.connect(hello_timeout_s=2)
+    await answering
+    return vm, guest
+
+
 def test_negative_a_sandbox_whose_guest_abuses_the_channel_has_its_vm_killed() -> None:
-    record = cast(SandboxRecord, SimpleNamespace(sandbox_id=SANDBOX))
-    sandbox = LiveSandbox(record=record, config=cast(VmConfig, None))
+    sandbox = _live(SANDBOX)
 
     async def main() -> None:
-        host_sock, guest_sock = socket.socketpair()
-        vm = _StubVm(*await asyncio.open_unix_connection(sock=host_sock))
-        guest = FakeGuest(*await asyncio.open_unix_connection(sock=guest_sock))
-        sandbox.vm = cast(QemuVM, vm)
-        answering = asyncio.create_task(guest.answer_hello())
-        channel = await sandbox.connect(hello_timeout_s=2)
-        await answering
+        vm, guest = await _connected(sandbox)
+        channel = sandbox.channel
+        assert channel is not None
         try:
             guest.writer.write(credit_frame(7) * (MAX_SENSELESS_FRAMES + 1))
             async with asyncio.timeout(5):
@@ -347,4 +358,26 @@ def test_negative_a_sandbox_whose_guest_abuses_the_channel_has_its_vm_killed() -
             await guest.close()
 
     asyncio.run(main())
+    assert sandbox.fault is not None and "guest channel abuse" in sandbox.fault
+
+
+def test_negative_abuse_on_a_handed_over_pool_vm_is_reported_to_its_new_sandbox() -> None:
+    pooled, sandbox = _live("sb-pool"), _live(SANDBOX)
+
+    async def main() -> None:
+        vm, guest = await _connected(pooled)
+        channel = pooled.channel
+        assert channel is not None
+        sandbox.vm, pooled.vm, pooled.channel = pooled.vm, None, None
+        sandbox.adopt(channel)
+        try:
+            guest.writer.write(credit_frame(7) * (MAX_SENSELESS_FRAMES + 1))
+            async with asyncio.timeout(5):
+                await vm.killed.wait()
+        finally:
+            await channel.close()
+            await guest.close()
+
+    asyncio.run(main())
+    assert pooled.fault is None
     assert sandbox.fault is not None and "guest channel abuse" in sandbox.fault

@@ -277,8 +277,7 @@ async def hand_over(node: Registry, pooled: LiveSandbox, sandbox: LiveSandbox) -
     if channel is None or channel.closed:
         await sandbox.connect(hello_timeout_s=life.config.boot_timeout_s)
     else:  # a HELLO less: the pool's session only ever ran its warm-up `true`
-        channel.reassign(sandbox.sandbox_id)
-        sandbox.channel = channel
+        sandbox.adopt(channel)
     await life.settle_identity(sandbox)
 
 

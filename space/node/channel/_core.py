@@ -118,10 +118,12 @@ class ChannelCore:
     def closed(self) -> bool:
         return self._closed
 
-    def reassign(self, sandbox_id: str) -> None:
-        """Name another sandbox in errors from now on: a pool VM handed over keeps its
-        channel (the guest session held no tenant's requests)."""
+    def reassign(self, sandbox_id: str, *, on_abuse: AbuseHandler | None = None) -> None:
+        """Name another sandbox in errors, and report abuse to ``on_abuse``, from now
+        on: a pool VM handed over keeps its channel (the guest session held no
+        tenant's requests)."""
         self._sandbox_id = sandbox_id
+        self._on_abuse = on_abuse
 
     async def close(self) -> None:
         """Close the channel; pending calls raise Unavailable. Idempotent."""

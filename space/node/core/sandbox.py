@@ -219,6 +219,11 @@ class LiveSandbox:
         self.channel = channel
         return channel
 
+    def adopt(self, channel: GuestChannel) -> None:
+        """Take over ``channel``, open to this sandbox's VM (a pool VM handed over)."""
+        channel.reassign(self.sandbox_id, on_abuse=self._on_channel_abuse)
+        self.channel = channel
+
     def _on_channel_abuse(self, reason: str) -> None:
         """The guest abused its channel (already closed): an errored sandbox's VM must
         not keep burning a core, so it is killed; the watcher reports the exit."""
