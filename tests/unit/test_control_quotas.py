@@ -15,14 +15,15 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
+from space.control.build_context import spool_upload
 from space.control.quota_admin import set_quotas
 from space.control.quotas import QUOTA_NAMES, QuotaLimits
-from space.control.routers import templates as template_routes
+from space.control.reconcile import hibernate_idle
 from space.control.store.models import SandboxRow, SnapshotRow
 from space.limits import QUOTAS
 from space.node.api import BuildEvent, BuildLog, BuildSucceeded
 from tests.unit._fake_templates import FakeBuildStream
-from tests.unit.fakes import FakeNode, Harness, control_app
+from tests.unit.fakes import FakeNode, Harness, control_app, wait_for
 from tests.unit.test_control_templates import archive, lines, spec
 
 pytestmark = pytest.mark.anyio
@@ -293,20 +294,18 @@ async def test_negative_a_build_past_the_builds_quota_is_refused_before_its_body
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spooled: list[int] = []
-    real_spool = template_routes.spool_upload
 
     async def counting_spool(chunks: AsyncIterable[bytes], limit_bytes: int) -> Any:
         spooled.append(1)
-        return await real_spool(chunks, limit_bytes)
+        return await spool_upload(chunks, limit_bytes)
 
-    monkeypatch.setattr(template_routes, "spool_upload", counting_spool)
+    monkeypatch.setattr("space.control.routers.templates.spool_upload", counting_spool)
     node = _HeldBuilds()
     async with control_app(tmp_path, node) as h:
         key = h.key("acme")
         _limit(h, "acme", builds=1)
         first = asyncio.create_task(h.client.post("/v1/templates", content=archive(), headers=key))
-        while len(node.build_streams) < 1:  # its build runs on the node
-            await asyncio.sleep(0.01)
+        await wait_for(lambda: len(node.build_streams) == 1)  # its build runs on the node
         assert spooled == [1] and h.app.state.ctx.slots.builds("acme") == 1
         body = _Body(archive(spec("other")))
         answer = await h.client.post("/v1/templates", content=body, headers=key)
@@ -316,8 +315,7 @@ async def test_negative_a_build_past_the_builds_quota_is_refused_before_its_body
         theirs = asyncio.create_task(
             h.client.post("/v1/templates", content=archive(), headers=h.key("beta"))
         )
-        while len(node.build_streams) < 2:
-            await asyncio.sleep(0.01)
+        await wait_for(lambda: len(node.build_streams) == 2)
         node.release.set()
         assert lines(await first)[-1]["type"] == "template"
         assert lines(await theirs)[-1]["type"] == "template"
@@ -364,3 +362,18 @@ async def test_rows_counted_for_quotas_do_not_include_error_or_deleted_sandboxes
             lambda s: s.execute(select(func.count()).select_from(SandboxRow)).scalar_one()
         )
         assert count == 2
+
+
+async def test_the_reaper_leaves_an_idle_sandbox_running_past_the_suspended_quota(
+    tmp_path: Path,
+) -> None:
+    async with control_app(tmp_path) as h:
+        key = h.key("acme")
+        _limit(h, "acme", suspended_sandboxes=1)
+        first = await _create(h, key, idle_timeout_s=60)
+        second = await _create(h, key, idle_timeout_s=120)
+        h.clock.now += 60
+        assert await hibernate_idle(h.app.state.ctx) == [first["id"]]
+        h.clock.now += 60  # the second is idle too, but the one suspended place is taken
+        assert await hibernate_idle(h.app.state.ctx) == []
+        assert h.node.boxes[second["id"]].status.state.value == "running"
