@@ -132,8 +132,8 @@ async def _live_sandbox(record: Sandbox, ctx: Context) -> SandboxRecord:
         # the tenant's quotas.
         async with quota_checks.waking(ctx, record, "resume"):
             status = await ctx.nodes.get(record.node_id).resume_sandbox(record.id)
-        state = status.state.value
-        await ctx.db.run(lambda s: repo.set_state(s, record.id, state, error=status.error))
+            state = status.state.value
+            await ctx.db.run(lambda s: repo.set_state(s, record.id, state, error=status.error))
         record = replace(record, state=state, error=status.error)
     if record.state != repo.RUNNING:
         raise ApiError(

@@ -341,7 +341,7 @@ async def hibernate_sandbox(ctx: ControlContext, record: SandboxRecord) -> Sandb
     check_state("hibernate", record, _SUSPENDABLE)
     async with quota_checks.suspending(ctx, record, "hibernate"):
         status = await ctx.nodes.get(record.node_id).hibernate_sandbox(record.id)
-    return await record_status(ctx, record, status)
+        return await record_status(ctx, record, status)
 
 
 async def resume_sandbox(ctx: ControlContext, record: SandboxRecord) -> SandboxRecord:
@@ -355,7 +355,7 @@ async def resume_sandbox(ctx: ControlContext, record: SandboxRecord) -> SandboxR
     check_state("resume", record, _SUSPENDABLE)
     async with quota_checks.waking(ctx, record, "resume"):
         status = await ctx.nodes.get(record.node_id).resume_sandbox(record.id)
-    return await record_status(ctx, record, status, active=True)
+        return await record_status(ctx, record, status, active=True)
 
 
 async def set_timeouts(

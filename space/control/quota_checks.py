@@ -7,7 +7,8 @@
 - waking a hibernated sandbox (resume, a guest operation, a restore) and hibernating a
   running one (by request or by the reaper: an idle sandbox past its tenant's
   ``suspended_sandboxes`` stays running): counted under the tenant's lock in this
-  replica, as the row changes only once the node answers;
+  replica (which creates take too), held until the row records the node's answer, as
+  the row changes only then;
 - taking a snapshot: as creates, its pending row inserted then counted;
 - building a template: a build slot taken before any byte of the context is read, and
   a build that would add a ``name:tag`` counted against ``templates`` before it starts.
@@ -108,7 +109,10 @@ async def insert_sandboxes(
         session.flush()
         _check_counted(session, ctx.settings.quotas, tenant, demand, operation)
 
-    await ctx.db.run(insert)
+    # The tenant's lock too: a wake in this replica counts, then asks its node, then
+    # writes its row; a create counted meanwhile would not see it.
+    async with ctx.slots.move_lock(tenant):
+        await ctx.db.run(insert)
 
 
 def insert_snapshot(session: Session, defaults: QuotaLimits, pending: SnapshotRecord) -> None:
@@ -122,9 +126,9 @@ def insert_snapshot(session: Session, defaults: QuotaLimits, pending: SnapshotRe
 
 @contextlib.asynccontextmanager
 async def waking(ctx: ControlContext, record: SandboxRecord, operation: str) -> AsyncIterator[None]:
-    """The block wakes ``record`` if it is suspended: it runs under the tenant's wake
-    lock, once the running quotas were found to have room (else the refusal is raised
-    and the block does not run). A sandbox with a VM already passes freely."""
+    """The block wakes ``record`` and records its new state, if it is suspended: it runs
+    under the tenant's lock, once the running quotas were found to have room (else the
+    refusal is raised and the block does not run). A sandbox with a VM passes freely."""
     demand = _demand([record])
     del demand[DISK_MIB.name]  # a suspended sandbox holds its disk already
     async with _moving(ctx, record, store.HOLDS_VOLUME, demand, operation):

@@ -146,8 +146,8 @@ class BuildSlot:
 
 
 class TenantSlots:
-    """Per tenant, in this replica: template builds in flight, and the lock wakes and
-    hibernations take (so that two of one tenant cannot both pass the same count).
+    """Per tenant, in this replica: template builds in flight, and the lock that wakes,
+    hibernations and creates take (so that no two of one tenant pass the same count).
 
     Builds are counted in memory: a build holds its upload and its nodes' build streams,
     all in this replica, and a replica that dies takes its builds with it, so there is

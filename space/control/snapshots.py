@@ -160,14 +160,14 @@ async def restore_sandbox(
         raise ApiError("conflict", message, sandbox_id=sandbox.id, snapshot_id=snapshot.id)
     _check_same_shape(sandbox, snapshot)
     node = ctx.nodes.get(sandbox.node_id)
-    try:
-        async with quota_checks.waking(ctx, sandbox, "restore"):  # it comes back running
+    async with quota_checks.waking(ctx, sandbox, "restore"):  # it comes back running
+        try:
             status = await node.restore_sandbox(sandbox.id, snapshot.id)
-    except NodeError:
-        with contextlib.suppress(NodeError):
-            await record_status(ctx, sandbox, await node.get_sandbox(sandbox.id))
-        raise
-    return await record_status(ctx, sandbox, status, active=True)
+        except NodeError:
+            with contextlib.suppress(NodeError):
+                await record_status(ctx, sandbox, await node.get_sandbox(sandbox.id))
+            raise
+        return await record_status(ctx, sandbox, status, active=True)
 
 
 def _check_same_shape(sandbox: SandboxRecord, snapshot: SnapshotRecord) -> None:

@@ -377,3 +377,19 @@ async def test_the_reaper_leaves_an_idle_sandbox_running_past_the_suspended_quot
         h.clock.now += 60  # the second is idle too, but the one suspended place is taken
         assert await hibernate_idle(h.app.state.ctx) == []
         assert h.node.boxes[second["id"]].status.state.value == "running"
+
+
+async def test_concurrent_wakes_at_the_running_quota_admit_exactly_one(tmp_path: Path) -> None:
+    async with control_app(tmp_path) as h:
+        key = h.key("acme")
+        boxes = [await _create(h, key) for _ in range(3)]
+        for box in boxes:
+            await _post(h, f"/v1/sandboxes/{box['id']}/hibernate", key)
+        _limit(h, "acme", running_sandboxes=1)
+        answers = await asyncio.gather(
+            *(_post(h, f"/v1/sandboxes/{box['id']}/resume", key) for box in boxes),
+            _post(h, "/v1/sandboxes", key),
+        )
+        assert sorted(answer.status_code for answer in answers) == [200, 429, 429, 429]
+        running = [b for b in h.node.boxes.values() if b.status.state.value == "running"]
+        assert len(running) == 1
