@@ -45,7 +45,8 @@ class ControlContext:
     clock: Callable[[], float]
     node_token: str
     activity: Activity = field(init=False)
-    #: Builds in flight and wake locks, per tenant (space.control.quotas).
+    #: Per tenant: builds in flight, and the lock that wakes, hibernations and creates
+    #: take (space.control.quotas).
     slots: TenantSlots = field(init=False, default_factory=TenantSlots)
 
     def __post_init__(self) -> None:
