@@ -32,8 +32,10 @@ __all__ = [
     "METADATA",
     "POOL_RESERVE_MIB",
     "POOL_RESERVE_SHARE",
+    "QUOTAS",
     "RESOURCES",
     "MapLimit",
+    "Quota",
     "Range",
 ]
 
@@ -162,3 +164,31 @@ POOL_RESERVE_MIB: Final = Range(1024, 32768)
 #: Template builds a node runs at once unless the operator sets it (issue 17): each in
 #: its own build VM, shared fairly between tenants (space/node/agent/_build_slots.py).
 DEFAULT_BUILD_SLOTS: Final = 2
+
+
+class Quota(NamedTuple):
+    """A per-tenant limit (issue 17): ``name`` on the wire (``GET /v1/quota``, a 429's
+    ``details.quota``), in config and, as ``option``, on the command line; what it
+    ``counts``, in ``unit``. Its limits are the operator's (space.control.quotas)."""
+
+    name: str
+    unit: str
+    counts: str
+
+    @property
+    def option(self) -> str:
+        """Its command-line option, e.g. ``--running-sandboxes``."""
+        return "--" + self.name.replace("_", "-")
+
+
+#: Every per-tenant quota, in the order they are shown.
+QUOTAS: Final = (
+    Quota("running_sandboxes", "sandboxes", "sandboxes creating, running or paused"),
+    Quota("suspended_sandboxes", "sandboxes", "sandboxes hibernated or stopped"),
+    Quota("vcpus", "vCPUs", "vCPUs of the running sandboxes"),
+    Quota("memory_mib", "MiB", "memory of the running sandboxes"),
+    Quota("disk_mib", "MiB", "disk of the running and suspended sandboxes"),
+    Quota("snapshots", "snapshots", "snapshots being taken or listed"),
+    Quota("templates", "templates", "name:tag pairs of the tenant's own templates"),
+    Quota("builds", "builds", "template builds in flight"),
+)

@@ -2,7 +2,7 @@
 
 Client commands (create, ls, rm, pause, hibernate, resume, snapshot, restore, fork,
 timeouts, exec, cp, egress, secret, pools, template, demo) go through the SDK; server
-commands (serve, node, keys, template build-base, secret rotate-master) import the node
+commands (serve, node, keys, quota, template build-base, secret rotate-master) import the node
 and control plane only when they run.
 Every failure is one ``error: ...`` line on stderr and a non-zero exit status.
 """
@@ -16,6 +16,7 @@ from space.cli._demo import demo
 from space.cli._egress import egress
 from space.cli._lifecycle import fork, hibernate, restore, snapshot, timeouts
 from space.cli._pools import pools
+from space.cli._quotas import quota
 from space.cli._sandboxes import cp, create, exec_, ls, pause, resume, rm
 from space.cli._secrets import secret
 from space.cli._server import keys, node, serve
@@ -33,7 +34,7 @@ def main(ctx: click.Context) -> None:
 
 
 for _command in (
-    *(serve, node, keys, template, create, ls, rm, pause, hibernate, resume),
+    *(serve, node, keys, quota, template, create, ls, rm, pause, hibernate, resume),
     *(snapshot, restore, fork, timeouts, exec_, cp, egress, secret, pools, demo),
 ):
     main.add_command(_command)

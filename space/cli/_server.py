@@ -279,7 +279,7 @@ def _run_until_signal(main: Coroutine[Any, Any, None]) -> None:
 
 @contextlib.contextmanager
 def server_errors() -> Iterator[None]:
-    """Node, control-plane, secret store and OS errors as one ``error: ...`` line and
+    """Node, control-plane (ApiError), secret store and OS errors as one ``error: ...`` line and
     exit code 1; a server package missing (the base install is the SDK and client CLI
     only) as how to install it, exit code 2. Wrap a server command's imports too."""
     try:
@@ -296,10 +296,11 @@ def server_errors() -> Iterator[None]:
         fail(f"{exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}")
     except Exception as exc:
         # Importable here: the error came from the server's code.
+        from space.control.errors import ApiError
         from space.control.secrets import SecretStoreError
         from space.node.api import NodeError
 
-        if isinstance(exc, NodeError):
+        if isinstance(exc, NodeError | ApiError):
             fail(f"{exc.code}: {exc}")
         if isinstance(exc, SecretStoreError):
             fail(f"secret store: {exc}")

@@ -31,6 +31,7 @@ from space.control.routers import (
     egress,
     files,
     pools,
+    quotas,
     sandboxes,
     secrets,
     snapshots,
@@ -114,7 +115,8 @@ def create_app(
 
     app = FastAPI(title="SPACE", version="1", lifespan=lifespan)
     install_error_handlers(app)
-    for module in (sandboxes, snapshots, egress, secrets, commands, files, pools, templates):
+    routers = (sandboxes, snapshots, egress, secrets, commands, files, pools, templates, quotas)
+    for module in routers:
         app.include_router(module.router)
     app.include_router(node_routes.router)
     app.add_middleware(control_edges)

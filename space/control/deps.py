@@ -12,10 +12,12 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from space.control import quota_checks
 from space.control.activity import Activity
 from space.control.errors import ApiError
 from space.control.keys import tenant_for_key
 from space.control.nodes import NodeRegistry
+from space.control.quotas import TenantSlots
 from space.control.settings import ControlSettings
 from space.control.store import Database, repo
 from space.control.store.repo import SandboxRecord
@@ -43,6 +45,9 @@ class ControlContext:
     clock: Callable[[], float]
     node_token: str
     activity: Activity = field(init=False)
+    #: Per tenant: builds in flight, and the lock that wakes, hibernations and creates
+    #: take (space.control.quotas).
+    slots: TenantSlots = field(init=False, default_factory=TenantSlots)
 
     def __post_init__(self) -> None:
         self.activity = Activity(self.db, self.clock)
@@ -124,10 +129,12 @@ _RESUMABLE = frozenset({SandboxState.PAUSED.value, SandboxState.HIBERNATED.value
 async def _live_sandbox(record: Sandbox, ctx: Context) -> SandboxRecord:
     if record.state in _RESUMABLE:
         # Guest operations resume a paused or hibernated sandbox transparently (the node
-        # would too); resuming here first keeps the row's state true.
-        status = await ctx.nodes.get(record.node_id).resume_sandbox(record.id)
-        state = status.state.value
-        await ctx.db.run(lambda s: repo.set_state(s, record.id, state, error=status.error))
+        # would too); resuming here first keeps the row's state true, and a wake within
+        # the tenant's quotas.
+        async with quota_checks.waking(ctx, record, "resume"):
+            status = await ctx.nodes.get(record.node_id).resume_sandbox(record.id)
+            state = status.state.value
+            await ctx.db.run(lambda s: repo.set_state(s, record.id, state, error=status.error))
         record = replace(record, state=state, error=status.error)
     if record.state != repo.RUNNING:
         raise ApiError(

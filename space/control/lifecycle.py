@@ -17,7 +17,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from space.control import broker, egress
+from space.control import broker, egress, quota_checks
 from space.control.deps import ControlContext
 from space.control.errors import ApiError
 from space.control.node_text import scrub
@@ -151,12 +151,14 @@ async def create_sandbox(
     and resources, and the egress policy and secret bindings its sandbox has now unless
     ``body`` gives them. Once the node runs it, its secret grants are sent.
     Raises ApiError(invalid_argument) for a malformed egress policy or an unknown
-    secret (nothing recorded), ApiError(not_found) for a snapshot that is not the
-    tenant's, ApiError(unavailable) with no node, InsufficientCapacity when no node
-    has room (each asked in ``_place``'s order; the row is then deleted: the sandbox
-    never existed), the node's refusal of the request (not_found for an unknown
-    template, invalid_argument, conflict, permission_denied, resource_exhausted: no
-    row is kept, and the message names no node-internal template name), or another
+    secret (nothing recorded), ApiError(resource_exhausted) when it would take the
+    tenant past a quota (nothing recorded, no node asked), ApiError(not_found) for a
+    snapshot that is not the tenant's, ApiError(unavailable) with no node,
+    InsufficientCapacity when no node has room (each asked in ``_place``'s order; the
+    row is then deleted: the sandbox never existed), the node's refusal of the request
+    (not_found for an unknown template, invalid_argument, conflict, permission_denied,
+    resource_exhausted: no row is kept, and the message names no node-internal template
+    name), or another
     NodeError of the node (with the new sandbox's id in its details, the row then in
     state ``error``); a failure to send its grants also leaves the row in ``error``
     and deletes it on the node. Cancelled mid-way, the row stays ``creating`` until
@@ -175,7 +177,7 @@ async def create_sandbox(
     inherited = None if parent is None else parent.egress
     policy = given if "egress" in body.model_fields_set else inherited
     record = _new_record(ctx, tenant, nodes[0], body, source, timeout_s, policy, bindings)
-    await ctx.db.run(lambda s: repo.insert_sandbox(s, record))
+    await quota_checks.insert_sandboxes(ctx, [record], "create")
     record = await _start(ctx, record, nodes, body.from_snapshot)
     if record.secrets:
         await _send_grants(ctx, record)
@@ -332,22 +334,28 @@ async def pause_sandbox(ctx: ControlContext, record: SandboxRecord) -> SandboxRe
 async def hibernate_sandbox(ctx: ControlContext, record: SandboxRecord) -> SandboxRecord:
     """Save a running or paused sandbox's memory to disk, freeing its RAM; idempotent.
 
-    Raises as ``pause_sandbox`` (409 unless running, paused or hibernated).
+    Raises as ``pause_sandbox`` (409 unless running, paused or hibernated), or
+    ApiError(resource_exhausted) past its tenant's ``suspended_sandboxes`` (nothing
+    asked of the node).
     """
     check_state("hibernate", record, _SUSPENDABLE)
-    status = await ctx.nodes.get(record.node_id).hibernate_sandbox(record.id)
-    return await record_status(ctx, record, status)
+    async with quota_checks.suspending(ctx, record, "hibernate"):
+        status = await ctx.nodes.get(record.node_id).hibernate_sandbox(record.id)
+        return await record_status(ctx, record, status)
 
 
 async def resume_sandbox(ctx: ControlContext, record: SandboxRecord) -> SandboxRecord:
     """Resume a paused or hibernated sandbox, record ``running`` and mark it active.
 
-    Idempotent. Raises as ``pause_sandbox`` (409 unless running, paused or hibernated).
-    Marking it active keeps the reaper from hibernating it again at once.
+    Idempotent. Raises as ``pause_sandbox`` (409 unless running, paused or hibernated),
+    or ApiError(resource_exhausted) for a hibernated one its tenant's running quotas
+    have no room for (nothing asked of the node). Marking it active keeps the reaper
+    from hibernating it again at once.
     """
     check_state("resume", record, _SUSPENDABLE)
-    status = await ctx.nodes.get(record.node_id).resume_sandbox(record.id)
-    return await record_status(ctx, record, status, active=True)
+    async with quota_checks.waking(ctx, record, "resume"):
+        status = await ctx.nodes.get(record.node_id).resume_sandbox(record.id)
+        return await record_status(ctx, record, status, active=True)
 
 
 async def set_timeouts(

@@ -47,6 +47,7 @@ __all__ = [
     "NodeRegistration",
     "PoolOut",
     "ProcessOut",
+    "QuotaOut",
     "RenameBody",
     "RestoreBody",
     "SandboxCreate",
@@ -516,3 +517,12 @@ def parse_mode(text: str) -> int:
     if not _MODE_RE.fullmatch(text):
         raise ValueError(f"mode must be octal digits like 644, not {text!r}")
     return int(text, 8)
+
+
+class QuotaOut(BaseModel):
+    """One quota of the caller's tenant (``GET /v1/quota``; space.control.quotas)."""
+
+    #: The most the tenant may hold, and what it holds now, in ``unit``.
+    limit: int
+    used: int
+    unit: str

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from space.control.quotas import QuotaLimits
 
 __all__ = ["ControlSettings"]
 
@@ -21,6 +23,8 @@ class ControlSettings:
     ``master_key_file`` holds the master keys that wrap secrets' data keys (one base64
     key per line, the first current; space.control.secrets) unless SPACE_MASTER_KEY is
     set; it defaults to ``<data_dir>/master.key``, made 0600 on first start.
+    ``quotas`` are every tenant's limits unless ``space quota set`` gave it its own
+    (space.control.quotas).
     """
 
     data_dir: Path
@@ -29,6 +33,7 @@ class ControlSettings:
     default_timeout_s: int = 300
     reaper_interval_s: float = 5.0
     master_key_file: Path | None = None
+    quotas: QuotaLimits = field(default_factory=QuotaLimits)
 
     def __post_init__(self) -> None:
         # Frozen: fill the data_dir-derived defaults once, here.

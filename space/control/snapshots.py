@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from sqlalchemy.orm import Session
 
-from space.control import broker, egress, lifecycle
+from space.control import broker, egress, lifecycle, quota_checks
 from space.control.deps import ControlContext
 from space.control.errors import ApiError
 from space.control.lifecycle import LIVE, check_state, new_sandbox_id, record_status
@@ -74,7 +74,8 @@ async def take_snapshot(ctx: ControlContext, sandbox: SandboxRecord, name: str) 
     """Snapshot a running, paused or hibernated sandbox (it keeps its state).
 
     Raises ApiError(conflict) for another state (naming it) or for a live snapshot of
-    that name of this sandbox (``details.snapshot_id`` the existing one), or the node's
+    that name of this sandbox (``details.snapshot_id`` the existing one),
+    ApiError(resource_exhausted) past the tenant's ``snapshots`` quota, or the node's
     NodeError (nothing is listed then). The new snapshot becomes the sandbox's head.
     """
     check_state("snapshot", sandbox, LIVE)
@@ -97,12 +98,13 @@ async def take_snapshot(ctx: ControlContext, sandbox: SandboxRecord, name: str) 
 
 
 async def _claim_name(ctx: ControlContext, pending: SnapshotRecord) -> None:
-    """Insert the pending row unless its sandbox has a live snapshot of that name (409)."""
+    """Insert the pending row unless its sandbox has a live snapshot of that name (409)
+    or its tenant's ``snapshots`` are all used (429; nothing inserted)."""
 
     def claim(session: Session) -> SnapshotRecord | None:
         existing = snaps.find_live_by_name(session, pending.sandbox_id, pending.name)
         if existing is None:
-            snaps.insert_snapshot(session, pending)
+            quota_checks.insert_snapshot(session, ctx.settings.quotas, pending)
         return existing
 
     existing = await ctx.db.run(claim)
@@ -145,7 +147,9 @@ async def restore_sandbox(
 
     Raises ApiError(conflict) unless the sandbox is running, paused or hibernated, or
     if the snapshot is on another node; ApiError(invalid_argument) if its template or
-    resources differ; or the node's NodeError (the row then as the node reports it).
+    resources differ; ApiError(resource_exhausted) for a hibernated sandbox its
+    tenant's running quotas have no room for; or the node's NodeError (the row then as
+    the node reports it).
     """
     check_state("restore", sandbox, LIVE)
     if snapshot.node_id != sandbox.node_id:
@@ -156,13 +160,14 @@ async def restore_sandbox(
         raise ApiError("conflict", message, sandbox_id=sandbox.id, snapshot_id=snapshot.id)
     _check_same_shape(sandbox, snapshot)
     node = ctx.nodes.get(sandbox.node_id)
-    try:
-        status = await node.restore_sandbox(sandbox.id, snapshot.id)
-    except NodeError:
-        with contextlib.suppress(NodeError):
-            await record_status(ctx, sandbox, await node.get_sandbox(sandbox.id))
-        raise
-    return await record_status(ctx, sandbox, status, active=True)
+    async with quota_checks.waking(ctx, sandbox, "restore"):  # it comes back running
+        try:
+            status = await node.restore_sandbox(sandbox.id, snapshot.id)
+        except NodeError:
+            with contextlib.suppress(NodeError):
+                await record_status(ctx, sandbox, await node.get_sandbox(sandbox.id))
+            raise
+        return await record_status(ctx, sandbox, status, active=True)
 
 
 def _check_same_shape(sandbox: SandboxRecord, snapshot: SnapshotRecord) -> None:
@@ -201,17 +206,14 @@ async def fork_sandbox(
     The children share the parent's tenant, node, template, resources, env, metadata,
     egress policy, secret bindings (placeholders included: their memory holds them) and
     timeouts (their lifetime counted from their own creation); the parent keeps its
-    state. Raises ApiError(conflict) naming the parent's state, or the
+    state. Raises ApiError(conflict) naming the parent's state,
+    ApiError(resource_exhausted) if the tenant's quotas have no room for all the
+    children (none is made), or the
     node's NodeError (the children's rows are then deleted, on the node too).
     """
     check_state("fork", parent, LIVE)
     children = [_child(ctx, parent) for _ in range(count)]
-
-    def insert(session: Session) -> None:
-        for child in children:
-            repo.insert_sandbox(session, child)
-
-    await ctx.db.run(insert)
+    await quota_checks.insert_sandboxes(ctx, children, "fork")
     node = ctx.nodes.get(parent.node_id)
     try:
         statuses = await node.fork_sandbox(parent.id, [child.id for child in children])

@@ -107,7 +107,35 @@ class PermissionDenied(SpaceError):
 
 
 class ResourceExhausted(SpaceError):
+    """A quota or size limit was hit; nothing was made or changed.
+
+    For a tenant's quota (``GET /v1/quota``), ``quota`` names it, ``limit`` and ``used``
+    are its limit and what the tenant holds, ``requested`` what the refused request
+    asked for (all in the quota's unit); None for other limits.
+    """
+
     code = "resource_exhausted"
+
+    @property
+    def quota(self) -> str | None:
+        value = self.details.get("quota")
+        return value if isinstance(value, str) else None
+
+    @property
+    def limit(self) -> int | None:
+        return _whole(self.details.get("limit"))
+
+    @property
+    def used(self) -> int | None:
+        return _whole(self.details.get("used"))
+
+    @property
+    def requested(self) -> int | None:
+        return _whole(self.details.get("requested"))
+
+
+def _whole(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 class Timeout(SpaceError):

@@ -21,7 +21,8 @@ from tests.unit._live_api import API_URL, TENANT, LiveApi
 
 COMMANDS = [
     "cp", "create", "demo", "egress", "exec", "fork", "hibernate", "keys", "ls", "node", "pause",
-    "pools", "restore", "resume", "rm", "secret", "serve", "snapshot", "template", "timeouts",
+    "pools", "quota", "restore", "resume", "rm", "secret", "serve", "snapshot", "template",
+    "timeouts",
 ]  # fmt: skip
 
 

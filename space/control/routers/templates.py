@@ -9,15 +9,18 @@ tenant on the nodes (space.control.template_names); ``base`` is shared and read-
 from __future__ import annotations
 
 import asyncio
-import functools
+import contextlib
 import json
 import logging
+import tomllib
 from collections.abc import AsyncIterator, Mapping
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Request, Response
 from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
 
+from space.control import quota_checks
 from space.control.build_context import (
     MAX_UPLOAD_BYTES,
     Binary,
@@ -28,6 +31,7 @@ from space.control.build_context import (
 from space.control.deps import Context, ControlContext, Tenant
 from space.control.errors import ApiError
 from space.control.node_text import scrub
+from space.control.quotas import BuildSlot
 from space.control.schemas import TemplateOut
 from space.control.template_names import (
     BASE,
@@ -73,19 +77,58 @@ async def build_template(request: Request, tenant: Tenant, ctx: Context) -> Stre
     """
     _check_declared_length(request)
     node_ids = _all_nodes(ctx)
-    visible = await _visible_digests(ctx, tenant, node_ids)
-    raw = await spool_upload(request.stream(), MAX_UPLOAD_BYTES)
+    # From the headers alone: a tenant at its builds quota has no byte of its context read.
+    slot = await quota_checks.take_build(ctx, tenant)
     try:
-        edit = functools.partial(rewrite_spec, tenant=tenant, visible_digests=visible)
-        context = await asyncio.to_thread(rewrite_context, raw, edit)
-    finally:
-        raw.close()
+        context = await _spool_context(ctx, tenant, node_ids, request)
+    except BaseException:
+        slot.release()
+        raise
     try:
         streams = await _start_builds(ctx, tenant, node_ids, context)
     except BaseException:
         context.close()
+        slot.release()
         raise
-    return StreamingResponse(_build_lines(tenant, streams, context), media_type=NDJSON)
+    lines = _build_lines(tenant, streams, context, slot)
+    # The stream frees the slot as it ends; the background task too, for a response
+    # whose stream never started (its client left first).
+    return StreamingResponse(lines, media_type=NDJSON, background=BackgroundTask(slot.release))
+
+
+async def _spool_context(
+    ctx: ControlContext, tenant: str, node_ids: list[str], request: Request
+) -> Binary:
+    """The uploaded context, its spec in the nodes' names, spooled to a file; refused
+    (429) if it would add a ``name:tag`` past the tenant's ``templates`` quota."""
+    visible = await _visible_digests(ctx, tenant, node_ids)
+    named: list[tuple[str, str]] = []
+
+    def edit(data: bytes) -> bytes:
+        named.append(_spec_name(data))
+        return rewrite_spec(data, tenant=tenant, visible_digests=visible)
+
+    raw = await spool_upload(request.stream(), MAX_UPLOAD_BYTES)
+    try:
+        context = await asyncio.to_thread(rewrite_context, raw, edit)
+    finally:
+        raw.close()
+    try:
+        if named:
+            await quota_checks.check_new_template(ctx, tenant, *named[-1])
+    except BaseException:
+        context.close()
+        raise
+    return context
+
+
+def _spec_name(data: bytes) -> tuple[str, str]:
+    """The ``(name, tag)`` a spec builds, as the tenant wrote them (rewrite_spec, which
+    runs next, refuses a spec where they are missing or malformed)."""
+    with contextlib.suppress(UnicodeDecodeError, tomllib.TOMLDecodeError):
+        document = tomllib.loads(data.decode("utf-8"))
+        return str(document.get("name", "")), str(document.get("tag", "latest"))
+    return "", "latest"
 
 
 @router.get("")
@@ -211,10 +254,11 @@ async def _pump(node_id: str, stream: BuildStream, queue: asyncio.Queue[_Item]) 
 
 
 async def _build_lines(
-    tenant: str, streams: dict[str, BuildStream], context: Binary
+    tenant: str, streams: dict[str, BuildStream], context: Binary, slot: BuildSlot
 ) -> AsyncIterator[bytes]:
     """Log lines as they come from any node (prefixed by node id if several), then one
-    ``template`` or ``error`` line. Closing it early closes the streams and the context."""
+    ``template`` or ``error`` line. Closing it early closes the streams and the context;
+    ending either way frees the tenant's build slot."""
     queue: asyncio.Queue[_Item] = asyncio.Queue(_QUEUE_EVENTS)
     pumps = [asyncio.create_task(_pump(n, s, queue)) for n, s in streams.items()]
     prefix = len(streams) > 1
@@ -234,6 +278,7 @@ async def _build_lines(
         await asyncio.gather(*pumps, return_exceptions=True)
         await _close_all(streams)
         context.close()
+        slot.release()
 
 
 def _result(

@@ -26,7 +26,16 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-__all__ = ["ApiKeyRow", "Base", "NodeRow", "SandboxRow", "SecretRow", "SnapshotRow", "TenantRow"]
+__all__ = [
+    "ApiKeyRow",
+    "Base",
+    "NodeRow",
+    "SandboxRow",
+    "SecretRow",
+    "SnapshotRow",
+    "TenantQuotaRow",
+    "TenantRow",
+]
 
 # Deterministic constraint names, so later migrations can refer to them on any backend.
 _NAMING = {
@@ -167,3 +176,21 @@ class SnapshotRow(Base):
     disk_mib: Mapped[int] = mapped_column(Integer)
     # Saved RAM passes 2 GiB easily: 64-bit.
     memory_bytes: Mapped[int] = mapped_column(BigInteger)
+
+
+class TenantQuotaRow(Base):
+    """A tenant's own limit of one quota (space.control.quotas), set by ``space quota
+    set``; a quota without a row has the operator's default."""
+
+    __tablename__ = "tenant_quotas"
+    __table_args__ = (
+        PrimaryKeyConstraint("tenant_id", "quota"),
+        ForeignKeyConstraint(["tenant_id"], ["tenants.id"]),
+    )
+
+    tenant_id: Mapped[str] = mapped_column(String(64))
+    #: A ``Quota.name``.
+    quota: Mapped[str] = mapped_column(String(32))
+    #: 64-bit: a disk limit in MiB may pass 2**31.
+    limit: Mapped[int] = mapped_column(BigInteger)
+    updated_at: Mapped[float] = mapped_column(Float)
