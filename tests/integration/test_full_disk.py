@@ -3,7 +3,8 @@
 Probe 5 of issue 17, on a node with a small pool: a disk that does not fit is refused
 before anything is stored; a guest that writes zeros until its disk is full gets ENOSPC
 from its own ext4 while another sandbox answers throughout, the pool keeps its room and
-both VMs run on.
+both VMs run on; the full one can still save its RAM. And where thin disks written
+together do fill a pool, their guests get write errors and no VM stops.
 """
 
 from __future__ import annotations
@@ -92,6 +93,10 @@ async def _scenario(node: Node, pool_root: Path) -> None:
     for sid in ("a", "b"):
         assert (await node.get_sandbox(sid)).state == SandboxState.RUNNING
         assert await _run(node, sid, "echo ok") == ("ok\n", 0)
+    # A's full disk leaves the room its quota keeps to save its RAM: it hibernates.
+    assert (await node.hibernate_sandbox("a")).state == SandboxState.HIBERNATED
+    assert (await node.resume_sandbox("a")).state == SandboxState.RUNNING
+    assert await _run(node, "a", "echo ok") == ("ok\n", 0)
     await _run(node, "a", "rm /root/fill")
     for sid in ("a", "b"):
         await node.delete_sandbox(sid)
@@ -104,3 +109,31 @@ def test_a_guest_filling_its_disk_gets_enospc_while_the_pool_and_other_sandboxes
     config = replace(node_config, data_dir=tmp_path / "node", pool_size_gib=6)
     with started_node(config) as h:
         h.run(_scenario(h.node, h.node.pool.root))
+
+
+async def _fill_the_pool(node: Node, pool_root: Path) -> None:
+    ids = ["c", "d", "e"]
+    for sid in ids:
+        assert (await node.create_sandbox(SandboxSpec(sid))).state == SandboxState.RUNNING
+    results = await asyncio.gather(*(_run(node, sid, _FILL) for sid in ids))
+    os.sync()
+    stat = os.statvfs(pool_root)
+    free_mib = stat.f_bavail * stat.f_frsize >> 20
+    # Thin disks written together do fill the pool: the writes past it failed in the
+    # guests (as ENOSPC from their ext4 or an I/O error from their disk).
+    assert free_mib < 256, (free_mib, results)
+    assert all("dd=1" in out for out, _ in results), results
+    for sid in ids:
+        assert (await node.get_sandbox(sid)).state == SandboxState.RUNNING
+        assert await _run(node, sid, "echo ok") == ("ok\n", 0)
+    for sid in ids:
+        await node.delete_sandbox(sid)
+    assert await node.list_sandboxes() == []
+
+
+def test_a_pool_filled_by_thin_disks_stops_no_vm(node_config: NodeConfig, tmp_path: Path) -> None:
+    # 5 GiB: room for three default volumes' limits by admission, not for three disks
+    # written full (3 x 1.8 GiB).
+    config = replace(node_config, data_dir=tmp_path / "node", pool_size_gib=5)
+    with started_node(config) as h:
+        h.run(_fill_the_pool(h.node, h.node.pool.root))

@@ -16,10 +16,11 @@ bounds what each volume may reference to ``volume_limit_mib``: disk + memory + a
 it gets ENOSPC from its own filesystem, and no volume can take more of the pool than its
 limit). Disks are not reserved (thin provisioning: a 20 GiB pool could not hold a
 hundred 2 GiB disks written full, nor would any of them ever be); each new volume's
-whole limit must fit, and the room to save the RAM of every VM that holds memory is
-kept, so that no one disk can fill the pool, and so that a pool filled by many disks
-still saves every running VM (a full pool no longer stops a VM either: QEMU reports
-the failed write to its guest, space.node.vmm.qemu).
+whole limit must fit beside the reserve and the room kept to save the RAM of every VM
+that holds memory, so no one disk can fill the pool or take that room. Many disks
+written full together still can: their guests' writes then fail, saves may fail too,
+and no VM stops (QEMU reports the failed write to its guest, space.node.vmm.qemu;
+tests/integration/test_full_disk.py fills a pool so).
 
 The decision, for new VMs N (one for a create or wake, n for a fork), with M = MemTotal,
 A = MemAvailable, R = memory reserve, o = overcommit ratio, F = the pool's free space,
@@ -72,10 +73,12 @@ The volume margin (``VOLUME_MARGIN_MIB`` + disk/16) is a judgement, not a proof:
 keeps an extent whole while any part of it is referenced ("bookends"), so a guest that
 rewrites parts of large extents can reference more than its disk's size, and an
 adversarial one up to about twice. It then gets I/O errors from its volume's limit
-rather than ENOSPC from its ext4, and its own hibernation may fail for lack of room,
-while the pool and every other VM stay unharmed. Measured (docs/benchmarks.md, "Disk
-quotas"): a guest writing zeros until its 1 GiB ext4 is full stays within its limit,
-and the quotas' cost is tens of milliseconds per snapshot and per subvolume dropped.
+rather than ENOSPC from its ext4, and its own hibernation may fail for lack of room
+(btrfs refuses even a truncate in a volume at its limit), while the pool and every
+other VM stay unharmed. Measured (docs/benchmarks.md, "Issue 17: disk quotas and a full
+disk"): a guest writing zeros until its 1 GiB ext4 is full references 976 of its 1472
+MiB and still hibernates; the quotas cost tens of milliseconds per snapshot and per
+subvolume dropped.
 """
 
 from __future__ import annotations
