@@ -128,7 +128,7 @@ _MEMORY_STATES = frozenset({SandboxState.CREATING, SandboxState.RUNNING, Sandbox
 #: initrd (17 MiB for the base template), a save's device state (a few MiB), a state
 #: file rewritten before btrfs has freed the old one, and "bookend" extents: an extent
 #: partly overwritten stays whole on disk while any of it is referenced, so a disk
-#: image's extents may reference more than its size (docs/benchmarks.md, "Disk quotas").
+#: image's extents may reference more than its size (the module docstring's last part).
 VOLUME_MARGIN_MIB = 128
 #: ... plus this share of the disk for bookends, which grow with what the guest writes.
 VOLUME_MARGIN_DISK_SHARE = 1 / 16
