@@ -89,9 +89,14 @@ def _path_setters(node: Node) -> list[Callable[[], None]]:
     warm = node.pools.by_digest.pop(base.digest)
 
     async def copying(
-        volume: str, template: TemplateVolume, *, disk_mib: int, grow: bool = True
+        volume: str,
+        template: TemplateVolume,
+        *,
+        disk_mib: int,
+        limit_mib: int | None,
+        grow: bool = True,
     ) -> Path:
-        del grow  # the base image is pristine: it is always grown
+        del grow, limit_mib  # the base image is pristine: it is always grown; no quota
         return await full_copy_volume(node.pool, volume, template, disk_mib=disk_mib)
 
     def full_copy() -> None:

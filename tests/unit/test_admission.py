@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import pytest
 
-from space.limits import DEFAULT_MEMORY_MIB
+from space.limits import DEFAULT_DISK_MIB, DEFAULT_MEMORY_MIB
 from space.node.agent._admission import Admission
 from space.node.agent._pool import make_pool_vm
 from space.node.agent._sandboxes import Sandboxes
@@ -26,7 +26,14 @@ from space.node.api import (
     SandboxState,
     SnapshotInfo,
 )
-from space.node.core.capacity import VM_OVERHEAD_MIB, Claim, Host, Policy, Resident
+from space.node.core.capacity import (
+    VM_OVERHEAD_MIB,
+    Claim,
+    Host,
+    Policy,
+    Resident,
+    volume_limit_mib,
+)
 from space.node.core.config import NodeConfig
 from space.node.core.state import SandboxRecord
 from space.node.core.template import Template
@@ -37,6 +44,7 @@ pytestmark = pytest.mark.anyio
 RUNNING, HIBERNATED = SandboxState.RUNNING, SandboxState.HIBERNATED
 CHARGE = DEFAULT_MEMORY_MIB + VM_OVERHEAD_MIB
 START = VM_OVERHEAD_MIB + DEFAULT_MEMORY_MIB // 4
+VOLUME = volume_limit_mib(DEFAULT_DISK_MIB, DEFAULT_MEMORY_MIB)
 RESERVE = 1000
 #: Reserves of 1000 MiB, no overcommit: the host's figures alone decide.
 POLICY = Policy(memory_reserve_mib=RESERVE, pool_reserve_mib=RESERVE, memory_overcommit=1.0)
@@ -57,7 +65,8 @@ def _host(*, commit_room: int = 100, start_room: int = 100, pool_room: int = 100
         memory_total_mib=RESERVE + commit_room * CHARGE,
         memory_available_mib=RESERVE + start_room * START,
         pool_total_mib=100_000,
-        pool_free_mib=RESERVE + pool_room * DEFAULT_MEMORY_MIB,
+        # Each new sandbox asks for its volume; each admitted one keeps its RAM's room.
+        pool_free_mib=RESERVE + VOLUME + (pool_room - 1) * DEFAULT_MEMORY_MIB,
     )
 
 
@@ -291,9 +300,9 @@ async def test_the_nodes_own_vms_are_held_until_destroyed() -> None:
     registry = _Registry(_host(commit_room=2))
     registry.admission.hold("build-1", DEFAULT_MEMORY_MIB)
     assert registry.admission.info().memory_committed_mib == CHARGE
-    with registry.admission.claim({"ready-1": Claim.node_vm(DEFAULT_MEMORY_MIB)}):
+    with registry.admission.claim({"ready-1": Claim.node_vm(DEFAULT_MEMORY_MIB, DEFAULT_DISK_MIB)}):
         assert registry.admission.info().room == 0
-        sandbox = {"x": Claim.sandbox(DEFAULT_MEMORY_MIB)}
+        sandbox = {"x": Claim.sandbox(DEFAULT_MEMORY_MIB, DEFAULT_DISK_MIB)}
         with pytest.raises(InsufficientCapacity), registry.admission.claim(sandbox):
             pass
     assert registry.admission.info().room == 1  # the claim ended; the held VM stays

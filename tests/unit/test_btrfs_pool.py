@@ -6,18 +6,28 @@ Needs root (mount, losetup); fails loudly without it.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
 from space.node.agent._lifecycle import ram_file
-from space.node.api import InvalidArgument, NotFound
+from space.node.agent._recovery import _limit_volumes
+from space.node.api import InvalidArgument, NotFound, SandboxSpec, Unavailable
+from space.node.core.capacity import volume_limit_mib
 from space.node.core.sandbox import MEMORY_FILE
-from space.node.storage.btrfs import BtrfsPool, pack_snapshot_args, snapshot_subvolume
+from space.node.storage.btrfs import (
+    BtrfsPool,
+    limit_subvolume,
+    pack_snapshot_args,
+    snapshot_subvolume,
+)
 
 IMAGE_MIB = 64
 
@@ -113,7 +123,9 @@ def test_sandbox_volume_is_an_o1_snapshot_with_a_grown_rootfs(
 ) -> None:
     vol = runner.run(pool.import_template("base", "d1", **image_files))
     start = time.monotonic()
-    path = runner.run(pool.create_sandbox_volume("sb-1", vol, disk_mib=IMAGE_MIB * 2))
+    path = runner.run(
+        pool.create_sandbox_volume("sb-1", vol, disk_mib=IMAGE_MIB * 2, limit_mib=None)
+    )
     elapsed = time.monotonic() - start
     # The volume's parent is the template subvolume: a CoW snapshot, not a copy.
     template_uuid = _field(_btrfs("subvolume", "show", str(vol.path)), "UUID")
@@ -134,7 +146,7 @@ def test_negative_disk_smaller_than_the_image_is_refused_and_leaves_no_volume(
 ) -> None:
     vol = runner.run(pool.import_template("base", "d1", **image_files))
     with pytest.raises(InvalidArgument):
-        runner.run(pool.create_sandbox_volume("sb-1", vol, disk_mib=IMAGE_MIB - 1))
+        runner.run(pool.create_sandbox_volume("sb-1", vol, disk_mib=IMAGE_MIB - 1, limit_mib=None))
     assert pool.sandbox_volumes() == []
 
 
@@ -149,7 +161,7 @@ def test_snapshot_of_a_sandbox_volume_is_read_only_and_holds_nothing_of_its_own(
     pool: BtrfsPool, runner: asyncio.Runner, image_files: dict[str, Path]
 ) -> None:
     vol = runner.run(pool.import_template("base", "d1", **image_files))
-    path = runner.run(pool.create_sandbox_volume("sb-1", vol, disk_mib=IMAGE_MIB))
+    path = runner.run(pool.create_sandbox_volume("sb-1", vol, disk_mib=IMAGE_MIB, limit_mib=None))
     (path / "memory.ram").write_bytes(os.urandom(1 << 20))
 
     snap = runner.run(pool.snapshot_volume("sb-1", "snap-1"))
@@ -158,7 +170,7 @@ def test_snapshot_of_a_sandbox_volume_is_read_only_and_holds_nothing_of_its_own(
     with pytest.raises(OSError):
         (snap / "memory.ram").write_bytes(b"x")
     assert runner.run(pool.exclusive_bytes(snap)) == 0  # every extent shared
-    clone = runner.run(pool.clone_volume(snap, "sb-2"))
+    clone = runner.run(pool.clone_volume(snap, "sb-2", limit_mib=None))
     (clone / "memory.ram").write_bytes(b"changed")  # writable, and apart from the snapshot
     assert (snap / "memory.ram").stat().st_size == 1 << 20
     assert pool.snapshot_ids() == ["snap-1"]
@@ -180,7 +192,7 @@ def test_a_woken_image_maps_the_ram_file_it_can_share_else_its_own_copy(
     pool: BtrfsPool, runner: asyncio.Runner, image_files: dict[str, Path]
 ) -> None:
     vol = runner.run(pool.import_template("base", "d1", **image_files))
-    path = runner.run(pool.create_sandbox_volume("sb-1", vol, disk_mib=IMAGE_MIB))
+    path = runner.run(pool.create_sandbox_volume("sb-1", vol, disk_mib=IMAGE_MIB, limit_mib=None))
     (path / MEMORY_FILE).write_bytes(os.urandom(1 << 20))
     ready = pool.root / "templates" / "base" / "d1.ready"
     runner.run(snapshot_subvolume(path, ready))  # a ready state: a writable subvolume
@@ -188,12 +200,12 @@ def test_a_woken_image_maps_the_ram_file_it_can_share_else_its_own_copy(
 
     # From a ready state: its own file (one inode in the page cache for every sandbox),
     # and the clone's copy goes.
-    clone = runner.run(pool.clone_volume(ready, "sb-2"))
+    clone = runner.run(pool.clone_volume(ready, "sb-2", limit_mib=None))
     assert ram_file(clone, ready) == ready / MEMORY_FILE
     assert not (clone / MEMORY_FILE).exists()
     # A read-only snapshot's file cannot be opened read-write, as QEMU 7.2 does even
     # for a private mapping: the clone's copy is mapped instead.
-    clone = runner.run(pool.clone_volume(snap, "sb-3"))
+    clone = runner.run(pool.clone_volume(snap, "sb-3", limit_mib=None))
     assert ram_file(clone, snap) == clone / MEMORY_FILE
     assert ram_file(clone, None) == clone / MEMORY_FILE
     # A state that holds the RAM: anonymous memory.
@@ -203,3 +215,144 @@ def test_a_woken_image_maps_the_ram_file_it_can_share_else_its_own_copy(
     runner.run(pool.delete_snapshot("snap-1"))
     for sid in ("sb-1", "sb-2", "sb-3"):
         runner.run(pool.delete_sandbox_volume(sid))
+
+
+def _quotas_on(root: Path) -> bool:
+    show = subprocess.run(["btrfs", "qgroup", "show", str(root)], capture_output=True)
+    return show.returncode == 0
+
+
+def _write_until_refused(path: Path, *, start: int, mib: int) -> tuple[int, OSError | None]:
+    """Write 1 MiB blocks of random data into ``path`` from offset ``start`` on, up to
+    ``mib`` of them, fsyncing each; the count written and the error that stopped it."""
+    block = os.urandom(1 << 20)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        for i in range(mib):
+            try:
+                os.pwrite(fd, block, start + (i << 20))
+                os.fsync(fd)
+            except OSError as exc:
+                return i, exc
+    finally:
+        os.close(fd)
+    return mib, None
+
+
+def test_quotas_are_turned_on_when_a_pool_opens_also_an_existing_one_and_again(
+    data_dir: Path, runner: asyncio.Runner
+) -> None:
+    bare = runner.run(BtrfsPool.open(pool_path=None, data_dir=data_dir, size_gib=2, quotas=False))
+    try:
+        assert not _quotas_on(bare.root)  # the check can tell
+        _btrfs("subvolume", "create", str(bare.root / "sandboxes" / "old"))
+        (bare.root / "sandboxes" / "old" / "data").write_bytes(os.urandom(8 << 20))
+        for _ in range(2):  # on an existing pool with data; then once more, a no-op
+            pool = runner.run(BtrfsPool.open(pool_path=None, data_dir=data_dir, size_gib=2))
+            assert _quotas_on(pool.root)
+            os.sync()
+            # The scan that turning them on starts has counted what was there.
+            referenced = runner.run(pool.referenced_bytes(pool.root / "sandboxes" / "old"))
+            assert 8 << 20 <= referenced < 9 << 20
+        assert len(loops_of(data_dir / "pool.img")) == 1
+    finally:
+        runner.run(bare.close(unmount=True))
+
+
+def test_negative_a_volume_refuses_writes_past_its_quota_and_a_snapshot_frees_no_room(
+    pool: BtrfsPool, runner: asyncio.Runner, image_files: dict[str, Path]
+) -> None:
+    vol = runner.run(pool.import_template("base", "d1", **image_files))
+    limit_mib = 96
+    path = runner.run(
+        pool.create_sandbox_volume("sb-1", vol, disk_mib=4 * IMAGE_MIB, limit_mib=limit_mib)
+    )
+    free = runner.run(pool.referenced_bytes(path))
+    written, error = _write_until_refused(path / "rootfs.img", start=IMAGE_MIB << 20, mib=256)
+    assert error is not None and error.errno == errno.EDQUOT
+    os.sync()
+    referenced = runner.run(pool.referenced_bytes(path))
+    assert referenced <= limit_mib << 20
+    # Refused near the limit, not long before it: what the template shares counts too.
+    assert (limit_mib << 20) - free - (2 << 20) <= written << 20 <= limit_mib << 20
+    # A snapshot shares every extent, yet the volume's own count stays: still refused.
+    runner.run(pool.snapshot_volume("sb-1", "snap-1"))
+    again, error = _write_until_refused(path / "rootfs.img", start=200 << 20, mib=4)
+    assert again == 0 and error is not None and error.errno == errno.EDQUOT
+    # The pool itself is far from full, and a volume without a limit writes on.
+    other = runner.run(
+        pool.create_sandbox_volume("sb-2", vol, disk_mib=4 * IMAGE_MIB, limit_mib=None)
+    )
+    assert _write_until_refused(other / "rootfs.img", start=IMAGE_MIB << 20, mib=128) == (128, None)
+    runner.run(pool.delete_snapshot("snap-1"))
+    for sid in ("sb-1", "sb-2"):
+        runner.run(pool.delete_sandbox_volume(sid))  # a volume at its limit still goes
+    assert pool.sandbox_volumes() == []
+
+
+def test_a_volume_near_its_quota_rewrites_a_saved_state_of_its_ram(
+    pool: BtrfsPool, runner: asyncio.Runner, image_files: dict[str, Path]
+) -> None:
+    # As a hibernation does (space.node.vmm.qemu save_state: O_TRUNC, then the RAM):
+    # the old state's extents are freed only at the commit, which btrfs makes when the
+    # new ones would pass the limit.
+    vol = runner.run(pool.import_template("base", "d1", **image_files))
+    path = runner.run(pool.create_sandbox_volume("sb-1", vol, disk_mib=IMAGE_MIB, limit_mib=100))
+    state = os.urandom(64 << 20)
+    (path / "vmstate").write_bytes(state)
+    os.sync()
+    # Two states would pass the limit: the rewrite must reuse the room of the old one.
+    assert runner.run(pool.referenced_bytes(path)) + len(state) > 100 << 20
+    for _ in range(3):
+        fd = os.open(path / "vmstate", os.O_WRONLY | os.O_TRUNC)
+        try:
+            os.write(fd, state)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    assert (path / "vmstate").stat().st_size == 64 << 20
+    runner.run(pool.delete_sandbox_volume("sb-1"))
+
+
+def test_negative_a_quota_limit_on_a_pool_without_quotas_is_unavailable(
+    data_dir: Path, runner: asyncio.Runner
+) -> None:
+    bare = runner.run(BtrfsPool.open(pool_path=None, data_dir=data_dir, size_gib=2, quotas=False))
+    try:
+        volume = bare.sandbox_path("sb-1")
+        _btrfs("subvolume", "create", str(volume))
+        with pytest.raises(Unavailable, match="quota limit"):
+            runner.run(limit_subvolume(volume, 1 << 30))
+        with pytest.raises(Unavailable):
+            runner.run(bare.clone_volume(volume, "sb-2", limit_mib=64))
+        assert bare.sandbox_volumes() == ["sb-1"]  # the failed clone left nothing
+        runner.run(bare.delete_sandbox_volume("sb-1"))
+    finally:
+        runner.run(bare.close(unmount=True))
+
+
+def test_a_restarted_node_limits_the_volumes_made_before_its_pool_had_quotas(
+    data_dir: Path, runner: asyncio.Runner, image_files: dict[str, Path]
+) -> None:
+    bare = runner.run(BtrfsPool.open(pool_path=None, data_dir=data_dir, size_gib=2, quotas=False))
+    try:
+        vol = runner.run(bare.import_template("base", "d1", **image_files))
+        old = runner.run(
+            bare.create_sandbox_volume("sb-old", vol, disk_mib=IMAGE_MIB, limit_mib=None)
+        )
+        pool = runner.run(BtrfsPool.open(pool_path=None, data_dir=data_dir, size_gib=2))
+        spec = SandboxSpec("sb-old", memory_mib=128, disk_mib=1024)
+        sandbox = SimpleNamespace(
+            sandbox_id="sb-old", volume=old, record=SimpleNamespace(spec=spec)
+        )
+        gone = SimpleNamespace(  # its volume went with an interrupted delete: nothing to do
+            sandbox_id="sb-gone", volume=pool.sandbox_path("sb-gone"), record=sandbox.record
+        )
+        said: list[str] = []
+        node = SimpleNamespace(sandboxes={"sb-old": sandbox, "sb-gone": gone})
+        runner.run(_limit_volumes(cast(Any, node), said.append))
+        assert said == []
+        limits = _btrfs("qgroup", "show", "-r", "--raw", "-f", str(old)).splitlines()[-1]
+        assert int(limits.split()[3]) == volume_limit_mib(1024, 128) << 20
+    finally:
+        runner.run(bare.close(unmount=True))

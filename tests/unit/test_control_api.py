@@ -240,7 +240,7 @@ async def test_operators_read_each_nodes_capacity_with_the_node_token(tmp_path: 
         memory_commit_limit_mib=44238,
         pool_total_mib=20480,
         pool_free_mib=15000,
-        pool_starting_mib=256,
+        pool_kept_mib=256,
         pool_reserve_mib=2048,
         starting=1,
         max_sandboxes=None,

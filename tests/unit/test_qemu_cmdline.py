@@ -81,6 +81,12 @@ def test_rootfs_is_a_raw_virtio_blk_disk() -> None:
     assert "virtio-blk-pci,drive=root" in _option(argv, "-device")
 
 
+def test_a_failed_disk_write_or_read_is_the_guests_io_error_and_never_stops_the_vm() -> None:
+    # QEMU's default werror=enospc pauses the VM on the host's ENOSPC (issue 17).
+    (drive,) = _option(build_command(_config()), "-drive")
+    assert {"werror=report", "rerror=report"} <= set(drive.split(","))
+
+
 def test_agent_port_is_a_named_virtio_serial_port_on_a_server_socket() -> None:
     argv = build_command(_config())
     chardevs = _option(argv, "-chardev")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from space.node.agent._pool import POOL_PREFIX
 from space.node.api import ExecOutput, ExecRequest, SandboxSpec, SandboxState, Unavailable
 from space.node.channel import GuestChannel
-from space.node.core.capacity import Claim
+from space.node.core.capacity import Claim, volume_limit_mib
 from space.node.core.sandbox import MEMORY_FILE, LiveSandbox
 from space.node.core.state import SandboxRecord
 from space.node.core.template import BASE, Shape, Template
@@ -65,12 +65,16 @@ async def boot_hidden(
         run_dir=str(life.config.effective_run_dir / vm_id),
     )
     vm = node.live(record)
-    with node.admission.claim({vm_id: Claim.node_vm(shape.memory_mib)}):
+    with node.admission.claim({vm_id: Claim.node_vm(shape.memory_mib, shape.disk_mib)}):
         life.store.save(record)
         node.admission.hold(vm_id, shape.memory_mib)  # until destroy releases it
         try:
             await life.pool.create_sandbox_volume(
-                record.volume, volume, disk_mib=shape.disk_mib, grow=grow
+                record.volume,
+                volume,
+                disk_mib=shape.disk_mib,
+                limit_mib=volume_limit_mib(shape.disk_mib, shape.memory_mib),
+                grow=grow,
             )
             await vm.launch(
                 qemu_binary=life.config.qemu_binary,

@@ -32,6 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from space.node.api import NodeError, SandboxState, SnapshotInfo, Unavailable
+from space.node.core.capacity import volume_limit_mib
 from space.node.core.config import NodeConfig
 from space.node.core.sandbox import (
     MEMORY_FILE,
@@ -67,6 +68,12 @@ def ram_file(volume: Path, image: Path | None) -> Path | None:
         own.unlink()
         return image / MEMORY_FILE
     return own
+
+
+def _volume_limit(sandbox: LiveSandbox) -> int:
+    """What the sandbox's volume may reference (its btrfs quota group's limit)."""
+    spec = sandbox.record.spec
+    return volume_limit_mib(spec.disk_mib, spec.memory_mib)
 
 
 def memory_bytes(volume: Path) -> int:
@@ -269,7 +276,9 @@ class Lifecycle:
         await sandbox.teardown()
         try:
             await self.pool.clone_volume(
-                self.pool.snapshot_path(snapshot.snapshot_id), sandbox.record.volume
+                self.pool.snapshot_path(snapshot.snapshot_id),
+                sandbox.record.volume,
+                limit_mib=_volume_limit(sandbox),
             )
             sandbox.record = replace(sandbox.record, head_snapshot=snapshot.snapshot_id)
             await self.start_from_memory(sandbox, fresh=True)
@@ -285,7 +294,7 @@ class Lifecycle:
         """Make a new sandbox's volume a copy of ``image`` (a snapshot, or a template's
         ready state) and run it with a fresh identity; ``head`` is its snapshot parent."""
         self.save(sandbox, SandboxState.CREATING, pending=Pending("fork", SandboxState.CREATING))
-        await self.pool.clone_volume(image, sandbox.record.volume)
+        await self.pool.clone_volume(image, sandbox.record.volume, limit_mib=_volume_limit(sandbox))
         sandbox.record = replace(sandbox.record, head_snapshot=head)
         await self.start_from_memory(sandbox, fresh=True, image=image)
 
@@ -320,7 +329,9 @@ class Lifecycle:
                 await preflush(parent.volume)
                 await parent.save_state()
             for child in children:
-                await self.pool.clone_volume(parent.volume, child.record.volume)
+                await self.pool.clone_volume(
+                    parent.volume, child.record.volume, limit_mib=_volume_limit(child)
+                )
             thawed = True
             results = await asyncio.gather(
                 self._back_to(parent, prior),

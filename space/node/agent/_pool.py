@@ -229,7 +229,7 @@ async def make_pool_vm(node: Registry, template: Template) -> LiveSandbox:
         run_dir=str(node.life.config.effective_run_dir / sid),
     )
     vm = node.live(record)
-    with node.admission.claim({sid: Claim.node_vm(record.spec.memory_mib)}):
+    with node.admission.claim({sid: Claim.node_vm(record.spec.memory_mib, record.spec.disk_mib)}):
         try:
             await node.life.create_from_image(vm, template.ready)
             assert vm.channel is not None

@@ -3,7 +3,8 @@
 Every persisted sandbox is re-adopted (its QEMU outlives the node agent), finished or
 undone: an operation recorded as ``pending`` was interrupted, and the VM's own run state
 says how far it got. Snapshot subvolumes without a record were never published and go;
-so do volumes, console logs and QEMUs no record claims. Run by ``Node.start``.
+so do volumes, console logs and QEMUs no record claims. Every remaining volume gets its
+quota limit (again: one made before the pool had quotas has none). Run by ``Node.start``.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from space.node.agent._hidden import is_hidden
 from space.node.agent._lifecycle import Lifecycle
 from space.node.agent._registry import Registry
 from space.node.api import NodeError, SandboxState, Unavailable
+from space.node.core.capacity import volume_limit_mib
 from space.node.core.sandbox import LiveSandbox, kill_strays
 from space.node.core.state import SandboxRecord
+from space.node.storage.btrfs import limit_subvolume
 from space.node.vmm.qemu import QemuVM
 
 __all__ = ["recover"]
@@ -53,6 +56,7 @@ async def recover(node: Registry, say: Say) -> None:
             life.store.save(sandbox.mark(SandboxState.ERROR, error=f"recovery failed: {exc}"))
             node.sandboxes[record.sandbox_id] = sandbox
     await _orphans(node, say)
+    await _limit_volumes(node, say)
 
 
 async def _unpublished_snapshots(life: Lifecycle, records: list[SandboxRecord], say: Say) -> None:
@@ -172,6 +176,19 @@ async def _redo_restore(node: Registry, sandbox: LiveSandbox, say: Say) -> None:
         raise _missing(sandbox)
     say(f"sandbox {sandbox.sandbox_id}: finishing its restore to {snapshot.snapshot_id}")
     await life.restore(sandbox, snapshot)
+
+
+async def _limit_volumes(node: Registry, say: Say) -> None:
+    """Give every sandbox's volume its quota limit again: volumes made before the pool
+    had quotas have none (issue 17). Idempotent; a failure is said, not raised."""
+    for sandbox in node.sandboxes.values():
+        spec = sandbox.record.spec
+        limit_mib = volume_limit_mib(spec.disk_mib, spec.memory_mib)
+        try:
+            if sandbox.volume.is_dir():
+                await limit_subvolume(sandbox.volume, limit_mib << 20)
+        except Unavailable as exc:
+            say(f"sandbox {sandbox.sandbox_id}: its volume keeps no quota limit ({exc})")
 
 
 async def _orphans(node: Registry, say: Say) -> None:

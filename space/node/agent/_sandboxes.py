@@ -27,7 +27,7 @@ from space.node.api import (
     SandboxStatus,
     SnapshotInfo,
 )
-from space.node.core.capacity import Claim, holds_memory
+from space.node.core.capacity import Claim, holds_memory, volume_limit_mib
 from space.node.core.sandbox import LiveSandbox, not_allowed, settled, with_console
 from space.node.core.state import SandboxRecord
 from space.node.core.template import Template
@@ -70,7 +70,9 @@ class Sandboxes:
                     )
                 return existing.record.status()
             # Admitted the same way whether a warm-pool VM serves it or not.
-            with registry.admission.claim({spec.sandbox_id: Claim.sandbox(spec.memory_mib)}):
+            with registry.admission.claim(
+                {spec.sandbox_id: Claim.sandbox(spec.memory_mib, spec.disk_mib)}
+            ):
                 sandbox = self._register(spec, template, lock)
                 try:
                     await self._start(sandbox, template, snapshot)
@@ -120,7 +122,11 @@ class Sandboxes:
         config = self._registry.config
         self._store.save(sandbox.record)  # CREATING, before anything exists to clean up
         await self._registry.pool.create_sandbox_volume(
-            sandbox.record.volume, template.volume, disk_mib=spec.disk_mib, grow=template.pristine
+            sandbox.record.volume,
+            template.volume,
+            disk_mib=spec.disk_mib,
+            limit_mib=volume_limit_mib(spec.disk_mib, spec.memory_mib),
+            grow=template.pristine,
         )
         await sandbox.launch(qemu_binary=config.qemu_binary)
         self._store.save(sandbox.mark(SandboxState.CREATING))  # now with the pid
@@ -259,7 +265,8 @@ class Sandboxes:
             taken = [c for c in ids if c in registry.sandboxes or c == sandbox_id]
             if taken:
                 raise Conflict(f"sandbox {taken[0]} exists", sandbox_id=sandbox_id)
-            claims = {child: Claim.sandbox(parent.record.spec.memory_mib) for child in ids}
+            spec = parent.record.spec
+            claims = {child: Claim.sandbox(spec.memory_mib, spec.disk_mib) for child in ids}
             with registry.admission.claim(claims, sandbox_id=sandbox_id):
                 children = [self._child(parent, child) for child in ids]
                 try:

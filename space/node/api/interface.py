@@ -281,7 +281,8 @@ class CapacityInfo:
     memory_commit_limit_mib: int
     pool_total_mib: int
     pool_free_mib: int
-    pool_starting_mib: int
+    #: Room kept in the pool to save the RAM of every VM holding memory.
+    pool_kept_mib: int
     pool_reserve_mib: int
     #: VMs starting now (admitted, not yet running).
     starting: int

@@ -1,4 +1,4 @@
-"""Admission by capacity: whether a node has room for more VMs now (issue 15).
+"""Admission by capacity: whether a node has room for more VMs now (issues 15, 17).
 
 Pure: figures in, a decision out. ``measure_host`` (/proc/meminfo and the pool's
 statvfs) is the only I/O; the node agent's ``Admission`` (space.node.agent._admission)
@@ -8,10 +8,19 @@ VM of a template build or ready state.
 
 What a VM costs. An idle default sandbox (256 MiB) took about 56 MiB of host memory
 (MemAvailable, docs/benchmarks.md), but a guest may grow towards all its ``memory_mib``,
-and QEMU adds its own beyond guest RAM: up to ``VM_OVERHEAD_MIB``. Hibernating writes up
-to ``memory_mib`` into the pool; a sandbox's disk is a CoW clone that grows as the guest
-writes, up to ``disk_mib``, and is not reserved (thin provisioning: a 20 GiB pool could
-not hold a hundred 2 GiB disks written full, nor would any of them ever be).
+and QEMU adds its own beyond guest RAM: up to ``VM_OVERHEAD_MIB``. Hibernating (or a
+snapshot, a fork) writes up to ``memory_mib`` of saved RAM into the VM's volume; its disk
+is a CoW clone that grows as the guest writes, up to ``disk_mib``. A btrfs quota group
+bounds what each volume may reference to ``volume_limit_mib``: disk + memory + a margin
+(space.node.storage.btrfs; the guest's ext4 is sized to its disk, so a guest that fills
+it gets ENOSPC from its own filesystem, and no volume can take more of the pool than its
+limit). Disks are not reserved (thin provisioning: a 20 GiB pool could not hold a
+hundred 2 GiB disks written full, nor would any of them ever be); each new volume's
+whole limit must fit beside the reserve and the room kept to save the RAM of every VM
+that holds memory, so no one disk can fill the pool or take that room. Many disks
+written full together still can: their guests' writes then fail, saves may fail too,
+and no VM stops (QEMU reports the failed write to its guest, space.node.vmm.qemu;
+tests/integration/test_full_disk.py fills a pool so).
 
 The decision, for new VMs N (one for a create or wake, n for a fork), with M = MemTotal,
 A = MemAvailable, R = memory reserve, o = overcommit ratio, F = the pool's free space,
@@ -28,15 +37,20 @@ P = pool reserve, S = starts in flight (admitted, not yet running):
    start(s) = VM_OVERHEAD_MIB + memory_mib / 4: what a VM may take before MemAvailable
    shows it (about three times the 56 MiB measured), reserved for each start in flight,
    so concurrent creates cannot all spend the same free memory.
-4. pool:             F - sum(pool(s) for s in S + N) >= P,
-   pool(s) = memory_mib for a new VM (room to hibernate it), 0 for a wake (its memory
-   image is in the pool already); a pool already below its reserve admits nothing.
+4. pool:             F - P - sum(memory_mib(v) for v in holding - N) >= sum(pool(n) for n in N),
+   pool(n) = volume_limit_mib(disk_mib, memory_mib) for a new VM, 0 for a wake (its
+   volume is in the pool already). Holding: the VMs that hold memory as in guard 2
+   (creating, running or paused sandboxes, the node's own running VMs, every start in
+   flight, wakes too): each keeps room to save its RAM once. A hibernated sandbox's
+   saved RAM is in the pool already, counted in F. A pool already below its reserve
+   admits nothing.
 
 The first guard that fails is the refusal: InsufficientCapacity (HTTP 503, code
 ``capacity``) naming the resource, what was needed and what was available. Guard 2
 bounds what the admitted VMs can grow to; guard 3 is the live check, which stops
 admission before the host would swap or OOM even if the guests already use more than
-expected; guard 4 keeps btrfs (which fails badly when full) and hibernation working.
+expected; guard 4 keeps btrfs (which fails badly when full) and hibernation working:
+the probe of issue 17, a 16 GiB disk on a pool with 2.2 GiB free, is refused.
 What a guest dirties is its VM's anonymous memory (guest RAM is anonymous or a private
 mapping of a ready state's RAM file), so MemAvailable shows it; the ready state's clean
 pages, shared by all its sandboxes, are page cache it counts as reclaimable.
@@ -47,7 +61,24 @@ control plane, egress gateway and the page cache of the pool's images live there
 each) where the machine then held about 7 GiB of them (56 MiB each); the host stays out
 of OOM as long as the guests use on average less than half of what they may, and guard
 3 refuses new VMs once they use more. Idle-timeout hibernation frees memory. P = a tenth
-of the pool within 1-32 GiB.
+of the pool within 1-32 GiB. On that host's default 20 GiB pool guard 4 binds first:
+the base template and its ready state take 805 MiB of a fresh pool (measured), leaving
+19675 MiB free, so it admits 1 + (19675 - P 2048 - 2560) / (256 + u) idle default
+sandboxes, u being what each one's volume takes of the pool: 48 for u = 60 MiB, 58 for
+u = 5 MiB; with a 48 GiB pool memory binds again (125). That is the price of room to
+save every running VM's RAM whatever happens to the pool: size the pool to the
+sandboxes memory admits (for default ones, twice the host memory).
+
+The volume margin (``VOLUME_MARGIN_MIB`` + disk/16) is a judgement, not a proof: btrfs
+keeps an extent whole while any part of it is referenced ("bookends"), so a guest that
+rewrites parts of large extents can reference more than its disk's size, and an
+adversarial one up to about twice. It then gets I/O errors from its volume's limit
+rather than ENOSPC from its ext4, and its own hibernation may fail for lack of room
+(btrfs refuses even a truncate in a volume at its limit), while the pool and every
+other VM stay unharmed. Measured (docs/benchmarks.md, "Issue 17: disk quotas and a full
+disk"): a guest writing zeros until its 1 GiB ext4 is full references 976 of its 1472
+MiB and still hibernates; the quotas cost tens of milliseconds per snapshot and per
+subvolume dropped.
 """
 
 from __future__ import annotations
@@ -59,6 +90,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from space.limits import (
+    DEFAULT_DISK_MIB,
     DEFAULT_MEMORY_MIB,
     DEFAULT_MEMORY_OVERCOMMIT,
     MEMORY_RESERVE_MIB,
@@ -79,6 +111,7 @@ __all__ = [
     "holds_memory",
     "measure_host",
     "shortage",
+    "volume_limit_mib",
 ]
 
 #: Host memory a VM may take beyond its guest RAM: TCG's translation cache (64 MiB,
@@ -89,6 +122,23 @@ VM_OVERHEAD_MIB = 96
 _MIB = 1024 * 1024
 #: Sandbox states whose VM holds (or is about to hold) host memory.
 _MEMORY_STATES = frozenset({SandboxState.CREATING, SandboxState.RUNNING, SandboxState.PAUSED})
+
+
+#: What a sandbox volume may reference beyond its disk and one saved RAM: kernel and
+#: initrd (17 MiB for the base template), a save's device state (a few MiB), a state
+#: file rewritten before btrfs has freed the old one, and "bookend" extents: an extent
+#: partly overwritten stays whole on disk while any of it is referenced, so a disk
+#: image's extents may reference more than its size (the module docstring's last part).
+VOLUME_MARGIN_MIB = 128
+#: ... plus this share of the disk for bookends, which grow with what the guest writes.
+VOLUME_MARGIN_DISK_SHARE = 1 / 16
+
+
+def volume_limit_mib(disk_mib: int, memory_mib: int) -> int:
+    """The most a VM's volume may reference: its btrfs quota group's limit and the room
+    guard 4 asks for a new volume. Its disk, room to save its RAM, and the margin."""
+    margin = VOLUME_MARGIN_MIB + int(disk_mib * VOLUME_MARGIN_DISK_SHARE)
+    return disk_mib + memory_mib + margin
 
 
 def holds_memory(state: SandboxState) -> bool:
@@ -131,27 +181,28 @@ class Host:
 
 @dataclass(frozen=True, slots=True)
 class Claim:
-    """What starting one VM asks of the node: its guest RAM, the pool room it needs and
-    whether it is one more tenant sandbox (counted against the cap)."""
+    """What starting one VM asks of the node: its guest RAM, the pool room its new
+    volume needs (guard 4's need; 0 for a volume the pool holds already) and whether it
+    is one more tenant sandbox (counted against the cap)."""
 
     memory_mib: int
     pool_mib: int
     sandboxes: int
 
     @classmethod
-    def sandbox(cls, memory_mib: int) -> Claim:
+    def sandbox(cls, memory_mib: int, disk_mib: int) -> Claim:
         """A new sandbox: a create or a fork child."""
-        return cls(memory_mib, memory_mib, 1)
+        return cls(memory_mib, volume_limit_mib(disk_mib, memory_mib), 1)
 
     @classmethod
     def wake(cls, memory_mib: int) -> Claim:
-        """A sandbox's VM started again from the memory image it has in the pool."""
+        """A sandbox's VM started again from the volume it has in the pool."""
         return cls(memory_mib, 0, 0)
 
     @classmethod
-    def node_vm(cls, memory_mib: int) -> Claim:
+    def node_vm(cls, memory_mib: int, disk_mib: int) -> Claim:
         """One of the node's own VMs: a warm-pool VM, a build or ready-state VM."""
-        return cls(memory_mib, memory_mib, 0)
+        return cls(memory_mib, volume_limit_mib(disk_mib, memory_mib), 0)
 
     @property
     def charge_mib(self) -> int:
@@ -194,8 +245,13 @@ class Load:
     def starting_mib(self) -> int:
         return sum(claim.start_mib for claim in self.starting.values())
 
-    def starting_pool_mib(self) -> int:
-        return sum(claim.pool_mib for claim in self.starting.values())
+    def kept_pool_mib(self, new: Mapping[str, Claim] | None = None) -> int:
+        """Guard 4's room kept to save the RAM of every VM holding memory (each id once),
+        those in ``new`` left out: their claim asks for their whole volume."""
+        holding = {sid: r.memory_mib for sid, r in self.sandboxes.items() if holds_memory(r.state)}
+        holding |= self.node_vms
+        holding |= {sid: claim.memory_mib for sid, claim in self.starting.items()}
+        return sum(mib for sid, mib in holding.items() if sid not in (new or {}))
 
 
 class _Guard(NamedTuple):
@@ -204,12 +260,22 @@ class _Guard(NamedTuple):
     available: int
     unit: str
     why: str
+    #: What each further VM like ``new`` would need once ``new`` is admitted: the same
+    #: but for the pool, where an admitted VM keeps only its RAM's room.
+    next_needed: int | None = None
+
+    def room(self) -> int:
+        """How many VMs like ``new`` this guard would admit one after another."""
+        if self.available < self.needed:
+            return 0
+        step = max(self.needed if self.next_needed is None else self.next_needed, 1)
+        return 1 + (self.available - self.needed) // step
 
 
 def _guards(policy: Policy, host: Host, load: Load, new: Mapping[str, Claim]) -> list[_Guard]:
     """Each guard's need and availability for ``new``, in the order refusals name them."""
     reserve, pool_reserve = policy.memory_reserve(host), policy.pool_reserve(host)
-    starting, starting_pool = load.starting_mib(), load.starting_pool_mib()
+    starting, kept = load.starting_mib(), load.kept_pool_mib(new)
     committed, limit = load.committed_mib(), policy.commit_limit(host)
     held = f"by {len(load.starting)} VM{'s' if len(load.starting) != 1 else ''} starting"
     guards = []
@@ -245,10 +311,11 @@ def _guards(policy: Policy, host: Host, load: Load, new: Mapping[str, Claim]) ->
         _Guard(
             "pool",
             sum(claim.pool_mib for claim in new.values()),
-            host.pool_free_mib - starting_pool - pool_reserve,
+            host.pool_free_mib - kept - pool_reserve,
             "MiB",
             f"{host.pool_free_mib} MiB free in the pool less the {pool_reserve} MiB"
-            f" reserve and {starting_pool} MiB held {held}",
+            f" reserve and {kept} MiB kept to save the RAM of the VMs holding memory",
+            sum(claim.memory_mib for claim in new.values()),
         ),
     ]
     return guards
@@ -286,10 +353,8 @@ def shortage(
 
 def capacity_info(policy: Policy, host: Host, load: Load) -> CapacityInfo:
     """The figures the guards decide from, and how many more default sandboxes fit."""
-    one = Claim.sandbox(DEFAULT_MEMORY_MIB)
-    room = min(
-        guard.available // max(guard.needed, 1) for guard in _guards(policy, host, load, {"": one})
-    )
+    one = Claim.sandbox(DEFAULT_MEMORY_MIB, DEFAULT_DISK_MIB)
+    room = min(guard.room() for guard in _guards(policy, host, load, {"": one}))
     return CapacityInfo(
         memory_total_mib=host.memory_total_mib,
         memory_available_mib=host.memory_available_mib,
@@ -299,7 +364,7 @@ def capacity_info(policy: Policy, host: Host, load: Load) -> CapacityInfo:
         memory_commit_limit_mib=policy.commit_limit(host),
         pool_total_mib=host.pool_total_mib,
         pool_free_mib=host.pool_free_mib,
-        pool_starting_mib=load.starting_pool_mib(),
+        pool_kept_mib=load.kept_pool_mib(),
         pool_reserve_mib=policy.pool_reserve(host),
         starting=len(load.starting),
         max_sandboxes=policy.max_sandboxes,

@@ -13,6 +13,15 @@ A sandbox volume is a subvolume snapshot, O(1) whatever the image size; its root
 image is grown (truncate + resize2fs) right after the snapshot and before any boot, and
 never touched by the host again once a guest may have written to it.
 
+Quota groups (issue 17): ``open`` turns btrfs quotas on, and every sandbox volume is
+made with a limit on what it may reference (``limit_mib``; the figure is
+space.node.core.capacity.volume_limit_mib's). Referenced, not exclusive: what a volume
+shares with its template, its snapshots or its fork siblings counts too, so taking a
+snapshot or deleting a template never frees room for more writes, and the bound holds
+whatever else refers to the same extents. A write past the limit fails with EDQUOT
+(QEMU reports it to the guest as an I/O error); a guest that fills its ext4, which is
+sized to its disk, gets ENOSPC from its own filesystem first.
+
 Every method raises space.node.api.errors leaves (Unavailable for a failed command,
 InvalidArgument for a bad name). Commands run through ``btrfs``, ``mount``, ``losetup``.
 """
@@ -32,7 +41,13 @@ from pathlib import Path
 from space.node.api import InvalidArgument, NotFound, Unavailable
 from space.node.core.run import run
 
-__all__ = ["BtrfsPool", "TemplateVolume", "pack_snapshot_args", "snapshot_subvolume"]
+__all__ = [
+    "BtrfsPool",
+    "TemplateVolume",
+    "limit_subvolume",
+    "pack_snapshot_args",
+    "snapshot_subvolume",
+]
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _DIGEST_RE = re.compile(r"^[A-Za-z0-9]{1,128}$")
@@ -90,20 +105,44 @@ class BtrfsPool:
         self.fresh_mount = fresh_mount
 
     @classmethod
-    async def open(cls, *, pool_path: Path | None, data_dir: Path, size_gib: int) -> BtrfsPool:
+    async def open(
+        cls, *, pool_path: Path | None, data_dir: Path, size_gib: int, quotas: bool = True
+    ) -> BtrfsPool:
         """Use ``pool_path`` (must be btrfs) or the loop file ``data_dir/pool.img``.
 
         The loop file is created sparse and formatted on first use; if it is already
-        mounted at ``data_dir/pool`` that mount is reused. Idempotent.
+        mounted at ``data_dir/pool`` that mount is reused. With ``quotas`` (off only to
+        measure their cost) btrfs quotas are turned on, also on an existing pool, and
+        their first scan awaited. Idempotent.
         """
         if pool_path is not None:
             await _require_btrfs(pool_path)
             pool = cls(pool_path, image=None, mounted_here=False)
         else:
             pool = await cls._open_loop(data_dir, size_gib)
+        if quotas:
+            await pool.enable_quotas()
         for sub in ("templates", "sandboxes", "snapshots", "layers"):
             (pool.root / sub).mkdir(exist_ok=True)
         return pool
+
+    async def enable_quotas(self) -> None:
+        """Turn btrfs quota groups on and wait until their figures are right; idempotent.
+
+        On a pool that had them off, the kernel scans what exists (seconds for a few
+        GiB); a pool that has them on returns at once. Raises Unavailable if it fails.
+        """
+        await run("btrfs", "quota", "enable", str(self.root))
+        await run("btrfs", "quota", "rescan", "-W", str(self.root), timeout_s=600.0)
+
+    async def referenced_bytes(self, path: Path) -> int:
+        """Bytes the subvolume ``path`` refers to, as its quota group counts them
+        (committed figures: call after a sync). Raises Unavailable without quotas."""
+        out = await run("btrfs", "qgroup", "show", "-rf", "--raw", str(path))
+        try:
+            return int(out.strip().splitlines()[-1].split()[1])
+        except (IndexError, ValueError) as exc:
+            raise Unavailable(f"cannot parse btrfs qgroup show output: {out[-200:]!r}") from exc
 
     @classmethod
     async def _open_loop(cls, data_dir: Path, size_gib: int) -> BtrfsPool:
@@ -247,20 +286,23 @@ class BtrfsPool:
         return sorted(p.name for p in (self.root / "sandboxes").iterdir())
 
     async def create_sandbox_volume(
-        self, volume: str, template: TemplateVolume, *, disk_mib: int, grow: bool = True
+        self,
+        volume: str,
+        template: TemplateVolume,
+        *,
+        disk_mib: int,
+        limit_mib: int | None,
+        grow: bool = True,
     ) -> Path:
-        """Snapshot the template as the sandbox volume ``volume`` and grow its rootfs to
-        ``disk_mib``.
+        """Snapshot the template as the sandbox volume ``volume``, limited to reference
+        ``limit_mib`` (None: no limit), and grow its rootfs to ``disk_mib``.
 
         Raises Conflict-free: an existing volume of the name is replaced (the caller owns
         idempotency). Raises InvalidArgument if ``disk_mib`` is below the image size.
         ``grow`` False keeps the image as it is: for an image a guest wrote, which the
         host must never parse.
         """
-        path = self.sandbox_path(volume)
-        if path.exists():
-            await self._delete_subvolume(path)
-        await snapshot_subvolume(template.path, path)
+        path = await self.clone_volume(template.path, volume, limit_mib=limit_mib)
         try:
             (path / _COMPLETE_MARK).unlink(missing_ok=True)
             if grow:
@@ -270,13 +312,22 @@ class BtrfsPool:
             raise
         return path
 
-    async def clone_volume(self, source: Path, volume: str) -> Path:
-        """Make the sandbox volume ``volume`` a writable snapshot of ``source`` (a sandbox
-        volume or a snapshot), replacing any volume of that name; O(1), copy-on-write."""
+    async def clone_volume(self, source: Path, volume: str, *, limit_mib: int | None) -> Path:
+        """Make the sandbox volume ``volume`` a writable snapshot of ``source`` (a
+        template, a sandbox volume or a snapshot), limited to reference ``limit_mib``
+        (None: no limit), replacing any volume of that name; O(1), copy-on-write.
+
+        On failure no volume of the name remains."""
         path = self.sandbox_path(volume)
         if path.exists():
             await self._delete_subvolume(path)
         await snapshot_subvolume(source, path)
+        if limit_mib is not None:
+            try:
+                await limit_subvolume(path, limit_mib << 20)
+            except BaseException:
+                await self._delete_subvolume(path)
+                raise
         return path
 
     # snapshots
@@ -372,6 +423,36 @@ async def snapshot_subvolume(source: Path, dest: Path, *, read_only: bool = Fals
         await asyncio.to_thread(snapshot)
     except OSError as exc:
         raise Unavailable(f"snapshot of {source} as {dest} failed: {exc}") from exc
+
+
+#: BTRFS_IOC_QGROUP_LIMIT = _IOR(0x94, 43, struct btrfs_ioctl_qgroup_limit_args) (linux/btrfs.h).
+_QGROUP_LIMIT = 0x8030942B
+_LIMIT_MAX_RFER = 1 << 0
+#: struct btrfs_ioctl_qgroup_limit_args: u64 qgroupid (0: the subvolume of the fd), then
+#: struct btrfs_qgroup_limit: u64 flags, max_rfer, max_excl, rsv_rfer, rsv_excl.
+_QGROUP_LIMIT_ARGS = struct.Struct("=6Q")
+
+
+async def limit_subvolume(path: Path, max_referenced: int) -> None:
+    """Limit the quota group of subvolume ``path`` to reference ``max_referenced`` bytes.
+
+    The ioctl itself (a ``btrfs`` command costs a process per volume). Needs quotas on
+    (``BtrfsPool.enable_quotas``); raises Unavailable (with the errno's message) if it
+    fails. Idempotent: the limit replaces any earlier one.
+    """
+
+    def limit() -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            args = _QGROUP_LIMIT_ARGS.pack(0, _LIMIT_MAX_RFER, max_referenced, 0, 0, 0)
+            fcntl.ioctl(fd, _QGROUP_LIMIT, bytearray(args))
+        finally:
+            os.close(fd)
+
+    try:
+        await asyncio.to_thread(limit)
+    except OSError as exc:
+        raise Unavailable(f"quota limit of {path} failed: {exc}") from exc
 
 
 async def grow_image(image: Path, disk_mib: int) -> None:

@@ -109,7 +109,11 @@ def build_command(cfg: VmConfig, *, qemu_binary: str = "qemu-system-x86_64") -> 
         "-smp", str(cfg.cpus), "-m", str(cfg.memory_mib), "-object", backend,
         "-kernel", str(cfg.kernel), "-initrd", str(cfg.initrd),
         "-append", cfg.kernel_cmdline,
-        "-drive", f"file={cfg.rootfs},if=none,id=root,format=raw",
+        # werror/rerror=report: a failed write or read (the host's ENOSPC when the pool
+        # is full, EDQUOT past the volume's quota group) is the guest's I/O error, and
+        # the VM runs on. QEMU's default werror=enospc would pause the VM on ENOSPC
+        # until someone resumes it (issue 17).
+        "-drive", f"file={cfg.rootfs},if=none,id=root,format=raw,werror=report,rerror=report",
         "-device", "virtio-blk-pci,drive=root",
         "-device", "virtio-serial-pci,id=vser",
         "-chardev", f"socket,id=agent,path={cfg.agent_socket},server=on,wait=off",
