@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from space.node.api import PolicyBounds
 from space.node.network.gateway_client import GatewayProcess, fingerprint
 
 RESOLVERS = ["127.0.0.1:53"]
@@ -113,6 +114,10 @@ def test_the_fingerprint_follows_configuration(tmp_path: Path) -> None:
     ca.write_text("two")
     assert fingerprint(RESOLVERS, ca) != base
     assert fingerprint(RESOLVERS, None) != base
+    ca.write_text("one")
+    assert fingerprint(RESOLVERS, ca, PolicyBounds()) == base
+    assert fingerprint(RESOLVERS, ca, PolicyBounds.of(["10.254.77.0/30"])) != base
+    assert fingerprint(RESOLVERS, ca, PolicyBounds(allow_wide_any_port=True)) != base
 
 
 def test_a_failed_start_leaves_an_adopted_gateway_and_ends_its_own(egress_dir: Path) -> None:
