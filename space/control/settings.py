@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from space.node.api import PolicyBounds
-from space.node.egress.local_addresses import host_addresses
+from space.node.api import PolicyBounds, host_addresses
 
 __all__ = ["ControlSettings"]
 

@@ -32,10 +32,10 @@ from space.node.api import (
     SecretGrant,
     Unavailable,
     check_grants,
+    host_addresses,
 )
 from space.node.core.sandbox import LiveSandbox, has_nic
 from space.node.egress.audit import AuditLog
-from space.node.egress.local_addresses import host_addresses
 from space.node.network import ca, netns
 from space.node.network.gateway_client import GatewayProcess
 from space.node.network.trust import install_ca

@@ -486,10 +486,10 @@ def _parse_pattern(path: str, pattern: object) -> str:
 
 
 def _check_not_local(path: str, pattern: str) -> None:
-    """Refuse a pattern that names only local hosts or could match any name at all."""
+    """Refuse a pattern under a special-use suffix: it names no host on the internet.
+    (A wildcard one, ``*.*``, may match local names too; what they resolve to is
+    refused at connect like any blocked address.)"""
     last = pattern.rsplit(".", 1)[-1]
-    if last == "*":
-        raise InvalidArgument(f"{path}: {pattern!r} has a wildcard top-level domain")
     if last in _LOCAL_SUFFIXES:
         raise InvalidArgument(f"{path}: {pattern!r} names no internet host ('.{last}' is local)")
 

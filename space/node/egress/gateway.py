@@ -28,13 +28,14 @@ from space.node.api import (
     SecretGrant,
     check_grants,
     decode_grants,
+    host_addresses,
 )
 from space.node.egress import dns
 from space.node.egress.audit import AuditLog
 from space.node.egress.connection import Refused, Route, Streams, Tracker, serve
 from space.node.egress.fakeip import FakeIps
 from space.node.egress.intercept import Exchange, Interceptor, load_ca
-from space.node.egress.local_addresses import LocalAddresses, host_addresses
+from space.node.egress.local_addresses import LocalAddresses
 from space.node.egress.netns_socket import bind_in_netns
 from space.node.egress.resolver import Resolver
 from space.node.network.netns import DNS_PORT, GATEWAY_ADDRESS, PROXY_PORT
