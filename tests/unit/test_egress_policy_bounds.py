@@ -6,7 +6,9 @@ from ipaddress import IPv4Address, ip_address, ip_network
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from space.cli import main
 from space.control.settings import ControlSettings
 from space.node.api import CidrRule, EgressPolicy, InvalidArgument, PolicyBounds, Verdict
 from space.node.core.config import NodeConfig
@@ -184,3 +186,19 @@ def test_negative_node_and_control_settings_refuse_a_bad_operator_range(tmp_path
 def test_node_config_carries_the_operators_bounds() -> None:
     config = NodeConfig(egress_operator_ranges=("10.254.77.0/30",), egress_allow_wide_any_port=True)
     assert config.egress_bounds == PolicyBounds((ip_network("10.254.77.0/30"),), True)
+
+
+@pytest.mark.parametrize("command", ["serve", "node"])
+def test_negative_a_server_refuses_a_public_operator_range_before_starting_anything(
+    tmp_path: Path, command: str
+) -> None:
+    data_dir = tmp_path / "data"
+    args = [command, "--data-dir", str(data_dir), "--egress-allow-range", "203.0.113.0/24"]
+    if command == "node":
+        token = tmp_path / "token"
+        token.write_text("t" * 32)
+        args += ["--control-url", "http://127.0.0.1:9", "--token-file", str(token)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1, result.output
+    assert "operator range 203.0.113.0/24: not inside a private" in result.output
+    assert not data_dir.exists()
