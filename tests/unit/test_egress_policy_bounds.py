@@ -129,7 +129,7 @@ def test_negative_a_rule_holding_the_nodes_own_address_is_refused_unless_wide_or
     bounds = PolicyBounds.of(["10.254.77.0/30"], own_addresses=own)
     for cidr in ("203.0.113.7/32", "203.0.113.0/24"):
         message = refusal(bounds, {"cidr": cidr})
-        assert message == f"allow[0].cidr: {cidr} holds the node's own address 203.0.113.7"
+        assert message == f"allow[0].cidr: {cidr} holds the host's own address 203.0.113.7"
     assert parse(bounds, {"cidr": "0.0.0.0/0"}, {"cidr": "10.254.77.0/30"}).cidrs
 
 

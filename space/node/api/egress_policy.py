@@ -178,11 +178,9 @@ class PolicyBounds:
                 "listed it for tenants (egress_operator_ranges)"
             )
         wide = network.prefixlen < WIDE_PREFIX_LEN
-        own = sorted(
-            str(a) for a in self.own_addresses if a.version == network.version and a in network
-        )
+        own = sorted(str(a) for a in self.own_addresses if _holds(network, a))
         if own and not wide and not self.listed(network):
-            raise InvalidArgument(f"{path}: {network} holds the node's own address {own[0]}")
+            raise InvalidArgument(f"{path}: {network} holds the host's own address {own[0]}")
         if wide and not rule.ports <= DEFAULT_PORTS and not self.allow_wide_any_port:
             extra = min(rule.ports - DEFAULT_PORTS)
             raise InvalidArgument(
@@ -262,7 +260,8 @@ class EgressPolicy:
 
         A public address needs a CIDR rule containing it with the port. A blocked one
         needs a CIDR rule with the port whose network lies inside the blocked range of
-        the address (``0.0.0.0/0`` never unlocks ``10.1.2.3``; ``10.1.0.0/16`` does).
+        the address (``0.0.0.0/0`` never unlocks ``10.1.2.3``; ``10.1.0.0/16`` does, if
+        the operator listed it).
         Metadata addresses are never allowed, and a blocked address only inside one of
         the operator's ranges (``bounds``).
         """
@@ -412,8 +411,9 @@ def _holds(network: Network, address: Address) -> bool:
 
 
 def _containing_category(network: Network) -> str | None:
-    """The category of the first blocked range that holds all of ``network``, if any
-    (metadata first), or of an IPv4 range the network's IPv4 embedding lies in."""
+    """The category of the first blocked range that holds all of ``network`` (metadata
+    first), or None. IPv6 rules embedding IPv4 fall in ``::/8`` or stay IPv6: a rule of
+    one family never unlocks an address of the other (``_inside``)."""
     for category, blocked in _BLOCKED:
         if _within(network, blocked):
             return category
