@@ -23,6 +23,9 @@ PACKAGES = {
     "space-lib": ("1.0", ""),
     "space-base": ("1.0", ""),
     "space-app": ("1:2.0", "space-lib, space-base"),
+    # Names with "+" and ".", legal in Debian (g++, libc6.1) and apt regex characters.
+    "space-c++": ("1.0", ""),
+    "space-lib1.0": ("1.0", ""),
 }
 STATUS = b"""Package: space-base
 Status: install ok installed

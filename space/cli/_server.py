@@ -95,6 +95,20 @@ EGRESS_CA_OPTION = click.option(
 )
 
 
+def egress_bounds_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """What tenants' egress policies may name (issue 17), passed to NodeConfig (and
+    ControlSettings) as ``egress_operator_ranges`` and ``egress_allow_wide_any_port``."""
+    command = click.option(
+        "--egress-allow-wide-any-port", is_flag=True,
+        help="Let egress rules wider than /8 (e.g. 0.0.0.0/0) name ports beyond 80 and 443.",
+    )(command)  # fmt: skip
+    return click.option(
+        "--egress-allow-range", "egress_operator_ranges", multiple=True, metavar="CIDR",
+        help="A private, CGNAT, ULA or link-local network tenants' egress rules may name"
+        " (repeatable; default: none).",
+    )(command)  # fmt: skip
+
+
 @click.command()
 @DATA_DIR_OPTION
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -117,6 +131,7 @@ EGRESS_CA_OPTION = click.option(
 @capacity_options
 @EGRESS_RESOLVER_OPTION
 @EGRESS_CA_OPTION
+@egress_bounds_options
 def serve(
     data_dir: Path,
     host: str,
@@ -129,6 +144,8 @@ def serve(
     reaper_interval: float,
     egress_resolvers: tuple[str, ...],
     egress_upstream_ca: Path | None,
+    egress_operator_ranges: tuple[str, ...],
+    egress_allow_wide_any_port: bool,
     **capacity: Any,
 ) -> None:
     """Run the control plane and one node in this process (the embedded default)."""
@@ -141,7 +158,12 @@ def serve(
         from space.node.agent import Node
         from space.node.core.config import NodeConfig
 
-        settings = ControlSettings(data_dir=data_dir, reaper_interval_s=reaper_interval)
+        settings = ControlSettings(
+            data_dir=data_dir,
+            reaper_interval_s=reaper_interval,
+            egress_operator_ranges=egress_operator_ranges,
+            egress_allow_wide_any_port=egress_allow_wide_any_port,
+        )
         load_keyring(settings, create=True)  # an unsafe key file stops us before any VM
     progress = ProgressPrinter()
 
@@ -155,6 +177,8 @@ def serve(
             warm_pool_max=warm_max,
             egress_resolvers=egress_resolvers,
             egress_upstream_ca=egress_upstream_ca,
+            egress_operator_ranges=egress_operator_ranges,
+            egress_allow_wide_any_port=egress_allow_wide_any_port,
             **capacity,
         )
         local = await Node.start(config, progress=progress)
@@ -181,6 +205,7 @@ def serve(
 @capacity_options
 @EGRESS_RESOLVER_OPTION
 @EGRESS_CA_OPTION
+@egress_bounds_options
 def node(
     control_url: str,
     token_file: Path,
@@ -191,6 +216,8 @@ def node(
     pool_path: Path | None,
     egress_resolvers: tuple[str, ...],
     egress_upstream_ca: Path | None,
+    egress_operator_ranges: tuple[str, ...],
+    egress_allow_wide_any_port: bool,
     **capacity: Any,
 ) -> None:
     """Run a node agent alone and register it with a control plane."""
@@ -213,6 +240,8 @@ def node(
             accel=_accel(accel),
             egress_resolvers=egress_resolvers,
             egress_upstream_ca=egress_upstream_ca,
+            egress_operator_ranges=egress_operator_ranges,
+            egress_allow_wide_any_port=egress_allow_wide_any_port,
             **capacity,
         )
         local = await Node.start(config, progress=progress)

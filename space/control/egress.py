@@ -23,6 +23,7 @@ from space.node.api import (
     EgressPolicy,
     InvalidArgument,
     NodeError,
+    PolicyBounds,
 )
 
 __all__ = [
@@ -41,13 +42,14 @@ DEFAULT_LOG_LIMIT = 100
 MAX_LOG_LIMIT = MAX_EGRESS_LOG_EVENTS
 
 
-def canonical(data: object) -> dict[str, Any]:
+def canonical(data: object, bounds: PolicyBounds) -> dict[str, Any]:
     """The canonical JSON of the policy ``data`` (EgressPolicy.to_json).
 
-    Raises ApiError(invalid_argument) carrying the parser's message for a malformed one.
+    Raises ApiError(invalid_argument) carrying the parser's message for a malformed one
+    or one naming what ``bounds`` (the operator's, ControlSettings.egress_bounds) refuse.
     """
     try:
-        return EgressPolicy.parse(data).to_json()
+        return EgressPolicy.parse(data, bounds).to_json()
     except InvalidArgument as exc:
         raise ApiError("invalid_argument", exc.message, field="egress") from None
 
@@ -59,7 +61,7 @@ async def set_policy(ctx: ControlContext, record: SandboxRecord, data: object) -
     nothing. The row is written first, then the node is asked: the node's NodeError is
     raised with the row already holding the new policy (repeat the call to push it).
     """
-    policy = canonical(data)
+    policy = canonical(data, ctx.settings.egress_bounds)
     await ctx.db.run(lambda s: repo.set_egress(s, record.id, policy))
     await ctx.nodes.get(record.node_id).set_egress(record.id, policy)
     return policy

@@ -164,7 +164,9 @@ async def create_sandbox(
     and deletes it on the node. Cancelled mid-way, the row stays ``creating`` until
     reconciliation.
     """
-    given = None if body.egress is None else egress.canonical(body.egress)
+    given = (
+        None if body.egress is None else egress.canonical(body.egress, ctx.settings.egress_bounds)
+    )
     source = await _source(ctx, tenant, body.from_snapshot)
     node_ref(tenant, body.template)  # refuse a name too long to scope before any row
     parent = await _source_sandbox(ctx, source)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from space.control.quotas import QuotaLimits
+from space.node.api import PolicyBounds, host_addresses
 
 __all__ = ["ControlSettings"]
 
@@ -34,8 +35,13 @@ class ControlSettings:
     reaper_interval_s: float = 5.0
     master_key_file: Path | None = None
     quotas: QuotaLimits = field(default_factory=QuotaLimits)
+    #: What tenants' egress policies may name (issue 17): the same settings as the
+    #: node's (space.node.core.config.NodeConfig), checked here at PUT and create.
+    egress_operator_ranges: tuple[str, ...] = ()
+    egress_allow_wide_any_port: bool = False
 
     def __post_init__(self) -> None:
+        _ = self.egress_bounds  # a bad operator range raises InvalidArgument here
         # Frozen: fill the data_dir-derived defaults once, here.
         if not self.database_url:
             object.__setattr__(self, "database_url", f"sqlite:///{self.data_dir / 'space.db'}")
@@ -43,6 +49,15 @@ class ControlSettings:
             object.__setattr__(self, "node_token_path", self.data_dir / "node-token")
         if self.master_key_file is None:
             object.__setattr__(self, "master_key_file", self.data_dir / "master.key")
+
+    @property
+    def egress_bounds(self) -> PolicyBounds:
+        """The bounds of tenants' policies, with this host's own addresses of now."""
+        return PolicyBounds.of(
+            self.egress_operator_ranges,
+            allow_wide_any_port=self.egress_allow_wide_any_port,
+            own_addresses=frozenset(host_addresses()),
+        )
 
     @property
     def token_file(self) -> Path:

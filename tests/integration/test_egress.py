@@ -10,23 +10,29 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 
-from space.node.api import ExecRequest, SandboxSpec, SecretGrant
+from space.node.api import ExecRequest, InvalidArgument, SandboxSpec, SecretGrant
 from space.node.core.config import NodeConfig
 from space.node.egress.audit import DEFAULT_BURST, DEFAULT_RATE_PER_S, DROP_DECISION
 
 from ..egress_guest import POLICY, SANDBOX, Guest, booted_guest, output
-from ..egress_world import OTHER, UPSTREAM
+from ..egress_world import OTHER, PRIVATE, UPSTREAM
 from .test_pause_resume import _one
 
 pytestmark = pytest.mark.vm
 
 
+#: The one private address the operator of this module's node lets policies name (the
+#: world's private canary; not the host's end of that link, 10.99.0.1).
+LISTED = f"{PRIVATE}/32"
+
+
 @pytest.fixture(scope="module")
 def guest(node_config: NodeConfig) -> Iterator[Guest]:
-    with booted_guest(node_config) as booted:
+    with booted_guest(replace(node_config, egress_operator_ranges=(LISTED,))) as booted:
         yield booted
 
 
@@ -111,6 +117,34 @@ def test_negative_metadata_addresses_in_every_spelling_are_refused(
 ) -> None:
     result = guest.probe("http", host="metadata", address=spelling)
     assert not result["ok"], result
+
+
+def test_negative_a_private_range_the_operator_did_not_list_is_refused_and_nothing_changes(
+    guest: Guest,
+) -> None:
+    # Probe 7 of issue 17: this policy let a guest fetch from the host's private network.
+    opened: dict[str, object] = {"allow": [{"cidr": "10.99.0.0/30", "ports": [80]}]}
+    with pytest.raises(InvalidArgument, match=r"10\.99\.0\.0/30 is a private range"):
+        guest.h.run(guest.node.set_egress(SANDBOX, opened))
+    before = len(guest.world.hits_of("private"))
+    assert not guest.probe("http", host=PRIVATE, port=80)["ok"]
+    assert len(guest.world.hits_of("private")) == before
+    assert guest.probe("http", host="allowed.test")["ok"]  # the old policy stands
+
+
+def test_a_private_address_the_operator_listed_is_reached_by_a_cidr_rule(guest: Guest) -> None:
+    rules = POLICY["allow"]
+    assert isinstance(rules, list)
+    opened: dict[str, object] = {"allow": [*rules, {"cidr": LISTED, "ports": [80]}]}
+    before = len(guest.world.hits_of("private"))
+    try:
+        guest.h.run(guest.node.set_egress(SANDBOX, opened))
+        result = guest.probe("http", host=PRIVATE, port=80)
+        assert result["ok"], result
+        assert len(guest.world.hits_of("private")) == before + 1
+    finally:
+        guest.h.run(guest.node.set_egress(SANDBOX, POLICY))
+    assert not guest.probe("http", host=PRIVATE, port=80)["ok"]
 
 
 def test_a_live_policy_change_takes_effect_within_a_second(guest: Guest) -> None:

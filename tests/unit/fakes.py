@@ -488,11 +488,16 @@ async def control_app(
     registry: NodeRegistry | None = None,
     reaper_interval_s: float = 3600.0,
     clock: FakeClock | None = None,
+    egress_operator_ranges: tuple[str, ...] = (),
 ) -> AsyncIterator[Harness]:
     """The control plane over a FakeNode (as "local"), lifespan running, with a client."""
     node = node or FakeNode()
     clock = clock or FakeClock()
-    settings = ControlSettings(data_dir=data_dir, reaper_interval_s=reaper_interval_s)
+    settings = ControlSettings(
+        data_dir=data_dir,
+        reaper_interval_s=reaper_interval_s,
+        egress_operator_ranges=egress_operator_ranges,
+    )
     if registry is None:
         registry = NodeRegistry()
         registry.register("local", node)

@@ -122,6 +122,34 @@ async def test_negative_a_bad_put_is_422_and_changes_nothing(tmp_path: Path) -> 
         assert h.node.egress[sid] == CANONICAL and h.node.calls == calls
 
 
+PRIVATE = {"allow": [{"cidr": "10.254.77.0/30", "ports": [80]}]}
+
+
+async def test_negative_a_private_range_the_operator_has_not_listed_is_422_at_put_and_create(
+    tmp_path: Path,
+) -> None:
+    async with control_app(tmp_path) as h:
+        key = h.key("t")
+        sid = (await _create(h, key, egress=POLICY))["id"]
+        calls = list(h.node.calls)
+        answer = await h.client.put(f"/v1/sandboxes/{sid}/egress", json=PRIVATE, headers=key)
+        assert answer.status_code == 422, answer.text
+        message = answer.json()["error"]["message"]
+        assert message.startswith("allow[0].cidr: 10.254.77.0/30 is a private range")
+        assert await _policy(h, sid, key) == CANONICAL and h.node.calls == calls
+        created = await h.client.post("/v1/sandboxes", json={"egress": PRIVATE}, headers=key)
+        assert created.status_code == 422, created.text
+
+
+async def test_a_private_range_inside_an_operator_range_is_accepted(tmp_path: Path) -> None:
+    async with control_app(tmp_path, egress_operator_ranges=("10.254.0.0/16",)) as h:
+        key = h.key("t")
+        sid = (await _create(h, key))["id"]
+        answer = await h.client.put(f"/v1/sandboxes/{sid}/egress", json=PRIVATE, headers=key)
+        assert answer.status_code == 200, answer.text
+        assert h.node.egress[sid] == PRIVATE
+
+
 async def test_negative_a_node_failing_a_put_answers_its_error_with_the_row_already_changed(
     tmp_path: Path,
 ) -> None:

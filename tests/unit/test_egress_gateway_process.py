@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from space.node.api import InvalidArgument, PolicyBounds
 from space.node.network.gateway_client import GatewayProcess, fingerprint
 
 RESOLVERS = ["127.0.0.1:53"]
@@ -113,6 +114,10 @@ def test_the_fingerprint_follows_configuration(tmp_path: Path) -> None:
     ca.write_text("two")
     assert fingerprint(RESOLVERS, ca) != base
     assert fingerprint(RESOLVERS, None) != base
+    ca.write_text("one")
+    assert fingerprint(RESOLVERS, ca, PolicyBounds()) == base
+    assert fingerprint(RESOLVERS, ca, PolicyBounds.of(["10.254.77.0/30"])) != base
+    assert fingerprint(RESOLVERS, ca, PolicyBounds(allow_wide_any_port=True)) != base
 
 
 def test_a_failed_start_leaves_an_adopted_gateway_and_ends_its_own(egress_dir: Path) -> None:
@@ -131,5 +136,31 @@ def test_a_failed_start_leaves_an_adopted_gateway_and_ends_its_own(egress_dir: P
         assert last.pid == pid
         await last.close()
         assert not _alive(pid)
+
+    asyncio.run(scenario())
+
+
+PRIVATE_POLICY = {"allow": [{"cidr": "10.99.0.0/30", "ports": [80]}]}
+
+
+def test_negative_the_gateway_process_refuses_a_private_rule_its_operator_did_not_list(
+    egress_dir: Path, tmp_path: Path
+) -> None:
+    # The node checks first; the gateway, told the bounds as options, checks again.
+    async def scenario() -> None:
+        strict = await _start(egress_dir)
+        try:
+            with pytest.raises(InvalidArgument, match=r"10\.99\.0\.0/30 is a private range"):
+                await strict.attach("sb", tmp_path / "no-netns", PRIVATE_POLICY, tmp_path / "ca")
+        finally:
+            await strict.close()
+        listed = PolicyBounds.of(["10.99.0.0/24"])
+        opened = await GatewayProcess.start(egress_dir, RESOLVERS, None, listed)
+        try:
+            # Past the policy now: what fails is the CA this test never made.
+            with pytest.raises(InvalidArgument, match="cannot load the CA"):
+                await opened.attach("sb", tmp_path / "no-netns", PRIVATE_POLICY, tmp_path / "ca")
+        finally:
+            await opened.close()
 
     asyncio.run(scenario())

@@ -13,6 +13,7 @@ from space.node.api import (
     DomainRule,
     EgressPolicy,
     InvalidArgument,
+    PolicyBounds,
     Verdict,
     blocked_category,
     closed_policy,
@@ -32,6 +33,11 @@ EXAMPLE = {
 
 def policy(*rules: dict[str, object]) -> EgressPolicy:
     return EgressPolicy.parse({"allow": list(rules)})
+
+
+def listed(ranges: list[str], *rules: dict[str, object]) -> EgressPolicy:
+    """The rules parsed within bounds whose operator listed ``ranges``."""
+    return EgressPolicy.parse({"allow": list(rules)}, PolicyBounds.of(ranges))
 
 
 # --- parsing and the canonical JSON form ---------------------------------------------
@@ -296,7 +302,7 @@ def test_negative_a_refused_policy_leaves_its_input_untouched() -> None:
         ("pypi.org", "PyPI.org.", True),
         ("pypi.org", "files.pypi.org", False),
         ("pypi.org", "pypi.org.evil.com", False),
-        ("*.*", "a.b", True),
+        ("*.example", "a.b", False),
     ],
 )
 def test_a_wildcard_matches_exactly_one_whole_label(pattern: str, name: str, matches: bool) -> None:
@@ -572,7 +578,7 @@ def test_negative_a_wide_rule_does_not_unlock_a_blocked_address(
 
 
 def test_a_rule_inside_the_private_range_unlocks_it_on_its_ports_only() -> None:
-    rules = policy({"cidr": "10.1.0.0/16", "ports": [5432]})
+    rules = listed(["10.1.0.0/16"], {"cidr": "10.1.0.0/16", "ports": [5432]})
     assert verdict(rules, "10.1.2.3", 5432) == Verdict(True, "cidr rule 10.1.0.0/16")
     assert verdict(rules, "::ffff:10.1.2.3", 5432).allowed
     assert verdict(rules, "10.1.2.3", 22) == Verdict(False, "blocked address: private")
@@ -582,15 +588,30 @@ def test_a_rule_inside_the_private_range_unlocks_it_on_its_ports_only() -> None:
 @pytest.mark.parametrize(
     ("cidr", "address"),
     [
-        ("127.0.0.0/8", "127.0.0.1"),
-        ("::1/128", "::1"),
         ("fe80::/64", "fe80::1"),
         ("10.0.0.0/8", "10.9.9.9"),
+        ("100.64.0.0/10", "100.64.0.1"),
     ],
 )
-def test_a_rule_naming_a_whole_blocked_range_unlocks_it(cidr: str, address: str) -> None:
-    rules = policy({"cidr": cidr, "ports": [8080]})
+def test_a_rule_naming_a_whole_listed_range_unlocks_it(cidr: str, address: str) -> None:
+    rules = listed([cidr], {"cidr": cidr, "ports": [8080]})
     assert verdict(rules, address, 8080) == Verdict(True, f"cidr rule {cidr}")
+
+
+@pytest.mark.parametrize(
+    ("cidr", "address", "category"),
+    [("127.0.0.0/8", "127.0.0.1", "loopback"), ("::1/128", "::1", "loopback")],
+)
+def test_negative_a_rule_inside_an_unlistable_range_never_unlocks_it(
+    cidr: str, address: str, category: str
+) -> None:
+    rules = policy({"cidr": cidr, "ports": [8080]})  # read without bounds, as a spec is
+    assert verdict(rules, address, 8080) == Verdict(False, f"blocked address: {category}")
+
+
+def test_negative_a_private_rule_unlocks_nothing_the_operator_has_not_listed() -> None:
+    rules = policy({"cidr": "10.1.0.0/16", "ports": [5432]})  # read without bounds
+    assert verdict(rules, "10.1.2.3", 5432) == Verdict(False, "blocked address: private")
 
 
 @pytest.mark.parametrize(
@@ -617,7 +638,9 @@ def test_a_domain_rule_alone_allows_no_address() -> None:
 
 
 def test_a_name_may_resolve_to_public_addresses_but_not_to_blocked_ones() -> None:
-    rules = policy({"domain": "db.internal.example"}, {"cidr": "10.1.0.0/16", "ports": [5432]})
+    rules = listed(
+        ["10.1.0.0/16"], {"domain": "db.internal.example"}, {"cidr": "10.1.0.0/16", "ports": [5432]}
+    )
     usable = rules.address_usable_for_domain
     assert usable(ip_address("203.0.113.5"), 443) == Verdict(True, "domain rule")
     assert usable(ip_address("10.9.0.1"), 5432) == Verdict(False, "blocked address: private")
@@ -631,6 +654,7 @@ def test_the_module_exports_exactly_its_contract() -> None:
         "CidrRule",
         "DomainRule",
         "EgressPolicy",
+        "PolicyBounds",
         "Verdict",
         "blocked_category",
         "closed_policy",

@@ -38,7 +38,8 @@ NODE_API_NAMES = {
     "FILE_STAT_HEADER", "FileReader", "FileStat", "GuestError", "InsufficientCapacity",
     "InvalidArgument", "MAX_BUILD_LOG_BYTES", "MAX_EGRESS_LOG_EVENTS", "MAX_FORK_CHILDREN",
     "MAX_GRANTS", "NDJSON", "NODE_API_PREFIX", "NodeError", "NodeInfo", "NodeService", "NotFound",
-    "PermissionDenied", "PoolInfo", "ProcessInfo", "ResourceExhausted", "STATUS_BY_CODE",
+    "PermissionDenied", "PolicyBounds", "PoolInfo", "ProcessInfo", "ResourceExhausted",
+    "STATUS_BY_CODE",
     "SandboxSpec", "SandboxState", "SandboxStatus", "SecretGrant", "SnapshotInfo",
     "TemplateInfo", "Timeout", "Unavailable", "Verdict", "blocked_category",
     "build_event_line", "build_lines", "check_grants", "check_header_name",
@@ -46,7 +47,7 @@ NODE_API_NAMES = {
     "decode", "decode_build_event", "decode_child_ids", "decode_egress_policy",
     "decode_exec_request", "decode_grants", "decode_snapshot_id", "decode_templates",
     "encode", "encode_exec_request", "encode_grants", "encode_templates", "error_for_code",
-    "error_line", "event_line", "host_matches", "ndjson_lines", "normalize_name",
+    "error_line", "event_line", "host_addresses", "host_matches", "ndjson_lines", "normalize_name",
     "parse_ip_literal",
 }  # fmt: skip
 

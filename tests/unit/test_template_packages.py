@@ -127,6 +127,43 @@ def test_negative_an_unknown_package_raises_package_error_naming_it(
     assert isinstance(caught.value, TemplateError)
 
 
+@pytest.mark.parametrize("name", ["space-...", "space-l.b", "space-lib.", "space-.+", "space-lib+"])
+def test_negative_a_name_no_package_has_exactly_is_refused_not_read_as_a_pattern(
+    source: str, tmp_path: Path, name: str
+) -> None:
+    # Each of these once downloaded space-lib (or every space-* package): apt took the
+    # name as a regular expression, or a trailing "+" as "install" (issue 17, probe 9).
+    with pytest.raises(PackageError) as caught:
+        _fetch([name], source, tmp_path)
+    message = str(caught.value).splitlines()[0]
+    assert (
+        message == f"no package is named exactly {name!r} in the sources (names are not patterns)"
+    )
+    assert caught.value.packages == (name,)
+    assert list(tmp_path.rglob("*.deb")) == []
+
+
+def test_names_with_plus_and_dot_that_exist_exactly_are_fetched_alone(
+    source: str, tmp_path: Path
+) -> None:
+    # As "g++" or "libc6.1" are in Debian: legal characters, exact names.
+    debs = _fetch(["space-c++", "space-lib1.0"], source, tmp_path)
+    assert sorted(_package_of(deb) for deb in debs) == ["space-c++", "space-lib1.0"]
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["space-lib*", "space-?ib", "space-[a-z]ib", "^space", "space$", "a|b", "?name(space)",
+     "~nspace", "space,lib", "!space", "space'", 'space"', "space lib", "space\tlib", "Space"],
+)  # fmt: skip
+def test_negative_apt_pattern_characters_are_refused_before_apt_runs(
+    source: str, tmp_path: Path, name: str
+) -> None:
+    with pytest.raises(PackageError, match="invalid package name"):
+        _fetch(["space-app", name], source, tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_negative_an_unreachable_source_raises_package_error(tmp_path: Path) -> None:
     unreachable = f"deb [trusted=yes] http://127.0.0.1:{_closed_port()}/ ./"
     with pytest.raises(PackageError, match="cannot update the package lists") as caught:

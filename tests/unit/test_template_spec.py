@@ -275,6 +275,10 @@ MALFORMED = [
     (MINIMAL + 'packages = ["Git"]\n', "packages[0]", "must match"),
     (MINIMAL + 'packages = ["git; rm -rf /"]\n', "packages[0]", "must match"),
     (MINIMAL + 'packages = ["g"]\n', "packages[0]", "must match"),
+    *[
+        (MINIMAL + f"packages = [{q(name)}]\n", "packages[0]", "must match")
+        for name in ("space-*", "space-?", "[a]pp", "^space", "a|b", "?name(x)", "~nx", "a,b")
+    ],
     (MINIMAL + 'env = { "1A" = "x" }\n', "env['1A']", "must match"),
     (MINIMAL + 'env = { "A B" = "x" }\n', "env['A B']", "must match"),
     (MINIMAL + 'env = { A = "x\\u0000y" }\n', "env.A", "NUL"),

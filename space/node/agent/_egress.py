@@ -27,10 +27,12 @@ from space.node.api import (
     EgressPolicy,
     InvalidArgument,
     NodeError,
+    PolicyBounds,
     SandboxState,
     SecretGrant,
     Unavailable,
     check_grants,
+    host_addresses,
 )
 from space.node.core.sandbox import LiveSandbox, has_nic
 from space.node.egress.audit import AuditLog
@@ -46,10 +48,14 @@ __all__ = ["Egress", "SandboxNetwork", "parse_policy"]
 log = logging.getLogger(__name__)
 
 
-def parse_policy(policy: dict[str, object] | None, sandbox_id: str) -> EgressPolicy:
-    """The policy as the gateway will apply it; InvalidArgument (naming the sandbox)."""
+def parse_policy(
+    policy: dict[str, object] | None, sandbox_id: str, bounds: PolicyBounds
+) -> EgressPolicy:
+    """The policy as the gateway will apply it, within the operator's ``bounds`` and
+    the host's addresses of now; InvalidArgument (naming the sandbox and the rule)."""
+    within = replace(bounds, own_addresses=host_addresses())
     try:
-        return EgressPolicy.parse(policy if policy is not None else {})
+        return EgressPolicy.parse(policy if policy is not None else {}, within)
     except InvalidArgument as exc:
         raise InvalidArgument(f"egress policy: {exc.message}", sandbox_id=sandbox_id) from exc
 
@@ -58,9 +64,17 @@ class SandboxNetwork:
     """The network of the node's sandboxes: gateway, namespaces, CAs and audit logs."""
 
     def __init__(
-        self, gateway: GatewayProcess, *, audit: AuditLog, ca_dir: Path, run_root: Path
+        self,
+        gateway: GatewayProcess,
+        *,
+        audit: AuditLog,
+        ca_dir: Path,
+        run_root: Path,
+        bounds: PolicyBounds | None = None,
     ) -> None:
         self.gateway = gateway
+        #: What tenants' policies may name (NodeConfig.egress_bounds; None: strictest).
+        self.bounds = bounds or PolicyBounds()
         self.audit = audit
         self._ca_dir = ca_dir
         self._run_root = run_root
@@ -72,7 +86,7 @@ class SandboxNetwork:
         if not has_nic(sandbox.volume):
             return
         name = netns.netns_name(sandbox.config.run_dir)
-        policy = parse_policy(sandbox.record.spec.egress, sandbox.sandbox_id)
+        policy = parse_policy(sandbox.record.spec.egress, sandbox.sandbox_id, self.bounds)
         await netns.create(name)  # gone after a host reboot; a no-op otherwise
         if policy.closed:
             await netns.set_open(name, False)
@@ -87,7 +101,7 @@ class SandboxNetwork:
         """A policy opened while the sandbox was paused or hibernated could not install
         the CA in its guest then; it is installed now (a no-op once it is there). The
         sandbox runs either way, so a failure is logged, not raised."""
-        policy = parse_policy(sandbox.record.spec.egress, sandbox.sandbox_id)
+        policy = parse_policy(sandbox.record.spec.egress, sandbox.sandbox_id, self.bounds)
         if policy.closed or not has_nic(sandbox.volume):
             return
         try:
@@ -112,7 +126,10 @@ class SandboxNetwork:
     def for_build(
         self, vm: LiveSandbox, policy: EgressPolicy
     ) -> AbstractAsyncContextManager[BuildNetwork]:
-        return open_build_network(self.gateway, self._ca_dir, self.audit, vm, policy)
+        """The build VM's network under ``policy`` (a spec's ``build_egress``, read
+        without bounds): InvalidArgument if the node's bounds refuse one of its rules."""
+        bounded = parse_policy(policy.to_json(), vm.sandbox_id, self.bounds)
+        return open_build_network(self.gateway, self._ca_dir, self.audit, vm, bounded)
 
     async def drop(self, sandbox_id: str, run_dir: Path) -> None:
         """Detach the gateway and delete the namespace and audit log; logs failures."""
@@ -162,7 +179,7 @@ class Egress:
         """Replace the sandbox's egress policy; new connections and DNS follow it at
         once and connections it no longer allows are cut. Persisted first. Raises
         NotFound, InvalidArgument (the policy; the old one stays), Unavailable."""
-        canonical = parse_policy(policy, sandbox_id).to_json()
+        canonical = parse_policy(policy, sandbox_id, self._network.bounds).to_json()
         async with self._registry.lock(sandbox_id):
             sandbox = self._registry.get(sandbox_id)
             spec = replace(sandbox.record.spec, egress=canonical)

@@ -58,7 +58,7 @@ class Sandboxes:
         """
         registry = self._registry
         template = check_spec(spec, registry.catalog.resolve)
-        parse_policy(spec.egress, spec.sandbox_id)
+        parse_policy(spec.egress, spec.sandbox_id, registry.config.egress_bounds)
         snapshot = self._snapshots.compatible(spec) if spec.from_snapshot else None
         lock = registry.lock(spec.sandbox_id)
         async with lock:

@@ -79,6 +79,7 @@ class Node:
             audit=AuditLog(config.data_dir / "egress" / "audit"),
             ca_dir=config.data_dir / "egress" / "ca",
             run_root=config.effective_run_dir,
+            bounds=config.egress_bounds,
         )
         self._registry = Registry(config, pool=pool, catalog=catalog, accel=accel, network=network)
         self.pools = Pools(self._registry)
@@ -110,6 +111,7 @@ class Node:
                 config.data_dir / "egress",
                 config.effective_resolvers,
                 config.effective_upstream_ca,
+                config.egress_bounds,
             )
             template = await prepare_template(pool, config, say)
             accel = await detect_accelerator(

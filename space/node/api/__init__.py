@@ -6,7 +6,8 @@
 - ``errors``: ``NodeError`` and its leaves, each with a wire ``code``;
 - ``wire``: the JSON and NDJSON codec of the node's HTTP API and its limits;
 - ``egress_policy``: the egress policy, parsed and made canonical;
-- ``secret_grants``: the checks of a secret grant.
+- ``secret_grants``: the checks of a secret grant;
+- ``host_addresses``: the host's own addresses, which no policy may name.
 
 Import from here (``from space.node.api import NodeService``), not from the modules.
 """
@@ -17,6 +18,7 @@ from space.node.api.egress_policy import (
     CidrRule,
     DomainRule,
     EgressPolicy,
+    PolicyBounds,
     Verdict,
     blocked_category,
     closed_policy,
@@ -36,6 +38,7 @@ from space.node.api.errors import (
     Unavailable,
     error_for_code,
 )
+from space.node.api.host_addresses import host_addresses
 from space.node.api.interface import (
     BuildEvent,
     BuildFailed,
@@ -137,6 +140,7 @@ __all__ = [
     "NodeService",
     "NotFound",
     "PermissionDenied",
+    "PolicyBounds",
     "PoolInfo",
     "ProcessInfo",
     "ResourceExhausted",
@@ -173,6 +177,7 @@ __all__ = [
     "error_for_code",
     "error_line",
     "event_line",
+    "host_addresses",
     "host_matches",
     "ndjson_lines",
     "normalize_name",

@@ -14,13 +14,21 @@ No rules is *closed*: no network, DNS included. Blocked addresses (``blocked_cat
 need a CIDR rule naming a network inside their very range; metadata is never reachable.
 Parse errors raise ``space.node.api.errors.InvalidArgument`` naming the bad item first
 (``allow[2].ports[0]: ...``).
+
+What a tenant may name is bounded by the operator (``PolicyBounds``, issue 17): a CIDR
+rule inside a private, CGNAT, ULA or link-local range only if the operator listed a range
+holding it; inside loopback, multicast, unspecified, broadcast, reserved or metadata
+never; a rule holding one of the host's own addresses only if so listed or wide; a wide
+rule (prefix shorter than ``WIDE_PREFIX_LEN``) on ports beyond 80 and 443 only if the
+operator allows it. Domain rules may not name special-use local names (``localhost``,
+``*.local``, ``*.internal``...). The gateway keeps the bounds at connect as well.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 
 from space.node.api.errors import InvalidArgument
@@ -29,6 +37,7 @@ __all__ = [
     "CidrRule",
     "DomainRule",
     "EgressPolicy",
+    "PolicyBounds",
     "Verdict",
     "blocked_category",
     "closed_policy",
@@ -42,6 +51,16 @@ Network = IPv4Network | IPv6Network
 MAX_RULES = 256
 MAX_PORTS = 32
 DEFAULT_PORTS = frozenset({80, 443})
+#: A CIDR rule with a shorter prefix covers more than 1/256 of its family's addresses:
+#: "most of the internet" (issue 17); beyond DEFAULT_PORTS it needs the operator's leave.
+WIDE_PREFIX_LEN = 8
+#: Blocked categories an operator may open to tenants by listing a range inside one;
+#: the others (loopback, metadata, multicast, reserved...) no policy may ever name.
+LISTABLE = frozenset({"private", "cgnat", "link-local"})
+#: Special-use names that are never a destination on the internet (RFC 6761, 6762,
+#: 8375; ICANN's ".internal"): a domain rule may not end in one. ".test" is kept, it
+#: is what test worlds resolve with their own DNS.
+_LOCAL_SUFFIXES = ("localhost", "localdomain", "local", "internal", "arpa", "invalid")
 
 _LABEL_RE = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
 # WHATWG URL "ends in a number": a host whose last label is numeric is taken as IPv4,
@@ -107,6 +126,70 @@ class CidrRule:
 
 
 @dataclass(frozen=True)
+class PolicyBounds:
+    """What tenants' policies may name, as the operator set it (issue 17).
+
+    ``operator_ranges``: networks inside private, CGNAT, ULA or link-local ranges that
+    rules may name (none by default); ``allow_wide_any_port``: whether a wide rule
+    (prefix shorter than WIDE_PREFIX_LEN, e.g. ``0.0.0.0/0``) may carry ports beyond 80
+    and 443; ``own_addresses``: the host's own addresses, which no narrower rule may
+    hold unless it lies in an operator range. The default is the strictest.
+    """
+
+    operator_ranges: tuple[Network, ...] = ()
+    allow_wide_any_port: bool = False
+    own_addresses: frozenset[Address] = frozenset()
+
+    @classmethod
+    def of(
+        cls,
+        ranges: tuple[str, ...] | list[str] = (),
+        *,
+        allow_wide_any_port: bool = False,
+        own_addresses: frozenset[Address] = frozenset(),
+    ) -> PolicyBounds:
+        """Bounds from the operator's settings; InvalidArgument naming a range that is
+        not a network inside a private, CGNAT, ULA or link-local range."""
+        networks = []
+        for text in ranges:
+            network = _parse_cidr("operator range", text)
+            category = _containing_category(network)
+            if category not in LISTABLE:
+                raise InvalidArgument(
+                    f"operator range {network}: not inside a private, CGNAT, ULA or "
+                    "link-local range (only those may be opened to tenants)"
+                )
+            networks.append(network)
+        return cls(tuple(networks), allow_wide_any_port, own_addresses)
+
+    def listed(self, network: Network) -> bool:
+        """Whether ``network`` lies inside one of the operator's ranges."""
+        return any(_within(network, listed) for listed in self.operator_ranges)
+
+    def check(self, path: str, rule: CidrRule) -> None:
+        """InvalidArgument naming the rule and the reason if tenants may not use it."""
+        network = rule.network
+        category = _containing_category(network)
+        if category is not None and category not in LISTABLE:
+            raise InvalidArgument(f"{path}: {network} is {_article(category)} range, never allowed")
+        if category is not None and not self.listed(network):
+            raise InvalidArgument(
+                f"{path}: {network} is {_article(category)} range; the operator has not "
+                "listed it for tenants (egress_operator_ranges)"
+            )
+        wide = network.prefixlen < WIDE_PREFIX_LEN
+        own = sorted(str(a) for a in self.own_addresses if _holds(network, a))
+        if own and not wide and not self.listed(network):
+            raise InvalidArgument(f"{path}: {network} holds the host's own address {own[0]}")
+        if wide and not rule.ports <= DEFAULT_PORTS and not self.allow_wide_any_port:
+            extra = min(rule.ports - DEFAULT_PORTS)
+            raise InvalidArgument(
+                f"{path}: {network} is wider than /{WIDE_PREFIX_LEN}: only ports 80 and 443 "
+                f"unless the operator allows more (egress_allow_wide_any_port); got port {extra}"
+            )
+
+
+@dataclass(frozen=True)
 class Verdict:
     """A decision and its short reason, as the egress log shows it."""
 
@@ -120,14 +203,20 @@ class EgressPolicy:
 
     domains: tuple[DomainRule, ...] = ()
     cidrs: tuple[CidrRule, ...] = ()
+    #: The bounds it was parsed within; kept at connect too (a rule unlocks a blocked
+    #: address only inside an operator range), whatever built the policy.
+    bounds: PolicyBounds = field(default_factory=PolicyBounds, compare=False, repr=False)
 
     @classmethod
-    def parse(cls, data: object) -> EgressPolicy:
+    def parse(cls, data: object, bounds: PolicyBounds | None = None) -> EgressPolicy:
         """The policy of its JSON form (``{"allow": [...]}``; ``{}`` is closed).
 
         Raises InvalidArgument naming the bad item, e.g.
-        ``allow[2].ports[0]: 70000 is not a port (1-65535)``. None is refused: callers
-        that take None for "no network" use ``closed_policy()``.
+        ``allow[2].ports[0]: 70000 is not a port (1-65535)`` or a rule ``bounds``
+        refuses (``allow[0].cidr: 10.0.0.0/30 is a private range; ...``). ``bounds``
+        None checks the form only (a spec file read before a node's bounds apply); such
+        a policy is held to the strictest bounds at connect. None is refused as data:
+        callers that take None for "no network" use ``closed_policy()``.
         """
         if not isinstance(data, dict):
             raise InvalidArgument(f"egress policy: expected an object, got {_kind(data)}")
@@ -138,9 +227,14 @@ class EgressPolicy:
         if len(rules) > MAX_RULES:
             raise InvalidArgument(f"allow: {len(rules)} rules, at most {MAX_RULES}")
         parsed = [_parse_rule(f"allow[{i}]", rule) for i, rule in enumerate(rules)]
+        if bounds is not None:
+            for i, rule in enumerate(parsed):
+                if isinstance(rule, CidrRule):
+                    bounds.check(f"allow[{i}].cidr", rule)
         return cls(
             domains=tuple(r for r in parsed if isinstance(r, DomainRule)),
             cidrs=tuple(r for r in parsed if isinstance(r, CidrRule)),
+            bounds=bounds or PolicyBounds(),
         )
 
     def to_json(self) -> dict[str, object]:
@@ -166,8 +260,10 @@ class EgressPolicy:
 
         A public address needs a CIDR rule containing it with the port. A blocked one
         needs a CIDR rule with the port whose network lies inside the blocked range of
-        the address (``0.0.0.0/0`` never unlocks ``10.1.2.3``; ``10.1.0.0/16`` does).
-        Metadata addresses are never allowed.
+        the address (``0.0.0.0/0`` never unlocks ``10.1.2.3``; ``10.1.0.0/16`` does, if
+        the operator listed it).
+        Metadata addresses are never allowed, and a blocked address only inside one of
+        the operator's ranges (``bounds``).
         """
         blocked = _blocked_range(address)
         if blocked is not None:
@@ -190,8 +286,10 @@ class EgressPolicy:
 
     def _unlock(self, address: Address, port: int, blocked: tuple[str, Network]) -> Verdict:
         category, blocked_net = blocked
-        if category != "metadata":
+        if category in LISTABLE:
             for rule in self.cidrs:
+                if not self.bounds.listed(rule.network):
+                    continue
                 if port in rule.ports and _inside(_unwrap(address), rule.network, blocked_net):
                     return Verdict(True, f"cidr rule {rule.network}")
         return Verdict(False, f"blocked address: {category}")
@@ -304,6 +402,28 @@ def _blocked_range(address: Address) -> tuple[str, Network] | None:
     return None
 
 
+def _within(inner: Network, outer: Network) -> bool:
+    return inner.version == outer.version and inner.subnet_of(outer)  # type: ignore[arg-type]
+
+
+def _holds(network: Network, address: Address) -> bool:
+    return network.version == address.version and address in network
+
+
+def _containing_category(network: Network) -> str | None:
+    """The category of the first blocked range that holds all of ``network`` (metadata
+    first), or None. IPv6 rules embedding IPv4 fall in ``::/8`` or stay IPv6: a rule of
+    one family never unlocks an address of the other (``_inside``)."""
+    for category, blocked in _BLOCKED:
+        if _within(network, blocked):
+            return category
+    return None
+
+
+def _article(category: str) -> str:
+    return f"an {category}" if category[0] in "aeiou" else f"a {category}"
+
+
 def _inside(address: Address, rule: Network, blocked: Network) -> bool:
     """Whether ``rule`` contains ``address`` and lies inside the ``blocked`` range."""
     if rule.version != blocked.version or address not in rule:
@@ -360,7 +480,18 @@ def _parse_pattern(path: str, pattern: object) -> str:
     stand_in = ".".join("x" if label == "*" else label for label in pattern.split("."))
     if normalize_name(stand_in) is None:
         raise InvalidArgument(f"{path}: {_show(pattern)} is not a valid domain name")
-    return pattern.lower().removesuffix(".")
+    normal = pattern.lower().removesuffix(".")
+    _check_not_local(path, normal)
+    return normal
+
+
+def _check_not_local(path: str, pattern: str) -> None:
+    """Refuse a pattern under a special-use suffix: it names no host on the internet.
+    (A wildcard one, ``*.*``, may match local names too; what they resolve to is
+    refused at connect like any blocked address.)"""
+    last = pattern.rsplit(".", 1)[-1]
+    if last in _LOCAL_SUFFIXES:
+        raise InvalidArgument(f"{path}: {pattern!r} names no internet host ('.{last}' is local)")
 
 
 def _parse_cidr(path: str, text: object) -> Network:

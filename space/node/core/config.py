@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 from space.limits import DEFAULT_BUILD_SLOTS, DEFAULT_MEMORY_OVERCOMMIT
-from space.node.api import InvalidArgument
+from space.node.api import InvalidArgument, PolicyBounds
 from space.node.core.capacity import Policy
 from space.node.network.resolvers import parse_resolvers, system_resolvers
 
@@ -91,9 +91,15 @@ class NodeConfig:
     #: CA bundle the egress gateway verifies upstream TLS servers with; None means the
     #: host's (/etc/ssl/certs/ca-certificates.crt). Upstream TLS is always verified.
     egress_upstream_ca: Path | None = None
+    #: Networks inside private, CGNAT, ULA or link-local ranges that tenants' egress
+    #: policies may name (issue 17); none by default. Whether a rule wider than /8 may
+    #: carry ports beyond 80 and 443. (space.node.api.egress_policy.PolicyBounds.)
+    egress_operator_ranges: tuple[str, ...] = ()
+    egress_allow_wide_any_port: bool = False
 
     def __post_init__(self) -> None:
         self._check_counts()
+        _ = self.egress_bounds  # a bad operator range raises InvalidArgument here
         ratio = self.memory_overcommit
         if not isinstance(ratio, int | float) or isinstance(ratio, bool) or not 0 < ratio <= 100:
             raise InvalidArgument(
@@ -129,6 +135,13 @@ class NodeConfig:
                 raise InvalidArgument(
                     f"{name} must be an integer of at least {least}, got {value!r}"
                 )
+
+    @property
+    def egress_bounds(self) -> PolicyBounds:
+        """What tenants' egress policies may name on this node."""
+        return PolicyBounds.of(
+            self.egress_operator_ranges, allow_wide_any_port=self.egress_allow_wide_any_port
+        )
 
     @property
     def capacity(self) -> Policy:

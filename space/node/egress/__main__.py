@@ -23,6 +23,7 @@ import signal
 import sys
 from pathlib import Path
 
+from space.node.api import PolicyBounds
 from space.node.egress.audit import AuditLog
 from space.node.egress.gateway import Gateway, GatewayError
 from space.node.egress.intercept import Interceptor
@@ -43,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resolver", action="append", default=[])
     parser.add_argument("--confdir", type=Path, required=True)
     parser.add_argument("--upstream-ca", type=Path)
+    # What policies may name (space.node.api.egress_policy.PolicyBounds).
+    parser.add_argument("--allow-range", action="append", default=[])
+    parser.add_argument("--allow-wide-any-port", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s egress %(levelname)s %(message)s")
     args.control_socket.unlink(missing_ok=True)  # the node saw no gateway answer there
@@ -56,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
 async def _serve(args: argparse.Namespace) -> None:
     resolver = Resolver(parse_resolvers(args.resolver))
     interceptor = Interceptor(args.confdir, args.upstream_ca)
-    gateway = Gateway(AuditLog(args.audit_dir), resolver, interceptor)
+    bounds = PolicyBounds.of(args.allow_range, allow_wide_any_port=args.allow_wide_any_port)
+    gateway = Gateway(AuditLog(args.audit_dir), resolver, interceptor, bounds)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

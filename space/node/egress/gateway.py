@@ -13,9 +13,8 @@ import asyncio
 import contextlib
 import logging
 import socket
-import time
-from dataclasses import dataclass
-from ipaddress import IPv4Address, IPv6Address
+from dataclasses import dataclass, replace
+from ipaddress import IPv4Address
 from pathlib import Path
 from typing import cast
 
@@ -25,20 +24,23 @@ from space.node.api import (
     EgressEvent,
     EgressPolicy,
     InvalidArgument,
+    PolicyBounds,
     SecretGrant,
     check_grants,
     decode_grants,
+    host_addresses,
 )
 from space.node.egress import dns
 from space.node.egress.audit import AuditLog
 from space.node.egress.connection import Refused, Route, Streams, Tracker, serve
 from space.node.egress.fakeip import FakeIps
 from space.node.egress.intercept import Exchange, Interceptor, load_ca
+from space.node.egress.local_addresses import LocalAddresses
 from space.node.egress.netns_socket import bind_in_netns
 from space.node.egress.resolver import Resolver
 from space.node.network.netns import DNS_PORT, GATEWAY_ADDRESS, PROXY_PORT
 
-__all__ = ["Gateway", "GatewayError", "LocalAddresses"]
+__all__ = ["Gateway", "GatewayError"]
 
 log = logging.getLogger(__name__)
 
@@ -48,33 +50,6 @@ MAX_CONNECTIONS = 512
 
 class GatewayError(Exception):
     """A request to the gateway failed (unknown sandbox, namespace gone, bad policy)."""
-
-
-class LocalAddresses:
-    """The host's own IPv4 addresses (from the kernel's local routes), refreshed every
-    few seconds: a sandbox must never reach the node itself through an allowed name."""
-
-    def __init__(self, refresh_s: float = 5.0, path: Path = Path("/proc/net/fib_trie")):
-        self._refresh_s, self._path = refresh_s, path
-        self._at, self._addresses = -refresh_s, frozenset[IPv4Address]()
-
-    def __call__(self, address: IPv4Address | IPv6Address) -> bool:
-        now = time.monotonic()
-        if now - self._at >= self._refresh_s:
-            self._addresses, self._at = self._read(), now
-        return address in self._addresses
-
-    def _read(self) -> frozenset[IPv4Address]:
-        found, last = set(), None
-        with contextlib.suppress(OSError):
-            for line in self._path.read_text().splitlines():
-                text = line.strip()
-                if text.startswith(("|--", "+--")):
-                    last = text[3:].strip().split("/")[0]
-                elif text.startswith("/32 host LOCAL") and last:
-                    with contextlib.suppress(ValueError):
-                        found.add(IPv4Address(last))
-        return frozenset(found)
 
 
 @dataclass(eq=False)
@@ -89,8 +64,17 @@ class _Attached:
 class Gateway:
     """Attach, re-policy and detach sandboxes; everything else happens on its own."""
 
-    def __init__(self, audit: AuditLog, resolver: Resolver, interceptor: Interceptor) -> None:
+    def __init__(
+        self,
+        audit: AuditLog,
+        resolver: Resolver,
+        interceptor: Interceptor,
+        bounds: PolicyBounds | None = None,
+    ) -> None:
+        """``bounds``: what policies may name (the operator's, as the node has them);
+        None is the strictest."""
         self._audit = audit
+        self._bounds = bounds or PolicyBounds()
         self._resolver = resolver
         self._interceptor = interceptor
         self._local = LocalAddresses()
@@ -103,7 +87,7 @@ class Gateway:
         attach with the same namespace only sets the policy and CA).
 
         Raises GatewayError (bad policy, unreadable CA, namespace missing, ports taken)."""
-        parsed = _parse(policy)
+        parsed = self._parse(policy)
         try:
             store = load_ca(ca) if ca is not None else None
         except (OSError, ValueError) as exc:
@@ -128,7 +112,7 @@ class Gateway:
     def set_policy(self, sandbox_id: str, policy: object) -> None:
         """Use ``policy`` for new connections and DNS now; cut connections it no longer
         allows. GatewayError if the sandbox is not attached or the policy is bad."""
-        parsed = _parse(policy)
+        parsed = self._parse(policy)
         attached = self._attached.get(sandbox_id)
         if attached is None:
             raise GatewayError(f"sandbox {sandbox_id} is not attached")
@@ -156,6 +140,14 @@ class Gateway:
 
     async def close(self) -> None:
         await self.retain(set())
+
+    def _parse(self, policy: object) -> EgressPolicy:
+        """The policy within the operator's bounds and the host's addresses of now."""
+        bounds = replace(self._bounds, own_addresses=host_addresses())
+        try:
+            return EgressPolicy.parse(policy if policy is not None else {}, bounds)
+        except InvalidArgument as exc:
+            raise GatewayError(exc.message) from exc
 
     async def _listen(self, sandbox_id: str, netns: Path, policy: EgressPolicy) -> _Attached:
         fake = FakeIps()
@@ -221,13 +213,6 @@ def _grants(data: object) -> list[SecretGrant]:
     except InvalidArgument as exc:  # its messages never quote a value
         raise GatewayError(exc.message) from None
     return grants
-
-
-def _parse(policy: object) -> EgressPolicy:
-    try:
-        return EgressPolicy.parse(policy if policy is not None else {})
-    except InvalidArgument as exc:
-        raise GatewayError(exc.message) from exc
 
 
 class _DnsResponder(asyncio.DatagramProtocol):

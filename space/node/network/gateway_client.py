@@ -21,7 +21,13 @@ import signal
 import sys
 from pathlib import Path
 
-from space.node.api import InvalidArgument, SecretGrant, Unavailable, encode_grants
+from space.node.api import (
+    InvalidArgument,
+    PolicyBounds,
+    SecretGrant,
+    Unavailable,
+    encode_grants,
+)
 from space.node.vmm.qemu import console_tail
 
 __all__ = ["GatewayProcess", "fingerprint"]
@@ -42,12 +48,15 @@ _LOG_TAIL_BYTES = 2048
 _SOURCES = Path(__file__).resolve().parents[2]
 
 
-def fingerprint(resolvers: list[str], upstream_ca: Path | None) -> str:
+def fingerprint(
+    resolvers: list[str], upstream_ca: Path | None, bounds: PolicyBounds | None = None
+) -> str:
     """What a gateway must match to be adopted: its code, Python, and configuration."""
     digest = hashlib.sha256(sys.version.encode())
     for path in sorted(_SOURCES.rglob("*.py")):
         digest.update(str(path.relative_to(_SOURCES)).encode() + b"\0" + path.read_bytes())
-    config = {"resolvers": resolvers, "upstream_ca": str(upstream_ca)}
+    config: dict[str, object] = {"resolvers": resolvers, "upstream_ca": str(upstream_ca)}
+    config["bounds"] = _bounds_argv(bounds or PolicyBounds())
     if upstream_ca is not None:
         with contextlib.suppress(OSError):
             config["upstream_ca_sha256"] = hashlib.sha256(upstream_ca.read_bytes()).hexdigest()
@@ -55,16 +64,29 @@ def fingerprint(resolvers: list[str], upstream_ca: Path | None) -> str:
     return digest.hexdigest()[:32]
 
 
+def _bounds_argv(bounds: PolicyBounds) -> list[str]:
+    """The gateway's options for ``bounds`` (own addresses it reads itself)."""
+    argv = [arg for network in bounds.operator_ranges for arg in ("--allow-range", str(network))]
+    return argv + (["--allow-wide-any-port"] if bounds.allow_wide_any_port else [])
+
+
 class GatewayProcess:
     """Start with ``await GatewayProcess.start(...)``; every method raises Unavailable
     if the gateway cannot be reached even after a restart, InvalidArgument if it
     refused the request (a bad policy)."""
 
-    def __init__(self, data_dir: Path, resolvers: list[str], upstream_ca: Path | None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        resolvers: list[str],
+        upstream_ca: Path | None,
+        bounds: PolicyBounds | None = None,
+    ) -> None:
         self._data_dir, self._resolvers, self._upstream_ca = data_dir, resolvers, upstream_ca
+        self._bounds = bounds or PolicyBounds()
         self._audit_dir = data_dir / "audit"
         self._socket = data_dir / "control.sock"
-        self._version = fingerprint(resolvers, upstream_ca)
+        self._version = fingerprint(resolvers, upstream_ca, self._bounds)
         self._attached: dict[str, tuple[Path, object, Path]] = {}
         self._secrets: dict[str, list[dict[str, object]]] = {}
         self._pid: int | None = None
@@ -75,13 +97,18 @@ class GatewayProcess:
 
     @classmethod
     async def start(
-        cls, data_dir: Path, resolvers: list[str], upstream_ca: Path | None
+        cls,
+        data_dir: Path,
+        resolvers: list[str],
+        upstream_ca: Path | None,
+        bounds: PolicyBounds | None = None,
     ) -> GatewayProcess:
         """Adopt the gateway of ``data_dir`` if one of this version runs, else start
         one; its audit logs go to ``data_dir/audit``, mitmproxy's state to
         ``data_dir/mitm``, its own log to ``data_dir/gateway.log``. ``upstream_ca`` is
-        the CA bundle upstream servers are verified with (None: the host's)."""
-        gateway = cls(data_dir, resolvers, upstream_ca)
+        the CA bundle upstream servers are verified with (None: the host's); ``bounds``
+        what policies may name (None: the strictest)."""
+        gateway = cls(data_dir, resolvers, upstream_ca, bounds)
         if len(str(gateway._socket)) > _MAX_SOCKET_PATH:
             raise Unavailable(f"the gateway's control socket path is too long: {gateway._socket}")
         async with gateway._lock:
@@ -218,6 +245,7 @@ class GatewayProcess:
             argv += ["--upstream-ca", str(self._upstream_ca)]
         for resolver in self._resolvers:
             argv += ["--resolver", resolver]
+        argv += _bounds_argv(self._bounds)
         self._audit_dir.mkdir(parents=True, exist_ok=True)
         log_path = self._data_dir / "gateway.log"
         log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)

@@ -19,6 +19,16 @@ there serialises calls sharing it. Nothing is ever removed from it: the caller p
 
 As root, apt downloads as its ``_apt`` sandbox user when that user can reach
 ``work_dir``, and otherwise warns and downloads as root (apt's own fallback).
+
+Each name means exactly the package of that name (issue 17, probe 9). A name passes
+``_PACKAGE_RE`` (Debian's own rule: no ``~ ? * [ ] ^ $ | ( ) , ! ' "`` nor space), yet
+apt-get, given a name that no package has, falls back on reading it otherwise: as a
+regular expression (``.`` and ``+`` are legal in names: ``space-l.b``, ``space-...``
+match every package alike) and, for a name ending in ``+``, as "install the package
+without the ``+``". So apt is given ``name:arch`` (no trailing modifier left, and
+``g++:amd64`` is still g++), and the private apt.conf sets ``APT::Cmd::Pattern-Only``
+(apt 2.x: no regex or glob fallback): a name no package has exactly is "Unable to
+locate package", refused naming it.
 """
 
 from __future__ import annotations
@@ -65,6 +75,8 @@ _TREE = (
     "log",
     "resolve",  # stays empty: see _resolve
 )
+# apt-get's error for a name that no package (nor virtual package) has exactly.
+_UNKNOWN_RE = re.compile(r"^E: Unable to locate package (\S+)$", re.MULTILINE)
 # A --print-uris line: 'URI' FILENAME SIZE HASH
 _URI_LINE_RE = re.compile(r"'[^']*' (\S+) \d+ ")
 # apt.conf has no escapes: a path with these could not be written as a value; a source
@@ -155,11 +167,12 @@ class _AptRoot:
     """The private apt tree of one (sources, arch) pair inside ``work_dir``."""
 
     path: Path
+    arch: str
 
     @classmethod
     def for_sources(cls, work_dir: Path, sources: Sequence[str], arch: str) -> _AptRoot:
         key = hashlib.sha256("\n".join([arch, *sources]).encode()).hexdigest()[:24]
-        root = cls(work_dir.resolve() / f"apt-{key}")
+        root = cls(work_dir.resolve() / f"apt-{key}", arch)
         if _UNQUOTABLE.search(str(root.path)):
             raise PackageError(f"work directory {str(work_dir)!r} cannot be named in apt.conf")
         root.prepare(sources, arch)
@@ -206,6 +219,8 @@ class _AptRoot:
             "Acquire::Languages": "none",
             "Acquire::Retries": "2",
             "Acquire::Retries::Delay::Maximum": "2",
+            # A name no package has is not then taken as a regex or glob (see above).
+            "APT::Cmd::Pattern-Only": "true",
         }
         lines = [f'{key} "{value}";' for key, value in settings.items()]
         lines.append(f'APT::Architectures {{ "{arch}"; }};')
@@ -255,10 +270,11 @@ async def _fetch(
         progress,
         failure="cannot update the package lists from the sources",
     )
-    wanted = await _resolve(root, names, progress)
+    exact = [f"{name}:{root.arch}" for name in names]  # see the module docstring
+    wanted = await _resolve(root, exact, names, progress)
     if not wanted:
         return []
-    install = ("install", "--download-only", "--no-install-recommends", "-y", "--", *names)
+    install = ("install", "--download-only", "--no-install-recommends", "-y", "--", *exact)
     await _run_apt(root, install, names, progress, failure="cannot download the packages")
     missing = [name for name in wanted if not (root.archives / name).is_file()]
     if missing:
@@ -267,7 +283,7 @@ async def _fetch(
 
 
 async def _resolve(
-    root: _AptRoot, names: Sequence[str], progress: Callable[[str], None]
+    root: _AptRoot, exact: Sequence[str], names: Sequence[str], progress: Callable[[str], None]
 ) -> list[str]:
     """Return the file names of every .deb the install needs, cached or not.
 
@@ -283,9 +299,20 @@ async def _resolve(
         "-o",
         f"Dir::Cache::archives={root.path}/resolve/",
         "--",
-        *names,
+        *exact,
     )
-    lines = await _run_apt(root, argv, names, progress, failure="cannot resolve the packages")
+    try:
+        lines = await _run_apt(root, argv, names, progress, failure="cannot resolve the packages")
+    except PackageError as exc:
+        unknown = _UNKNOWN_RE.search(exc.detail)
+        if unknown is None:
+            raise
+        name = unknown[1].removesuffix(f":{root.arch}")
+        raise PackageError(
+            f"no package is named exactly {name!r} in the sources (names are not patterns)",
+            packages=names,
+            detail=exc.detail,
+        ) from None
     wanted: list[str] = []
     for line in lines:
         match = _URI_LINE_RE.match(line)
