@@ -9,7 +9,7 @@ import contextlib
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,15 +51,15 @@ def _lift_quotas(data_dir: Path) -> None:
 
 
 @contextlib.contextmanager
-def embedded_platform(data_dir: Path) -> Iterator[Api]:
+def embedded_platform(data_dir: Path, extra_args: Sequence[str] = ()) -> Iterator[Api]:
     """`space serve` on a fresh ``data_dir``. On exit, also on failure, the server is
     stopped and whatever it left under ``data_dir`` is removed (QEMUs, egress gateways,
     network namespaces, mounts, loop devices); leftovers are named on stderr. Sandboxes
     should be deleted through the API before: the server leaves VMs running when it
-    stops."""
+    stops. ``extra_args`` are more `space serve` options."""
     data_dir.mkdir(parents=True)
     # --release-pool: unmount the pool on exit when no VM is left (sandboxes deleted).
-    platform = Platform(data_dir, extra_args=["--release-pool"])
+    platform = Platform(data_dir, extra_args=["--release-pool", *extra_args])
     try:
         platform.start()
         key = platform.create_key(_TENANT)

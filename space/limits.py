@@ -16,6 +16,7 @@ __all__ = [
     "DEFAULT_DISK_MIB",
     "DEFAULT_MEMORY_MIB",
     "DEFAULT_MEMORY_OVERCOMMIT",
+    "DEFAULT_POOL_SIZE_GIB",
     "DISK_MIB",
     "ENV",
     "MAX_COMMAND_TIMEOUT_S",
@@ -161,6 +162,10 @@ DEFAULT_MEMORY_OVERCOMMIT: Final = 2.0
 #: Space kept free in the node's btrfs pool: this share of its size, within these MiB.
 POOL_RESERVE_SHARE: Final = 0.10
 POOL_RESERVE_MIB: Final = Range(1024, 32768)
+#: The size of the sparse loop file a node makes its btrfs pool in when the operator
+#: names no btrfs mount. Disks are thin, but admission keeps room for every running
+#: sandbox's saved state, so this bounds the sandboxes a node admits (issue 17).
+DEFAULT_POOL_SIZE_GIB: Final = 20
 #: Template builds a node runs at once unless the operator sets it (issue 17): each in
 #: its own build VM, shared fairly between tenants (space/node/agent/_build_slots.py).
 DEFAULT_BUILD_SLOTS: Final = 2

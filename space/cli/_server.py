@@ -22,6 +22,7 @@ from space.cli._common import ProgressPrinter, fail
 from space.limits import (
     DEFAULT_BUILD_SLOTS,
     DEFAULT_MEMORY_OVERCOMMIT,
+    DEFAULT_POOL_SIZE_GIB,
     MEMORY_RESERVE_MIB,
     MEMORY_RESERVE_SHARE,
     POOL_RESERVE_MIB,
@@ -53,7 +54,7 @@ EGRESS_RESOLVER_OPTION = click.option(
 def capacity_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """The node's admission settings (space/node/core/capacity.py), passed to NodeConfig
     as ``max_sandboxes``, ``memory_reserve_mib``, ``memory_overcommit``, ``pool_reserve_mib``,
-    and its build slots as ``build_slots``."""
+    ``pool_size_gib``, and its build slots as ``build_slots``."""
     low, high = MEMORY_RESERVE_MIB
     pool_low, pool_high = POOL_RESERVE_MIB
     options = (
@@ -76,6 +77,12 @@ def capacity_options(command: Callable[..., Any]) -> Callable[..., Any]:
             "--pool-reserve-mib", type=click.IntRange(min=0), default=None,
             help=f"Space kept free in the btrfs pool (default: {POOL_RESERVE_SHARE:.0%}"
             f" of it, within {pool_low}-{pool_high} MiB).",
+        ),
+        click.option(
+            "--pool-size-gib", type=click.IntRange(min=2), default=DEFAULT_POOL_SIZE_GIB,
+            show_default=True,
+            help="Size of the sparse loop file holding the btrfs pool when --pool-path is not"
+            " given (it bounds how many sandbox disks and saved states the node admits).",
         ),
         click.option(
             "--build-slots", type=click.IntRange(min=1), default=DEFAULT_BUILD_SLOTS,

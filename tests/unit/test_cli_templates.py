@@ -161,6 +161,15 @@ def test_serve_passes_the_build_slots_to_the_node(
     assert default.build_slots == NodeConfig(data_dir=tmp_path).build_slots == 2
 
 
+def test_serve_passes_the_pool_size_to_the_node(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _, config = _serve(monkeypatch, tmp_path, "--pool-size-gib", "64")
+    assert config.pool_size_gib == 64
+    _, default = _serve(monkeypatch, tmp_path)
+    assert default.pool_size_gib == NodeConfig(data_dir=tmp_path).pool_size_gib == 20
+
+
 def test_a_node_alone_takes_the_same_admission_settings(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -192,6 +201,7 @@ def test_a_node_alone_takes_the_same_admission_settings(
         ("--memory-overcommit", "0"),
         ("--pool-reserve-mib", "-1"),
         ("--build-slots", "0"),
+        ("--pool-size-gib", "1"),
     ],
 )
 def test_negative_bad_pool_or_admission_settings_exit_2_without_starting_a_node(

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from space.limits import DEFAULT_BUILD_SLOTS, DEFAULT_MEMORY_OVERCOMMIT
+from space.limits import DEFAULT_BUILD_SLOTS, DEFAULT_MEMORY_OVERCOMMIT, DEFAULT_POOL_SIZE_GIB
 from space.node.api import InvalidArgument, PolicyBounds
 from space.node.core.capacity import Policy
 from space.node.network.resolvers import parse_resolvers, system_resolvers
@@ -48,7 +48,7 @@ class NodeConfig:
 
     data_dir: Path = Path("/var/lib/space")
     pool_path: Path | None = None
-    pool_size_gib: int = 20
+    pool_size_gib: int = DEFAULT_POOL_SIZE_GIB
     image_cache_dir: Path = Path("/var/cache/space/images")
     accel: Accel = "auto"
     node_id: str | None = None
