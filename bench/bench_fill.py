@@ -22,8 +22,8 @@ Then the ratio of throughput at the largest N to the smallest (issue 15's target
 >= 0.8x). ``--admit`` then creates default sandboxes one by one until the API refuses
 one (at most ``--admit-max``) and reports the count and the refusal. The node's pool is
 a 64 GiB sparse file (``--pool-size-gib``): admission keeps room in it for every running
-sandbox's saved state (issue 17), which on the default 20 GiB bounds a node at 48-58
-sandboxes (by what each writes).
+sandbox's saved state (issue 17), which on the default 20 GiB bounds a node at 59 idle
+default sandboxes (measured; memory bounds it at 123).
 
 Prints Markdown tables and one JSON line of all figures (the line starting with ``{``).
 Everything the platform made is removed at the end, also on failure: sandboxes through
