@@ -5,7 +5,6 @@ create leaves no row and names no node-internal template."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -17,26 +16,10 @@ from space.control.store.models import SandboxRow
 from space.control.template_names import tenant_prefix
 from space.limits import ENV, MAX_JSON_BODY_BYTES, METADATA
 from space.node.api import ResourceExhausted, Unavailable
+from tests.unit._raw_http import CHUNK_BYTES, StreamedBody
 from tests.unit.fakes import Harness, control_app
 
 pytestmark = pytest.mark.anyio
-
-_CHUNK = 64 * 1024
-
-
-class _Body:
-    """A streamed request body of ``total`` bytes that records how much was taken."""
-
-    def __init__(self, total: int, fill: bytes = b" ") -> None:
-        self.total = total
-        self.fill = fill
-        self.sent = 0
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        while self.sent < self.total:
-            size = min(_CHUNK, self.total - self.sent)
-            self.sent += size
-            yield self.fill * size
 
 
 def _error(response: httpx.Response) -> dict[str, Any]:
@@ -59,7 +42,7 @@ async def test_negative_a_huge_body_without_a_valid_key_is_refused_unread(
     tmp_path: Path, headers: dict[str, str]
 ) -> None:
     async with control_app(tmp_path) as h:
-        body = _Body(512 << 20, fill=b"{")  # not JSON either: the key decides first
+        body = StreamedBody(512 << 20, fill=b"{")  # not JSON either: the key decides first
         answer = await h.client.post("/v1/sandboxes", content=body, headers=headers)
         assert answer.status_code == 401 and _error(answer)["code"] == "unauthenticated"
         assert body.sent == 0
@@ -70,7 +53,7 @@ async def test_negative_a_huge_body_without_the_node_token_is_refused_unread(
     tmp_path: Path,
 ) -> None:
     async with control_app(tmp_path) as h:
-        body = _Body(64 << 20)
+        body = StreamedBody(64 << 20)
         answer = await h.client.post("/v1/nodes", content=body, headers=h.key("acme"))
         assert answer.status_code == 401 and body.sent == 0
 
@@ -101,10 +84,10 @@ async def test_negative_a_streamed_body_over_the_cap_is_413_read_no_further(
     tmp_path: Path,
 ) -> None:
     async with control_app(tmp_path) as h:
-        body = _Body(64 << 20)  # chunked: no Content-Length to refuse by
+        body = StreamedBody(64 << 20)  # chunked: no Content-Length to refuse by
         answer = await h.client.post("/v1/sandboxes", content=body, headers=h.key("acme"))
         assert answer.status_code == 413 and answer.headers["connection"] == "close"
-        assert MAX_JSON_BODY_BYTES < body.sent <= MAX_JSON_BODY_BYTES + _CHUNK
+        assert MAX_JSON_BODY_BYTES < body.sent <= MAX_JSON_BODY_BYTES + CHUNK_BYTES
 
 
 async def test_a_json_body_of_exactly_the_cap_is_read(tmp_path: Path) -> None:
@@ -119,7 +102,7 @@ async def test_a_file_upload_streams_past_the_json_cap(tmp_path: Path) -> None:
     async with control_app(tmp_path) as h:
         key = h.key("acme")
         sid = (await h.client.post("/v1/sandboxes", json={}, headers=key)).json()["id"]
-        body = _Body(2 * MAX_JSON_BODY_BYTES, fill=b"x")
+        body = StreamedBody(2 * MAX_JSON_BODY_BYTES, fill=b"x")
         answer = await h.client.put(
             f"/v1/sandboxes/{sid}/files", params={"path": "/tmp/f"}, content=body, headers=key
         )

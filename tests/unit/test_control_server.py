@@ -15,6 +15,7 @@ import pytest
 from space.control import ControlSettings, register_remote_node, run_control_plane
 from space.node.api import Unavailable
 from space.node.api.http_connections import MAX_HEADER_BYTES
+from tests.unit._raw_http import closed_by_server
 from tests.unit.fakes import FakeNode
 
 pytestmark = pytest.mark.anyio
@@ -94,13 +95,6 @@ async def _serving(tmp_path: Path, **bounds: Any) -> AsyncIterator[int]:
             await server
 
 
-async def _closed_by_server(reader: asyncio.StreamReader, within_s: float) -> bytes:
-    """What the server sent before it closed the connection (AssertionError if it did
-    not close within ``within_s``)."""
-    async with asyncio.timeout(within_s):
-        return await reader.read()
-
-
 async def test_negative_a_request_whose_headers_never_end_is_closed(tmp_path: Path) -> None:
     async with _serving(tmp_path, header_timeout_s=0.3) as port:
         silent = await asyncio.open_connection("127.0.0.1", port)
@@ -110,8 +104,8 @@ async def test_negative_a_request_whose_headers_never_end_is_closed(tmp_path: Pa
         started = loop.time()
         for _, writer in (silent, trickling):
             await writer.drain()
-        assert await _closed_by_server(silent[0], within_s=5) == b""
-        assert await _closed_by_server(trickling[0], within_s=5) == b""
+        assert await closed_by_server(silent[0], within_s=5) == b""
+        assert await closed_by_server(trickling[0], within_s=5) == b""
         assert loop.time() - started < 3
         for _, writer in (silent, trickling):
             writer.close()
@@ -136,7 +130,7 @@ async def test_negative_headers_over_the_cap_answer_400(tmp_path: Path) -> None:
         writer.write(b"GET /openapi.json HTTP/1.1\r\nHost: x\r\n" + padding + b"\r\n")
         with contextlib.suppress(ConnectionResetError):
             await writer.drain()
-        answer = await _closed_by_server(reader, within_s=5)
+        answer = await closed_by_server(reader, within_s=5)
         assert answer.startswith(b"HTTP/1.1 400")
         writer.close()
 
@@ -146,7 +140,7 @@ async def test_negative_a_client_over_its_connection_cap_is_closed(tmp_path: Pat
         held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
         await asyncio.sleep(0.1)  # the server has taken them
         extra_reader, extra_writer = await asyncio.open_connection("127.0.0.1", port)
-        assert await _closed_by_server(extra_reader, within_s=5) == b""
+        assert await closed_by_server(extra_reader, within_s=5) == b""
         extra_writer.close()
         held.pop()[1].close()
         await asyncio.sleep(0.1)  # the server has seen it go

@@ -19,28 +19,13 @@ import pytest
 from space.node.api import SandboxSpec
 from space.node.api.http_connections import MAX_HEADER_BYTES
 from space.node.http.server import MAX_NODE_JSON_BODY_BYTES, create_node_app, node_server
+from tests.unit._raw_http import CHUNK_BYTES, StreamedBody, closed_by_server
 from tests.unit.fakes import FakeNode
 
 pytestmark = pytest.mark.anyio
 
 TOKEN = "node-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-_CHUNK = 64 * 1024
-
-
-class _Body:
-    """A streamed request body of ``total`` bytes that records how much was taken."""
-
-    def __init__(self, total: int, fill: bytes = b" ") -> None:
-        self.total = total
-        self.fill = fill
-        self.sent = 0
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        while self.sent < self.total:
-            size = min(_CHUNK, self.total - self.sent)
-            self.sent += size
-            yield self.fill * size
 
 
 @pytest.fixture
@@ -72,7 +57,7 @@ async def test_negative_a_huge_body_without_the_token_is_refused_unread(
     node: FakeNode, headers: dict[str, str], method: str, path: str
 ) -> None:
     async with _client(node) as client:
-        body = _Body(512 << 20, fill=b"{")  # not JSON either: the token decides first
+        body = StreamedBody(512 << 20, fill=b"{")  # not JSON either: the token decides first
         answer = await client.request(method, path, content=body, headers=headers)
         assert answer.status_code == 401 and _error(answer)["code"] == "unauthenticated"
         assert answer.headers["connection"] == "close"
@@ -97,10 +82,10 @@ async def test_negative_a_streamed_json_body_over_the_cap_is_413_read_no_further
     node: FakeNode,
 ) -> None:
     async with _client(node) as client:
-        body = _Body(64 << 20)  # chunked: no Content-Length to refuse by
+        body = StreamedBody(64 << 20)  # chunked: no Content-Length to refuse by
         answer = await client.post("/sandboxes/sb-1/exec", content=body, headers=AUTH)
         assert answer.status_code == 413 and answer.headers["connection"] == "close"
-        assert MAX_NODE_JSON_BODY_BYTES < body.sent <= MAX_NODE_JSON_BODY_BYTES + _CHUNK
+        assert MAX_NODE_JSON_BODY_BYTES < body.sent <= MAX_NODE_JSON_BODY_BYTES + CHUNK_BYTES
         assert node.calls == []
 
 
@@ -115,13 +100,13 @@ async def test_a_json_body_of_exactly_the_cap_is_read(node: FakeNode) -> None:
 
 async def test_a_file_upload_streams_past_the_json_cap(node: FakeNode) -> None:
     async with _client(node) as client:
-        body = _Body(2 * MAX_NODE_JSON_BODY_BYTES, fill=b"x")
+        body = StreamedBody(2 * MAX_NODE_JSON_BODY_BYTES, fill=b"x")
         answer = await client.put(
             "/sandboxes/sb-1/files", params={"path": "/tmp/f"}, content=body, headers=AUTH
         )
         assert answer.status_code == 200, answer.text
         assert answer.json()["size"] == 2 * MAX_NODE_JSON_BODY_BYTES
-        assert max(node.upload_chunk_sizes) <= _CHUNK  # handed on as it came, not buffered
+        assert max(node.upload_chunk_sizes) <= CHUNK_BYTES  # handed on as it came, not buffered
 
 
 async def test_a_build_context_streams_past_the_json_cap(node: FakeNode) -> None:
@@ -171,13 +156,6 @@ async def _serving(**bounds: Any) -> AsyncIterator[int]:
         await serving
 
 
-async def _closed_by_server(reader: asyncio.StreamReader, within_s: float) -> bytes:
-    """What the server sent before it closed the connection (TimeoutError if it did
-    not close within ``within_s``)."""
-    async with asyncio.timeout(within_s):
-        return await reader.read()
-
-
 async def test_negative_a_request_whose_headers_never_end_is_closed() -> None:
     async with _serving(header_timeout_s=0.3) as port:
         silent = await asyncio.open_connection("127.0.0.1", port)
@@ -185,8 +163,8 @@ async def test_negative_a_request_whose_headers_never_end_is_closed() -> None:
         trickling[1].write(b"GET /node/v1/info HTTP/1.1\r\nHost: x\r\n")
         await trickling[1].drain()
         started = asyncio.get_running_loop().time()
-        assert await _closed_by_server(silent[0], within_s=5) == b""
-        assert await _closed_by_server(trickling[0], within_s=5) == b""
+        assert await closed_by_server(silent[0], within_s=5) == b""
+        assert await closed_by_server(trickling[0], within_s=5) == b""
         assert asyncio.get_running_loop().time() - started < 3
         for _, writer in (silent, trickling):
             writer.close()
@@ -199,7 +177,7 @@ async def test_negative_headers_over_the_cap_answer_400() -> None:
         writer.write(b"GET /node/v1/info HTTP/1.1\r\nHost: x\r\n" + padding + b"\r\n")
         with contextlib.suppress(ConnectionResetError):
             await writer.drain()
-        assert (await _closed_by_server(reader, within_s=5)).startswith(b"HTTP/1.1 400")
+        assert (await closed_by_server(reader, within_s=5)).startswith(b"HTTP/1.1 400")
         writer.close()
 
 
@@ -208,7 +186,7 @@ async def test_negative_a_client_over_its_connection_cap_is_closed() -> None:
         held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
         await asyncio.sleep(0.1)  # the server has taken them
         extra_reader, extra_writer = await asyncio.open_connection("127.0.0.1", port)
-        assert await _closed_by_server(extra_reader, within_s=5) == b""
+        assert await closed_by_server(extra_reader, within_s=5) == b""
         extra_writer.close()
         held.pop()[1].close()
         await asyncio.sleep(0.1)  # the server has seen it go
