@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Callable
 
 from space.control.errors import ApiError
-from space.node.api import NodeService
+from space.node.api import NodeError, NodeService, TemplateInfo
 from space.node.http.client import RemoteNode
 
-__all__ = ["LOCAL_URL", "NodeRegistry", "RemoteFactory"]
+__all__ = ["LIST_TIMEOUT_S", "LOCAL_URL", "NodeRegistry", "RemoteFactory"]
+
+log = logging.getLogger(__name__)
 
 #: The ``url`` recorded for a node embedded in the control plane's process.
 LOCAL_URL = "local"
+
+#: How long one node may take to list its templates before it is left out.
+LIST_TIMEOUT_S = 10.0
 
 #: Builds the NodeService for a remote node from its URL and the node token.
 RemoteFactory = Callable[[str, str], NodeService]
@@ -65,6 +72,17 @@ class NodeRegistry:
         if node is None:
             raise ApiError("unavailable", f"node {node_id!r} is not registered", node_id=node_id)
         return node
+
+    async def templates(self, node_id: str) -> list[TemplateInfo]:
+        """The node's templates; none (and a warning logged) if it is not registered,
+        fails or does not answer within LIST_TIMEOUT_S, so one node cannot hold up a
+        listing or a count over all of them."""
+        try:
+            async with asyncio.timeout(LIST_TIMEOUT_S):
+                return await self.get(node_id).list_templates()
+        except (NodeError, ApiError, TimeoutError) as exc:
+            log.warning("templates: skipping node %s: %s", node_id, str(exc) or type(exc).__name__)
+            return []
 
     def url(self, node_id: str) -> str:
         return self._urls[node_id]

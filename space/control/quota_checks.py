@@ -18,14 +18,12 @@ Refusals are space.control.quotas' ApiError(resource_exhausted), 429.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session
 
-from space.control.errors import ApiError
 from space.control.quotas import (
     BUILDS,
     DISK_MIB,
@@ -47,13 +45,11 @@ from space.control.store import snapshots as snaps
 from space.control.store.repo import SandboxRecord
 from space.control.store.snapshots import SnapshotRecord
 from space.control.template_names import BASE, tenant_name
-from space.node.api import NodeError
 
 if TYPE_CHECKING:
     from space.control.deps import ControlContext
 
 __all__ = [
-    "LIST_TIMEOUT_S",
     "check_new_template",
     "insert_sandboxes",
     "insert_snapshot",
@@ -64,9 +60,6 @@ __all__ = [
     "tenant_templates",
     "waking",
 ]
-
-#: How long one node may take to list its templates for a quota count.
-LIST_TIMEOUT_S = 10.0
 
 
 def limits(session: Session, defaults: QuotaLimits, tenant: str) -> QuotaLimits:
@@ -179,14 +172,10 @@ async def tenant_templates(ctx: ControlContext, tenant: str) -> set[tuple[str, s
     """The tenant's own ``(name, tag)`` pairs on every node that answers in time."""
     found: set[tuple[str, str]] = set()
     for node_id in ctx.nodes.ids():
-        # A node that cannot say is left out, as a template listing leaves it out.
-        with contextlib.suppress(NodeError, ApiError, TimeoutError):
-            async with asyncio.timeout(LIST_TIMEOUT_S):
-                infos = await ctx.nodes.get(node_id).list_templates()
-            for info in infos:
-                name = tenant_name(tenant, info.name)
-                if name is not None and name != BASE:
-                    found.add((name, info.tag))
+        for info in await ctx.nodes.templates(node_id):
+            name = tenant_name(tenant, info.name)
+            if name is not None and name != BASE:
+                found.add((name, info.tag))
     return found
 
 

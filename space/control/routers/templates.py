@@ -53,14 +53,12 @@ from space.node.api import (
     TemplateInfo,
 )
 
-__all__ = ["LIST_TIMEOUT_S", "router"]
+__all__ = ["router"]
 
 log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1/templates", tags=["templates"])
 
-#: How long one node may take to list its templates before a listing goes on without it.
-LIST_TIMEOUT_S = 10.0
 # Bounds the log lines waiting between the nodes' builds and a slow client.
 _QUEUE_EVENTS = 64
 
@@ -135,11 +133,11 @@ def _spec_name(data: bytes) -> tuple[str, str]:
 async def list_templates(tenant: Tenant, ctx: Context) -> dict[str, list[TemplateOut]]:
     """The tenant's templates and base, one per name and tag, sorted; read-only.
 
-    A node that does not answer within LIST_TIMEOUT_S is left out (and logged).
+    A node that does not answer in time is left out (and logged; NodeRegistry.templates).
     """
     found: dict[tuple[str, str], TemplateOut] = {}
     for node_id in _all_nodes(ctx):
-        for info in await _node_templates(ctx, node_id):
+        for info in await ctx.nodes.templates(node_id):
             out = _out(tenant, info)
             if out is not None:
                 found.setdefault((out.name, out.tag), out)
@@ -188,15 +186,6 @@ async def _visible_digests(ctx: ControlContext, tenant: str, node_ids: list[str]
     """Digests of base's and the tenant's builds: what a ``template@`` base may name."""
     infos = [info for node_id in node_ids for info in await ctx.nodes.get(node_id).list_templates()]
     return {info.digest for info in infos if tenant_name(tenant, info.name) is not None}
-
-
-async def _node_templates(ctx: ControlContext, node_id: str) -> list[TemplateInfo]:
-    try:
-        async with asyncio.timeout(LIST_TIMEOUT_S):
-            return await ctx.nodes.get(node_id).list_templates()
-    except (NodeError, ApiError, TimeoutError) as exc:
-        log.warning("templates: skipping node %s: %s", node_id, str(exc) or type(exc).__name__)
-        return []
 
 
 def _out(tenant: str, info: TemplateInfo) -> TemplateOut | None:
