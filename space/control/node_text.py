@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import re
 
+from space.node.api import TENANT_PREFIX
+
 __all__ = ["NODE_PATH", "scrub"]
 
 #: What a node path becomes in a tenant's answer.
 NODE_PATH = "<node path>"
-_TEMPLATE_PREFIX = re.compile(r"(?<![0-9a-z])t[0-9a-f]{16}\.")
+_TEMPLATE_PREFIX = re.compile(rf"(?<![0-9a-z]){TENANT_PREFIX.pattern}")
 _STORE_PATH = re.compile(
     r"(?:/[^\s/'\"]+)*/(?:templates|sandboxes|snapshots|layers)/"
-    r"(?:t[0-9a-f]{16}\.|base(?=[/\s'\"]|$)|sb-|sn-|[0-9a-f]{64})[^\s'\"]*"
+    rf"(?:{TENANT_PREFIX.pattern}|base(?=[/\s'\"]|$)|sb-|sn-|[0-9a-f]{{64}})[^\s'\"]*"
 )
 
 

@@ -40,7 +40,7 @@ NODE_API_NAMES = {
     "MAX_GRANTS", "NDJSON", "NODE_API_PREFIX", "NodeError", "NodeInfo", "NodeService", "NotFound",
     "PermissionDenied", "PolicyBounds", "PoolInfo", "ProcessInfo", "ResourceExhausted",
     "STATUS_BY_CODE",
-    "SandboxSpec", "SandboxState", "SandboxStatus", "SecretGrant", "SnapshotInfo",
+    "SandboxSpec", "SandboxState", "SandboxStatus", "SecretGrant", "SnapshotInfo", "TENANT_PREFIX",
     "TemplateInfo", "Timeout", "Unavailable", "Verdict", "blocked_category",
     "build_event_line", "build_lines", "check_grants", "check_header_name",
     "check_host_patterns", "check_secret_name", "check_secret_value", "closed_policy",

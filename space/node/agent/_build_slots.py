@@ -19,17 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-from space.node.api import ResourceExhausted
+from space.node.api import TENANT_PREFIX, ResourceExhausted
 
 __all__ = ["OPERATOR", "BuildSlots", "Ticket", "build_owner"]
 
-#: The node-internal name of a tenant's template: ``t`` + 16 hex digits + ``.`` + the
-#: tenant's name (made by space/control/template_names.py, which the node may not import).
-_TENANT_PREFIX = re.compile(r"t[0-9a-f]{16}(?=\.)")
 #: The owner of builds whose name has no tenant prefix: the operator's own templates.
 OPERATOR = "operator"
 
@@ -37,8 +33,8 @@ OPERATOR = "operator"
 def build_owner(name: str) -> str:
     """Who a build of the node's template ``name`` belongs to: its tenant prefix, or
     OPERATOR for a name without one (``base`` and templates built on the node itself)."""
-    match = _TENANT_PREFIX.match(name)
-    return match.group() if match else OPERATOR
+    match = TENANT_PREFIX.match(name)
+    return match.group().removesuffix(".") if match else OPERATOR
 
 
 class _State(enum.Enum):

@@ -40,6 +40,7 @@ from space.node.api.errors import (
 )
 from space.node.api.host_addresses import host_addresses
 from space.node.api.interface import (
+    TENANT_PREFIX,
     BuildEvent,
     BuildFailed,
     BuildLog,
@@ -113,6 +114,7 @@ __all__ = [
     "NDJSON",
     "NODE_API_PREFIX",
     "STATUS_BY_CODE",
+    "TENANT_PREFIX",
     "BuildEvent",
     "BuildFailed",
     "BuildLog",

@@ -9,11 +9,13 @@ Protocol, so the control plane never knows which it has.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 __all__ = [
+    "TENANT_PREFIX",
     "BuildEvent",
     "BuildFailed",
     "BuildLog",
@@ -290,6 +292,12 @@ class CapacityInfo:
     max_sandboxes: int | None
     #: How many more sandboxes of the default shape the node would admit now.
     room: int
+
+
+#: How a tenant's template names begin on a node: ``t`` + 16 hex digits + ``.`` (the
+#: control plane names them so, space.control.template_names). The node tells a build's
+#: owner by it; the control plane takes it out of what a tenant sees.
+TENANT_PREFIX = re.compile(r"t[0-9a-f]{16}\.")
 
 
 @dataclass(frozen=True, slots=True)
