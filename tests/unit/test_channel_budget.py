@@ -27,11 +27,11 @@ from space.node.channel._budget import (
     BudgetLimits,
     ChannelAbuse,
     ChannelBudget,
-    TokenBucket,
 )
 from space.node.channel._core import READ_CHUNK_BYTES
 from space.node.core.sandbox import LiveSandbox
 from space.node.core.state import SandboxRecord
+from space.node.core.token_bucket import TokenBucket
 from space.node.vmm.qemu import QemuVM, VmConfig
 from space.protocol import FrameKind
 from tests.fake_guest import FakeGuest, connect

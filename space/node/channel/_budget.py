@@ -18,9 +18,9 @@ spaced sends DATA in chunks of up to 256 KiB, and only as much as the host grant
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
+from space.node.core.token_bucket import Clock, TokenBucket
 from space.protocol import ProtocolError
 
 __all__ = [
@@ -34,7 +34,6 @@ __all__ = [
     "BudgetLimits",
     "ChannelAbuse",
     "ChannelBudget",
-    "TokenBucket",
 ]
 
 #: Frames per second a guest may send, sustained. Parsing costs the node about 3.5 us
@@ -60,44 +59,10 @@ ABUSE_AFTER_S = 5.0
 MAX_SENSELESS_FRAMES = 1024
 SENSELESS_WINDOW_S = 10.0
 
-Clock = Callable[[], float]
-
 
 class ChannelAbuse(ProtocolError):
     """The guest abused its channel (over budget, or senseless frames); see the module
     docstring. Its message is the reason given to the sandbox's error."""
-
-
-class TokenBucket:
-    """``rate_per_s`` tokens per second up to ``burst``; charges may overdraw it.
-
-    Overdrawing instead of refusing lets a reader charge what it has already read; the
-    debt is paid by waiting ``wait_s()`` before reading more.
-    """
-
-    def __init__(self, rate_per_s: float, burst: float, clock: Clock) -> None:
-        if rate_per_s <= 0 or burst <= 0:
-            raise ValueError("a token bucket needs a positive rate and burst")
-        self.rate_per_s = rate_per_s
-        self.burst = burst
-        self._clock = clock
-        self._tokens = burst
-        self._at = clock()
-
-    @property
-    def tokens(self) -> float:
-        now = self._clock()
-        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate_per_s)
-        self._at = now
-        return self._tokens
-
-    def charge(self, amount: float) -> None:
-        self._tokens = self.tokens - amount
-
-    def wait_s(self) -> float:
-        """Seconds until the bucket is out of debt (0 if it is)."""
-        tokens = self.tokens
-        return 0.0 if tokens >= 0 else -tokens / self.rate_per_s
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,11 +25,11 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from space.node.api import EgressEvent, InvalidArgument, Unavailable
+from space.node.core.token_bucket import Clock, TokenBucket
 from space.node.core.validation import check_id
 
 __all__ = [
@@ -55,8 +55,8 @@ DEFAULT_BURST = 200
 DROP_DECISION = "drop"
 #: Seconds between two drop events of one sandbox: a sustained flood adds one a second.
 _DROP_REPORT_INTERVAL_S = 1.0
-#: Sandboxes whose bucket state is kept before idle (full, nothing pending) ones go.
-_MAX_IDLE_BUCKETS = 1024
+#: Sandboxes whose budget is kept before idle (full, nothing pending) ones go.
+_MAX_IDLE_BUDGETS = 1024
 #: Most events one read returns.
 MAX_READ_LIMIT = 10_000
 _BLOCK_BYTES = 64 * 1024
@@ -65,11 +65,10 @@ _FIELDS = frozenset(field.name for field in dataclasses.fields(EgressEvent))
 
 
 @dataclass(slots=True)
-class _Bucket:
-    """One sandbox's write budget: a token bucket, and the drops not yet written."""
+class _Budget:
+    """One sandbox's write budget, and the drops not yet written."""
 
-    tokens: float
-    updated: float
+    bucket: TokenBucket
     pending: int = 0
     reported: float = float("-inf")
 
@@ -89,7 +88,7 @@ class AuditLog:
         max_bytes: int = DEFAULT_MAX_BYTES,
         rate_per_s: float = DEFAULT_RATE_PER_S,
         burst: int = DEFAULT_BURST,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = time.monotonic,
     ) -> None:
         if max_bytes < 1:
             raise InvalidArgument(f"max_bytes must be positive, got {max_bytes!r}")
@@ -100,7 +99,7 @@ class AuditLog:
         self._rate_per_s = rate_per_s
         self._burst = burst
         self._clock = clock
-        self._buckets: dict[str, _Bucket] = {}
+        self._budgets: dict[str, _Budget] = {}
         self._dropped: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -140,34 +139,30 @@ class AuditLog:
     def _admit(self, sandbox_id: str) -> int | None:
         """None: drop the event (counted). Else admit it, after a drop event for the
         returned count if that is not 0."""
-        now = self._clock()
-        bucket = self._buckets.get(sandbox_id)
-        if bucket is None:
-            self._forget_idle_buckets()
-            bucket = self._buckets[sandbox_id] = _Bucket(float(self._burst), now)
-        elapsed = max(0.0, now - bucket.updated)
-        bucket.tokens = min(float(self._burst), bucket.tokens + elapsed * self._rate_per_s)
-        bucket.updated = now
-        if bucket.tokens < 1:
-            bucket.pending += 1
+        budget = self._budgets.get(sandbox_id)
+        if budget is None:
+            self._forget_idle_budgets()
+            budget = _Budget(TokenBucket(self._rate_per_s, self._burst, self._clock))
+            self._budgets[sandbox_id] = budget
+        if budget.bucket.tokens < 1:
+            budget.pending += 1
             return None
-        bucket.tokens -= 1
-        if not bucket.pending or now - bucket.reported < _DROP_REPORT_INTERVAL_S:
+        budget.bucket.charge(1)
+        now = self._clock()
+        if not budget.pending or now - budget.reported < _DROP_REPORT_INTERVAL_S:
             return 0
-        report, bucket.pending, bucket.reported = bucket.pending, 0, now
+        report, budget.pending, budget.reported = budget.pending, 0, now
         return report
 
-    def _forget_idle_buckets(self) -> None:
-        """Bound the buckets kept: past _MAX_IDLE_BUCKETS, forget every sandbox whose
-        bucket would be full now and has no drops pending (forgetting it changes
-        nothing: a new bucket starts full)."""
-        if len(self._buckets) < _MAX_IDLE_BUCKETS:
+    def _forget_idle_budgets(self) -> None:
+        """Bound the budgets kept: past _MAX_IDLE_BUDGETS, forget every sandbox whose
+        bucket is full again and has no drops pending (forgetting it changes nothing:
+        a new bucket starts full)."""
+        if len(self._budgets) < _MAX_IDLE_BUDGETS:
             return
-        now = self._clock()
-        for sandbox_id, bucket in list(self._buckets.items()):
-            refilled = bucket.tokens + (now - bucket.updated) * self._rate_per_s
-            if not bucket.pending and refilled >= self._burst:
-                del self._buckets[sandbox_id]
+        for sandbox_id, budget in list(self._budgets.items()):
+            if not budget.pending and budget.bucket.tokens >= self._burst:
+                del self._budgets[sandbox_id]
                 self._dropped.pop(sandbox_id, None)
 
     def _drop_event(self, count: int) -> EgressEvent:
@@ -231,7 +226,7 @@ class AuditLog:
                 path.unlink(missing_ok=True)
                 _rotated(path).unlink(missing_ok=True)
                 self._dropped_path(sandbox_id).unlink(missing_ok=True)
-                self._buckets.pop(sandbox_id, None)
+                self._budgets.pop(sandbox_id, None)
                 self._dropped.pop(sandbox_id, None)
         except OSError as exc:
             raise Unavailable(
