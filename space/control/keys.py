@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from space.control.errors import ApiError
 from space.control.settings import ControlSettings
-from space.control.store.db import Database
+from space.control.store.db import migrated
 from space.control.store.models import ApiKeyRow, TenantRow
 
 __all__ = [
@@ -87,19 +87,10 @@ def tenant_for_key(session: Session, key: str) -> str | None:
     return row.tenant_id
 
 
-def _database(settings: ControlSettings) -> Database:
-    db = Database(settings.database_url)
-    db.upgrade()
-    return db
-
-
 def create_key(settings: ControlSettings, tenant: str) -> str:
     """Make a key for ``tenant`` (created if new); the plaintext is returned only here."""
-    db = _database(settings)
-    try:
+    with migrated(settings.database_url) as db:
         return db.call(lambda s: add_key(s, tenant, time.time()))
-    finally:
-        db.dispose()
 
 
 def list_keys(settings: ControlSettings, tenant: str | None = None) -> list[KeyInfo]:
@@ -114,11 +105,8 @@ def list_keys(settings: ControlSettings, tenant: str | None = None) -> list[KeyI
             for r in session.scalars(stmt)
         ]
 
-    db = _database(settings)
-    try:
+    with migrated(settings.database_url) as db:
         return db.call(query)
-    finally:
-        db.dispose()
 
 
 def revoke_key(settings: ControlSettings, key_id: str) -> None:
@@ -134,8 +122,5 @@ def revoke_key(settings: ControlSettings, key_id: str) -> None:
             .values(revoked_at=time.time())
         )
 
-    db = _database(settings)
-    try:
+    with migrated(settings.database_url) as db:
         db.call(revoke)
-    finally:
-        db.dispose()

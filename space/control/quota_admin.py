@@ -19,7 +19,7 @@ from space.control.quota_checks import limits
 from space.control.quotas import QUOTA_NAMES, QUOTAS, Quota
 from space.control.settings import ControlSettings
 from space.control.store import quotas as store
-from space.control.store.db import Database
+from space.control.store.db import migrated
 
 __all__ = ["QuotaLine", "set_quotas", "show_quotas"]
 
@@ -33,12 +33,6 @@ class QuotaLine:
     limit: int
     own: bool
     used: int | None
-
-
-def _on_database(settings: ControlSettings) -> Database:
-    db = Database(settings.database_url)
-    db.upgrade()
-    return db
 
 
 def _known(session: Session, tenant: str) -> None:
@@ -76,22 +70,16 @@ def set_quotas(
             if value is not None:
                 store.set_limit(session, tenant, name, value, now)
 
-    db = _on_database(settings)
-    try:
+    with migrated(settings.database_url) as db:
         db.call(change)
         return db.call(lambda s: _lines(s, settings, tenant))
-    finally:
-        db.dispose()
 
 
 def show_quotas(settings: ControlSettings, tenant: str) -> list[QuotaLine]:
     """``tenant``'s quotas in QUOTAS order. Raises ApiError(not_found) for an unknown
     tenant."""
-    db = _on_database(settings)
-    try:
+    with migrated(settings.database_url) as db:
         return db.call(lambda s: _lines(s, settings, tenant))
-    finally:
-        db.dispose()
 
 
 def _lines(session: Session, settings: ControlSettings, tenant: str) -> list[QuotaLine]:

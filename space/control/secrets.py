@@ -44,7 +44,7 @@ from sqlalchemy.orm import Session
 
 from space.control.settings import ControlSettings
 from space.control.store import secrets as stored
-from space.control.store.db import Database
+from space.control.store.db import migrated
 from space.control.store.secrets import Sealed, SecretRecord
 
 __all__ = [
@@ -312,12 +312,8 @@ def rotate_master(settings: ControlSettings) -> tuple[int, str]:
     or DecryptionError (nothing written then).
     """
     keyring = load_keyring(settings)
-    db = Database(settings.database_url)
-    try:
-        db.upgrade()
+    with migrated(settings.database_url) as db:
         return db.call(lambda session: rotate(session, keyring)), keyring.current.key_id
-    finally:
-        db.dispose()
 
 
 def open_record(keyring: Keyring, record: SecretRecord) -> str:

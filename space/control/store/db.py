@@ -7,8 +7,9 @@ schema is made only by Alembic (``Database.upgrade``), never by ``create_all``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -18,7 +19,7 @@ from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
-__all__ = ["MIGRATIONS_DIR", "Database", "alembic_config", "make_engine"]
+__all__ = ["MIGRATIONS_DIR", "Database", "alembic_config", "make_engine", "migrated"]
 
 T = TypeVar("T")
 
@@ -83,3 +84,15 @@ class Database:
 
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+@contextlib.contextmanager
+def migrated(url: str) -> Iterator[Database]:
+    """A Database on ``url`` with its schema brought up to date, disposed of on exit:
+    what the blocking operator commands (keys, quotas, master key rotation) work on."""
+    db = Database(url)
+    try:
+        db.upgrade()
+        yield db
+    finally:
+        db.dispose()
