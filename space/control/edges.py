@@ -9,7 +9,6 @@ routes (a file upload and a template build context) keep their own streamed caps
 
 from __future__ import annotations
 
-import hmac
 import re
 
 from starlette.datastructures import Headers
@@ -17,7 +16,7 @@ from starlette.types import ASGIApp, Scope
 
 from space.control.deps import ControlContext, authenticate
 from space.control.errors import ApiError
-from space.node.api.http_edges import Edges, Refused, StreamedRoute
+from space.node.api.http_edges import Edges, StreamedRoute, require_bearer
 
 __all__ = ["STREAMED_ROUTES", "control_edges"]
 
@@ -43,8 +42,6 @@ async def _authenticate(scope: Scope, headers: Headers) -> None:
         return
     ctx: ControlContext = scope["app"].state.ctx
     if path == _NODE_ROUTES or path.startswith(_NODE_ROUTES + "/"):
-        expected = f"Bearer {ctx.node_token}".encode()
-        if not hmac.compare_digest(headers.get("authorization", "").encode(), expected):
-            raise Refused("unauthenticated", "missing or wrong node token")
+        require_bearer(headers, ctx.node_token, "node token")
         return
     scope.setdefault("state", {})["tenant"] = await authenticate(ctx, headers)

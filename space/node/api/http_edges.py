@@ -26,6 +26,7 @@ Not exported from space.node.api itself: it needs Starlette, which the gateway p
 
 from __future__ import annotations
 
+import hmac
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -37,7 +38,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from space.limits import MAX_JSON_BODY_BYTES
 from space.node.api.http_errors import CodedError, error_body, status_for_code
 
-__all__ = ["Authenticate", "Edges", "Refused", "StreamedRoute"]
+__all__ = ["Authenticate", "Edges", "Refused", "StreamedRoute", "require_bearer"]
 
 #: Checks a request from its scope and headers alone; raises to refuse it.
 Authenticate = Callable[[Scope, Headers], Awaitable[None]]
@@ -53,6 +54,14 @@ class Refused(Exception):
         self.code = code
         self.message = message
         self.details: Mapping[str, Any] = details or {}
+
+
+def require_bearer(headers: Headers, token: str, what: str) -> None:
+    """Refused (unauthenticated) unless the request carries ``Bearer <token>``; compared
+    in constant time. ``what`` names the credential in the refusal."""
+    given = headers.get("authorization", "").encode()
+    if not hmac.compare_digest(given, f"Bearer {token}".encode()):
+        raise Refused("unauthenticated", f"missing or wrong {what}")
 
 
 class _TooLarge(Exception):

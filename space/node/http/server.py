@@ -33,7 +33,6 @@ control plane.
 
 from __future__ import annotations
 
-import hmac
 import json
 import re
 from collections.abc import AsyncIterator
@@ -71,7 +70,7 @@ from space.node.api.http_connections import (
     MAX_CONNECTIONS_PER_CLIENT,
     guarded_protocol,
 )
-from space.node.api.http_edges import Authenticate, Edges, Refused, StreamedRoute
+from space.node.api.http_edges import Authenticate, Edges, StreamedRoute, require_bearer
 from space.node.api.http_errors import install_error_handlers
 
 __all__ = ["MAX_NODE_JSON_BODY_BYTES", "STREAMED_ROUTES", "create_node_app", "node_server"]
@@ -98,12 +97,9 @@ STREAMED_ROUTES: tuple[StreamedRoute, ...] = (
 
 def _token_check(token: str) -> Authenticate:
     """Every request needs the node token, checked from its headers alone."""
-    expected = f"Bearer {token}".encode()
 
     async def check(scope: Scope, headers: Headers) -> None:
-        given = headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            raise Refused("unauthenticated", "missing or wrong node token")
+        require_bearer(headers, token, "node token")
 
     return check
 
