@@ -29,6 +29,18 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
 
+# QEMU >= 8.2: a jailed QEMU maps a ready state's RAM file copy-on-write from a
+# read-only descriptor (memory-backend-file rom=off). Debian 12 ships 7.2; its backports
+# suite has a current one. The backports source reuses the mirror the system already has.
+if ! dpkg --compare-versions "$(dpkg-query -W -f='${Version}' qemu-system-x86)" ge 1:8.2; then
+  codename="$(. /etc/os-release && echo "$VERSION_CODENAME")"
+  say "installing QEMU from ${codename}-backports (the jail needs QEMU >= 8.2)"
+  python3 scripts/backports_source.py "$codename" > /etc/apt/sources.list.d/space-backports.sources
+  apt-get update -q
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+    -t "${codename}-backports" qemu-system-x86 qemu-utils
+fi
+
 # The venv is rebuilt only when pyproject.toml changes (its hash is the stamp).
 stamp=".venv/.space-setup-$(sha256sum pyproject.toml | cut -c1-16)"
 if [ ! -e "$stamp" ]; then

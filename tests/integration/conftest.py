@@ -23,6 +23,7 @@ import pytest
 from space.node.agent import Node
 from space.node.core.config import NodeConfig
 from space.node.network import netns
+from space.node.vmm.cgroups import VmCgroups
 
 from .. import logs
 from .platform import gateway_pids, qemu_pids
@@ -60,6 +61,12 @@ def release_data_dir(data_dir: Path) -> list[str]:
         left.append(f"egress gateway pid {pid}")
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    cgroups = VmCgroups(NodeConfig(data_dir=data_dir).effective_run_dir.name)
+    for base in cgroups.bases:
+        if base.exists():
+            left.append(f"cgroup {base}")
+    cgroups.sweep()
+    cgroups.remove_bases()
     return left
 
 

@@ -9,7 +9,15 @@ import pytest
 from space.node.api import SandboxSpec, SandboxState
 from space.node.core.sandbox import hostname_for, vm_config_for
 from space.node.core.state import SandboxRecord
-from space.node.vmm.qemu import VmConfig, build_command, console_tail, trim_console
+from space.node.vmm.jail import TAP_FD, Bind
+from space.node.vmm.qemu import (
+    VmConfig,
+    build_command,
+    console_tail,
+    jail_binds,
+    jail_owned,
+    trim_console,
+)
 
 
 def _config(**overrides: object) -> VmConfig:
@@ -32,19 +40,33 @@ def _option(argv: list[str], flag: str) -> list[str]:
     return [argv[i + 1] for i, arg in enumerate(argv) if arg == flag]
 
 
-def test_qemu_runs_in_place_of_chrt_under_the_batch_scheduling_policy() -> None:
-    # Guests' emulated CPUs never preempt the node's own processes on wakeup.
-    assert build_command(_config())[:4] == ["chrt", "--batch", "0", "qemu-system-x86_64"]
-    in_netns = build_command(_config(netns=Path("/run/netns/sb")))
-    assert in_netns[:7] == [
-        "chrt",
-        "--batch",
-        "0",
-        "nsenter",
-        "--net=/run/netns/sb",
-        "--",
-        "qemu-system-x86_64",
-    ]
+def test_the_command_is_qemu_itself_and_its_nic_is_the_tap_the_jail_hands_over() -> None:
+    # The jail enters namespaces and sets SCHED_BATCH; no nsenter or chrt in front.
+    assert build_command(_config())[0] == "qemu-system-x86_64"
+    argv = build_command(_config(netns=Path("/run/netns/sb")))
+    assert _option(argv, "-netdev") == [f"tap,id=net0,fd={TAP_FD}"]
+    assert not any("ifname" in arg for arg in argv)
+    assert _option(build_command(_config()), "-netdev") == []
+
+
+def test_a_vms_jail_binds_its_own_files_and_a_shared_ram_image_read_only() -> None:
+    image = Path("/pool/templates/base/d.ready/memory.ram")
+    private = _config(memory_file=image)
+    assert Bind(image, "ro") in jail_binds(private)
+    assert image not in jail_owned(private)  # every sandbox of the template maps it
+    assert {b.path: b.mode for b in jail_binds(private)} == {
+        Path("/pool/sandboxes/sb-1/kernel"): "ro",
+        Path("/pool/sandboxes/sb-1/initrd"): "ro",
+        Path("/pool/sandboxes/sb-1/rootfs.img"): "rw",
+        Path("/data/sandboxes/sb-1.console.log"): "rw",
+        Path("/run/space/x/sb-1"): "rw",
+        image: "ro",
+    }
+    own = Path("/pool/sandboxes/sb-1/memory.ram")
+    shared = _config(memory_file=own, memory_shared=True)
+    assert Bind(own, "rw") in jail_binds(shared) and own in jail_owned(shared)
+    assert Bind(Path("/dev/kvm"), "dev") in jail_binds(_config(accel="kvm"))
+    assert Path("/dev/kvm") not in {b.path for b in jail_binds(_config())}
 
 
 def test_command_line_has_no_default_devices_and_no_display() -> None:
@@ -96,10 +118,11 @@ def test_agent_port_is_a_named_virtio_serial_port_on_a_server_socket() -> None:
     assert "virtserialport,bus=vser.0,chardev=agent,name=space.agent" in devices
 
 
-def test_qmp_console_and_pidfile_live_in_the_run_dir_and_data_dir() -> None:
+def test_qmp_and_console_live_in_the_run_dir_and_data_dir() -> None:
     argv = build_command(_config())
     assert _option(argv, "-qmp") == ["unix:/run/space/x/sb-1/qmp.sock,server=on,wait=off"]
-    assert _option(argv, "-pidfile") == ["/run/space/x/sb-1/qemu.pid"]
+    # QEMU is PID 1 of its namespace: the jail writes the host pid, not QEMU.
+    assert _option(argv, "-pidfile") == []
     assert "file,id=console,path=/data/sandboxes/sb-1.console.log,append=on" in _option(
         argv, "-chardev"
     )
@@ -140,6 +163,9 @@ def test_guest_ram_from_a_file_is_a_private_mapping_unless_shared() -> None:
         "size": "512M",
         "mem-path": str(image),
         "share": "off",
+        # opened read-only, mapped copy-on-write: a jailed QEMU cannot write the image
+        "readonly": "on",
+        "rom": "off",
     }
     shared = _backend(build_command(_config(memory_file=image, memory_shared=True)))
     assert shared["share"] == "on"

@@ -23,6 +23,7 @@ from space.node.core.capacity import volume_limit_mib
 from space.node.core.sandbox import LiveSandbox, kill_strays
 from space.node.core.state import SandboxRecord
 from space.node.storage.btrfs import limit_subvolume
+from space.node.vmm.jail import jail_for
 from space.node.vmm.qemu import QemuVM
 
 __all__ = ["recover"]
@@ -41,6 +42,7 @@ async def recover(node: Registry, say: Say) -> None:
     records, bad = life.store.load_all()
     expected = {Path(r.run_dir).name: r.vmm_pid for r in records if not is_hidden(r.sandbox_id)}
     await kill_strays(life.config.effective_run_dir, expected, say)
+    jail_for(life.config.effective_run_dir).sweep()
     for path in bad:
         say(f"removing unreadable state file {path.name}")
         await node.remove_leftovers(path.stem)

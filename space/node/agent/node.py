@@ -51,6 +51,7 @@ from space.node.egress.audit import AuditLog
 from space.node.network.gateway_client import GatewayProcess
 from space.node.storage.btrfs import BtrfsPool
 from space.node.vmm.accel import Accelerator, detect_accelerator
+from space.node.vmm.jail import jail_for
 
 __all__ = ["Node"]
 
@@ -161,6 +162,7 @@ class Node:
             await sandbox.disconnect()
         sandboxes.clear()
         await self._gateway.close()
+        jail_for(self._registry.run_root).close()
         with contextlib.suppress(OSError):
             self._registry.run_root.rmdir()  # only once empty: VMs left running keep their dirs
         await self.pool.close(unmount=unmount_pool)

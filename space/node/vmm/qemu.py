@@ -25,8 +25,9 @@ from qemu.qmp import QMPClient
 from space.node.api import Timeout, Unavailable
 from space.node.network.netns import GUEST_MAC, TAP
 from space.node.vmm.accel import Accelerator
+from space.node.vmm.jail import TAP_FD, Bind, jail_for
 
-__all__ = ["QemuVM", "VmConfig", "build_command", "pid_runs_vm"]
+__all__ = ["QemuVM", "VmConfig", "build_command", "jail_binds", "jail_owned", "pid_runs_vm"]
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +98,13 @@ def build_command(cfg: VmConfig, *, qemu_binary: str = "qemu-system-x86_64") -> 
     # is anonymous can load the state of one whose RAM was a file, and back.
     backend = f"memory-backend-ram,id=ram,size={cfg.memory_mib}M"
     if cfg.memory_file is not None:
+        # A private mapping opens the file read-only (readonly=on) yet lets the guest
+        # write its copy-on-write pages (rom=off, QEMU >= 8.2): a jailed QEMU gets a
+        # ready state's image shared by every sandbox of a template read-only.
+        mapping = "share=on" if cfg.memory_shared else "share=off,readonly=on,rom=off"
         backend = (
             f"memory-backend-file,id=ram,size={cfg.memory_mib}M,mem-path={cfg.memory_file},"
-            f"share={'on' if cfg.memory_shared else 'off'}"
+            + mapping
         )
     argv = [
         qemu_binary,
@@ -121,22 +126,35 @@ def build_command(cfg: VmConfig, *, qemu_binary: str = "qemu-system-x86_64") -> 
         "-chardev", f"file,id=console,path={cfg.console_log},append=on",
         "-serial", "chardev:console",
         "-qmp", f"unix:{cfg.qmp_socket},server=on,wait=off",
-        "-pidfile", str(cfg.pid_file),
         "-sandbox", _SECCOMP,
     ]  # fmt: skip
     if cfg.netns is not None:
-        # romfile= skips the NIC's PXE option ROM: the kernel is booted directly.
+        # The jail opens the sandbox's tap in its namespace and hands it over as
+        # TAP_FD. romfile= skips the NIC's PXE option ROM: the kernel is booted directly.
         argv += [
-            "-netdev", f"tap,id=net0,ifname={cfg.tap},script=no,downscript=no",
+            "-netdev", f"tap,id=net0,fd={TAP_FD}",
             "-device", f"virtio-net-pci,netdev=net0,mac={cfg.mac},romfile=",
         ]  # fmt: skip
-        # nsenter execs QEMU in place: the pid stays QEMU's, and the tap it opens (and
-        # every socket it could ever make) belongs to the sandbox's namespace.
-        argv = ["nsenter", f"--net={cfg.netns}", "--", *argv]
-    # chrt execs in place too. SCHED_BATCH: a guest's emulated CPU runs in longer slices
-    # and never preempts the node's own processes on wakeup, which answer first.
-    argv = ["chrt", "--batch", "0", *argv]
     return [*argv, "-incoming", "defer"] if cfg.incoming else argv
+
+
+def jail_binds(cfg: VmConfig) -> list[Bind]:
+    """What of the host a VM's jail holds: its own files only."""
+    binds = [Bind(cfg.kernel, "ro"), Bind(cfg.initrd, "ro"), Bind(cfg.rootfs, "rw")]
+    binds += [Bind(cfg.console_log, "rw"), Bind(cfg.run_dir, "rw")]
+    if cfg.memory_file is not None:
+        binds.append(Bind(cfg.memory_file, "rw" if cfg.memory_shared else "ro"))
+    if cfg.accel == "kvm":
+        binds.append(Bind(Path("/dev/kvm"), "dev"))
+    return binds
+
+
+def jail_owned(cfg: VmConfig) -> list[Path]:
+    """The files a VM's jailed uid owns: its own, never a file VMs share."""
+    owned = [cfg.kernel, cfg.initrd, cfg.rootfs, cfg.console_log, cfg.run_dir]
+    if cfg.memory_file is not None and cfg.memory_shared:
+        owned.append(cfg.memory_file)
+    return owned
 
 
 def pid_runs_vm(pid: int, cfg: VmConfig) -> bool:
@@ -180,11 +198,38 @@ class QemuVM:
         cfg.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         for stale in (cfg.qmp_socket, cfg.agent_socket, cfg.pid_file):
             stale.unlink(missing_ok=True)
-        pid = _spawn(build_command(cfg, qemu_binary=qemu_binary), cfg.stderr_log)
-        vm = cls(cfg, pid, os.pidfd_open(pid))
+        await asyncio.to_thread(_prepare_files, cfg)
+        jail = jail_for(cfg.run_dir.parent)
+        pid = await jail.spawn(
+            cfg.run_dir.name,
+            build_command(cfg, qemu_binary=qemu_binary),
+            binds=jail_binds(cfg),
+            owned=jail_owned(cfg),
+            netns=cfg.netns,
+            tap=cfg.tap,
+            memory_mib=cfg.memory_mib,
+            cpus=cfg.cpus,
+            stderr_log=cfg.stderr_log,
+            pid_file=cfg.pid_file,
+        )
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError as exc:
+            jail.release(cfg.run_dir.name)
+            raise Unavailable(
+                f"qemu exited at start: {_read_tail(cfg.stderr_log, 2048)}",
+                sandbox_id=cfg.sandbox_id,
+            ) from exc
+        vm = cls(cfg, pid, pidfd)
         try:
             await vm._wait_for_qmp_socket(start_timeout_s)
             await vm._connect_qmp_when_listening(start_timeout_s)
+        except Unavailable as exc:
+            await vm.kill()
+            raise Unavailable(
+                f"{exc} ({_read_tail(cfg.stderr_log, 2048) or 'qemu said nothing'})",
+                sandbox_id=cfg.sandbox_id,
+            ) from exc
         except BaseException:
             await vm.kill()
             raise
@@ -394,15 +439,20 @@ class QemuVM:
 
     async def detach(self) -> None:
         """Drop QMP and the exit watch; QEMU itself keeps running."""
+        await self.disconnect_qmp()
+        if self._pidfd >= 0:
+            asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = -1
+
+    async def disconnect_qmp(self) -> None:
+        """Drop the QMP connection (QEMU serves one client at a time); the exit watch
+        and signals stay. Commands reconnect where they may (``reconnect``)."""
         if self._qmp is not None:
             qmp, self._qmp = self._qmp, None
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(_QMP_TIMEOUT_S):
                     await qmp.disconnect()
-        if self._pidfd >= 0:
-            asyncio.get_running_loop().remove_reader(self._pidfd)
-            os.close(self._pidfd)
-            self._pidfd = -1
 
     async def open_agent(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """Connect to the guest agent's chardev socket."""
@@ -420,6 +470,7 @@ class QemuVM:
         loop = asyncio.get_running_loop()
         loop.remove_reader(self._pidfd)
         _reap(self.pid)
+        jail_for(self.config.run_dir.parent).release(self.config.run_dir.name)
         if not self._exited.done():
             self._exited.set_result(None)
 
@@ -447,7 +498,7 @@ class QemuVM:
                 )
             if loop.time() > deadline:
                 raise Unavailable("qemu did not open its QMP socket", sandbox_id=self.sandbox_id)
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.005)
 
 
 def _reap(pid: int) -> None:
@@ -456,27 +507,17 @@ def _reap(pid: int) -> None:
         os.waitpid(pid, os.WNOHANG)
 
 
-def _spawn(argv: list[str], stderr_log: Path) -> int:
-    """posix_spawn in a new session, stdio on /dev/null and a log file.
-
-    Not subprocess.Popen: the node must be able to forget a still-running QEMU (it is
-    re-adopted after a restart), and an abandoned Popen object warns.
-    """
-    actions = [
-        (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
-        (os.POSIX_SPAWN_OPEN, 1, str(stderr_log), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600),
-        (os.POSIX_SPAWN_DUP2, 1, 2),
-    ]
-    try:
-        return os.posix_spawnp(
-            argv[0],
-            argv,
-            dict(os.environ),
-            file_actions=actions,
-            setsid=True,
-        )
-    except OSError as exc:
-        raise Unavailable(f"cannot start {argv[0]}: {exc}") from exc
+def _prepare_files(cfg: VmConfig) -> None:
+    """Make the files the jail binds exist, and a RAM file mapped private readable by
+    every jailed uid (it is the ready state's image all its sandboxes share; the data
+    dir's own modes keep it from anyone else)."""
+    for path in (cfg.console_log, cfg.memory_file):
+        if path is not None and not path.exists():
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+    if cfg.memory_file is not None and not cfg.memory_shared:
+        mode = cfg.memory_file.stat().st_mode
+        if mode & 0o044 != 0o044:
+            os.chmod(cfg.memory_file, mode | 0o044)
 
 
 def console_tail(console_log: Path, max_bytes: int = 4096) -> str:
