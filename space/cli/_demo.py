@@ -198,6 +198,9 @@ def embedded_server(data_dir: Path, *, start_timeout_s: float) -> Iterator[tuple
     # --release-pool: a demo should not leave the pool's loop mount behind once idle.
     command = [sys.executable, "-m", "space.cli", "serve", "--release-pool", "--data-dir"]
     progress(f"starting space serve on {url} (data in {data_dir})")
+    # The user's environment on purpose (issue 18 looked at it): the demo runs the user's
+    # own server, which reads SPACE_MASTER_KEY from it if set; the platform's own
+    # children get child_environment() (space/node/core/environment.py).
     server = subprocess.Popen(
         [*command, str(data_dir), "--host", "127.0.0.1", "--port", str(port)], stdout=sys.stderr
     )

@@ -8,6 +8,7 @@ import os
 import signal
 
 from space.node.api import Timeout, Unavailable
+from space.node.core.environment import child_environment
 
 __all__ = ["run"]
 
@@ -22,7 +23,8 @@ async def run(
 
     Raises Unavailable if the program is missing or (with ``check``) exits non-zero,
     the message carrying its stderr; Timeout if it runs past ``timeout_s``, in which
-    case its process group has been killed. Cancellation kills it too.
+    case its process group has been killed. Cancellation kills it too. The program
+    gets child_environment(), never the node's own (issue 18).
     """
     try:
         proc = await asyncio.create_subprocess_exec(
@@ -31,6 +33,7 @@ async def run(
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
+            env=child_environment(),
         )
     except OSError as exc:
         raise Unavailable(f"cannot run {argv[0]}: {exc}") from exc

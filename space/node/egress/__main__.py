@@ -80,9 +80,12 @@ async def _serve(args: argparse.Namespace) -> None:
             writer.close()
 
     path: Path = args.control_socket
+    # Only the node's uid may connect (issue 18): umask 077 closes the window between
+    # bind and chmod; the chmod makes it exactly 0600 (what docs/security.md states).
     old_umask = os.umask(0o077)
     try:
         server = await asyncio.start_unix_server(session, path=str(path), limit=_MAX_LINE)
+        os.chmod(path, 0o600)
     finally:
         os.umask(old_umask)
     log.info("serving control socket %s (version %s)", path, args.version)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import IO
 
 from space.node.api import NodeError
+from space.node.core.environment import child_environment
 
 __all__ = ["ImageBuildError", "run_command"]
 
@@ -50,7 +51,8 @@ def run_command(
     only the last ``keep_bytes`` are read back (errors carry the last 4 KiB). Raises
     ImageBuildError if the program is missing, exits non-zero or runs past
     ``timeout_s`` (its whole process group is killed first, so nothing it started
-    keeps running).
+    keeps running). The program's environment is child_environment() plus ``env``,
+    never the node's own (issue 18).
     """
     with tempfile.TemporaryFile() as out:
         try:
@@ -60,7 +62,7 @@ def run_command(
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 cwd=cwd,
-                env=env,
+                env=child_environment(**(env or {})),
                 start_new_session=True,
             )
         except OSError as exc:

@@ -59,7 +59,7 @@ _EXT4_ONLY = frozenset({"crc32c_generic"})
 #: Where apt's answer is remembered across processes (see resolve_kernel_package).
 APT_MEMO_FILE = Path("/var/cache/space/apt-kernel.json")
 _APT_MAX_BYTES = 256 * 1024
-_APT_ENV = {"LC_ALL": "C", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+_APT_ENV = {"LC_ALL": "C"}  # on top of run_command's child_environment()
 
 
 @dataclasses.dataclass(frozen=True)

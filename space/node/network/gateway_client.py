@@ -28,6 +28,7 @@ from space.node.api import (
     Unavailable,
     encode_grants,
 )
+from space.node.core.environment import child_environment
 from space.node.vmm.qemu import console_tail
 
 __all__ = ["GatewayProcess", "fingerprint"]
@@ -255,7 +256,7 @@ class GatewayProcess:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log_fd,
                 stderr=log_fd,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env=_gateway_environment(),
             )
             await launcher.wait()  # setsid returns once the gateway is forked off
         except OSError as exc:
@@ -361,3 +362,11 @@ def _attach(sandbox_id: str, netns: Path, policy: object, ca: Path) -> dict[str,
         "policy": policy,
         "ca": str(ca),
     }
+
+
+def _gateway_environment() -> dict[str, str]:
+    """The gateway's environment: child_environment() (never the node's: issue 18), and
+    PYTHONPATH naming where this very ``space`` package was imported from, so the
+    gateway runs the node's code even from a source tree or an editable install."""
+    package_root = Path(__file__).resolve().parents[3]
+    return child_environment(PYTHONPATH=str(package_root), PYTHONUNBUFFERED="1")

@@ -45,6 +45,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from space.node.core.environment import child_environment
 from space.node.templates.errors import TemplateError
 
 __all__ = ["MAX_STATUS_BYTES", "PackageError", "fetch_debs"]
@@ -228,12 +229,10 @@ class _AptRoot:
 
     def environment(self) -> dict[str, str]:
         # APT_CONFIG is read before Dir::Etc::parts, so the host's apt.conf.d never is.
-        return {
-            **os.environ,
-            "APT_CONFIG": str(self.config),
-            "LC_ALL": "C",
-            "DEBIAN_FRONTEND": "noninteractive",
-        }
+        # Never the node's environment (issue 18): apt and dpkg scripts see only this.
+        return child_environment(
+            APT_CONFIG=str(self.config), LC_ALL="C", DEBIAN_FRONTEND="noninteractive"
+        )
 
 
 def _write(path: Path, text: str) -> None:
