@@ -13,7 +13,7 @@ import socket
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from types import FrameType
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 from urllib.parse import urlsplit
 
 import click
@@ -29,6 +29,9 @@ from space.limits import (
     POOL_RESERVE_SHARE,
 )
 from space.sdk.errors import SpaceError
+
+if TYPE_CHECKING:
+    from space.control.server import TlsFiles
 
 __all__ = ["DATA_DIR_OPTION", "capacity_options", "keys", "node", "serve", "server_errors"]
 
@@ -135,6 +138,14 @@ def egress_bounds_options(command: Callable[..., Any]) -> Callable[..., Any]:
     "--reaper-interval", type=click.FloatRange(min=0.1), default=5.0, show_default=True,
     help="Seconds between checks for ended lifetimes and idle sandboxes.",
 )  # fmt: skip
+@click.option(
+    "--tls-cert", type=click.Path(dir_okay=False, path_type=Path), default=None,
+    help="PEM certificate chain: serve the API over HTTPS (with --tls-key).",
+)  # fmt: skip
+@click.option(
+    "--tls-key", type=click.Path(dir_okay=False, path_type=Path), default=None,
+    help="PEM private key of --tls-cert (keep it 0600).",
+)  # fmt: skip
 @capacity_options
 @EGRESS_RESOLVER_OPTION
 @EGRESS_CA_OPTION
@@ -149,6 +160,8 @@ def serve(
     warm_min: int,
     warm_max: int,
     reaper_interval: float,
+    tls_cert: Path | None,
+    tls_key: Path | None,
     egress_resolvers: tuple[str, ...],
     egress_upstream_ca: Path | None,
     egress_operator_ranges: tuple[str, ...],
@@ -165,12 +178,14 @@ def serve(
         from space.node.agent import Node
         from space.node.core.config import NodeConfig
 
+        tls = _tls_files(tls_cert, tls_key)  # before anything is written or started
         settings = ControlSettings(
             data_dir=data_dir,
             reaper_interval_s=reaper_interval,
             egress_operator_ranges=egress_operator_ranges,
             egress_allow_wide_any_port=egress_allow_wide_any_port,
         )
+        _owner_only(data_dir)  # once the options are known good: before the first write
         load_keyring(settings, create=True)  # an unsafe key file stops us before any VM
     progress = ProgressPrinter()
 
@@ -190,8 +205,9 @@ def serve(
         )
         local = await Node.start(config, progress=progress)
         try:
-            progress(f"node {local.node_id} ready; API on http://{host}:{port}")
-            await run_control_plane(settings, local, host=host, port=port)
+            scheme = "http" if tls is None else "https"
+            progress(f"node {local.node_id} ready; API on {scheme}://{host}:{port}")
+            await run_control_plane(settings, local, host=host, port=port, tls=tls)
         finally:
             # A loop-file pool is unmounted only when asked and no VM still uses it.
             idle = release_pool and not await local.list_sandboxes()
@@ -204,7 +220,10 @@ def serve(
 @click.command()
 @click.option("--control-url", required=True, help="The control plane, e.g. http://ctl:8080.")
 @click.option("--token-file", required=True, type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--listen", default="0.0.0.0:8081", show_default=True, help="HOST:PORT to serve.")
+@click.option(
+    "--listen", default="127.0.0.1:8081", show_default=True,
+    help="HOST:PORT to serve (loopback unless told otherwise: 0.0.0.0:8081 for every address).",
+)  # fmt: skip
 @click.option("--advertise-url", default=None, help="The URL the control plane calls.")
 @DATA_DIR_OPTION
 @click.option("--accel", type=click.Choice(["auto", "kvm", "tcg"]), default="auto")
@@ -251,6 +270,7 @@ def node(
             egress_allow_wide_any_port=egress_allow_wide_any_port,
             **capacity,
         )
+        _owner_only(data_dir)  # the options are known good: before the first write
         local = await Node.start(config, progress=progress)
         try:
             app = create_node_app(local, token)
@@ -341,6 +361,34 @@ def server_errors() -> Iterator[None]:
         if isinstance(exc, SecretStoreError):
             fail(f"secret store: {exc}")
         raise
+
+
+def _owner_only(data_dir: Path) -> None:
+    """umask 077 for everything this server writes, and the data dir made 0700 (its
+    top-level entries too, if an older version left them readable): issue 18."""
+    from space.node.core.data_dir import restrict_umask, secure_data_dir
+
+    restrict_umask()
+    secure_data_dir(data_dir)
+
+
+def _tls_files(cert: Path | None, key: Path | None) -> TlsFiles | None:
+    """Both TLS options or neither; a pair that cannot be served is refused here."""
+    from space.control.server import TlsFiles
+
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        given, missing = (
+            ("--tls-key", "--tls-cert") if cert is None else ("--tls-cert", "--tls-key")
+        )
+        fail(f"{given} needs {missing} too (or neither, for plain HTTP)", 2)
+    files = TlsFiles(cert, key)
+    try:
+        files.check()
+    except ValueError as exc:
+        fail(str(exc), 2)
+    return files
 
 
 def _accel(value: str) -> Literal["auto", "kvm", "tcg"]:

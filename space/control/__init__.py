@@ -11,7 +11,7 @@ from space.control.app import create_app
 from space.control.errors import ApiError
 from space.control.keys import KeyInfo, create_key, list_keys, revoke_key
 from space.control.nodes import NodeRegistry
-from space.control.server import register_remote_node, run_control_plane
+from space.control.server import TlsFiles, register_remote_node, run_control_plane
 from space.control.settings import ControlSettings
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "ControlSettings",
     "KeyInfo",
     "NodeRegistry",
+    "TlsFiles",
     "create_app",
     "create_key",
     "list_keys",

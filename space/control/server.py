@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -19,7 +22,36 @@ from space.node.api.http_connections import (
 )
 from space.node.http.client import error_from_response
 
-__all__ = ["register_remote_node", "run_control_plane"]
+__all__ = ["TlsFiles", "register_remote_node", "run_control_plane"]
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """The REST API's certificate chain and private key, both PEM (``--tls-cert/--tls-key``).
+
+    ``check`` loads them as the server will, so an unreadable file, a file that is not
+    PEM or a key that does not match the certificate is one clear ValueError before
+    anything starts, not a traceback from uvicorn once the node is up.
+    """
+
+    cert: Path
+    key: Path
+
+    def check(self) -> None:
+        """Raise ValueError naming the file and the problem if the pair cannot be served."""
+        for option, path in (("--tls-cert", self.cert), ("--tls-key", self.key)):
+            try:
+                with path.open("rb") as f:
+                    f.read(1)
+            except OSError as exc:
+                raise ValueError(f"{option} {path}: cannot read it ({exc.strerror})") from None
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(self.cert, self.key)
+        except ssl.SSLError as exc:
+            problem = exc.reason or str(exc)
+            raise ValueError(
+                f"--tls-cert {self.cert} and --tls-key {self.key} cannot be served: {problem}"
+            ) from None
 
 
 async def run_control_plane(
@@ -30,19 +62,24 @@ async def run_control_plane(
     port: int,
     header_timeout_s: float = HEADER_TIMEOUT_S,
     max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT,
+    tls: TlsFiles | None = None,
 ) -> None:
-    """Serve the REST API on ``host:port`` until cancelled (or SIGINT/SIGTERM).
+    """Serve the REST API on ``host:port`` until cancelled (or SIGINT/SIGTERM); over
+    HTTPS only with ``tls`` (then a plain HTTP request gets no answer).
 
     ``node`` (if given) is registered as "local"; it stays the caller's to close.
     Migrations are applied before the first request is accepted. Cancellation shuts
     the server down gracefully (listening socket closed, lifespan finished: the reaper
     stopped, the database disposed) before the CancelledError propagates. Raises
-    Unavailable if the server could not start (e.g. the port is taken).
+    Unavailable if the server could not start (e.g. the port is taken), ValueError if
+    ``tls`` cannot be served (TlsFiles.check), before anything listens.
 
     A connection whose request headers are not complete within ``header_timeout_s``
     is closed, and so is one from a client address that already holds
     ``max_connections_per_client`` (space.node.api.http_connections).
     """
+    if tls is not None:
+        tls.check()
     registry = NodeRegistry()
     if node is not None:
         registry.register("local", node)
@@ -50,7 +87,16 @@ async def run_control_plane(
     http = guarded_protocol(
         header_timeout_s=header_timeout_s, max_per_client=max_connections_per_client
     )
-    config = uvicorn.Config(app, host=host, port=port, lifespan="on", log_level="info", http=http)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        lifespan="on",
+        log_level="info",
+        http=http,
+        ssl_certfile=None if tls is None else str(tls.cert),
+        ssl_keyfile=None if tls is None else str(tls.key),
+    )
     server = uvicorn.Server(config)
     with _listen(host, port) as sock:
         serving = asyncio.ensure_future(server.serve(sockets=[sock]))

@@ -30,7 +30,9 @@ class AsyncSpace:
 
     ``api_url``/``api_key`` default to SPACE_API_URL / SPACE_API_KEY, then to
     http://127.0.0.1:8080 and no key; ``request_timeout_s`` bounds each ordinary request
-    (default 30 s); ``transport`` replaces the network (tests, custom networking).
+    (default 30 s); ``ca_bundle`` (default SPACE_CA_BUNDLE) is the PEM file of the CA
+    that signed an https API's certificate (``space serve --tls-cert``), None for the
+    system's CAs; ``transport`` replaces the network (tests, custom networking).
     Constructing one sends nothing, so a wrong URL or key shows at the first call
     (Unavailable, AuthenticationError...).
 
@@ -47,9 +49,14 @@ class AsyncSpace:
         *,
         request_timeout_s: float | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        ca_bundle: str | None = None,
     ) -> None:
         config = ConnectionConfig.resolve(
-            api_url, api_key, request_timeout_s=request_timeout_s, transport=transport
+            api_url,
+            api_key,
+            request_timeout_s=request_timeout_s,
+            transport=transport,
+            ca_bundle=ca_bundle,
         )
         self._api = ApiClient(config)
         self.sandboxes = AsyncSandboxes(self._api)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import ssl
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
@@ -52,7 +53,9 @@ class ConnectionConfig:
     """Where the API is and how long to wait for it.
 
     ``request_timeout_s`` bounds each ordinary request (and each read of a stream: a
-    stream may last longer as long as bytes keep coming); ``transport`` replaces the
+    stream may last longer as long as bytes keep coming); ``ca_bundle`` is a PEM file of
+    the CA(s) an ``https://`` API's certificate is checked against (a server started
+    with ``space serve --tls-cert``), None for the system's; ``transport`` replaces the
     network, for tests and custom networking.
     """
 
@@ -60,6 +63,7 @@ class ConnectionConfig:
     api_key: str | None = None
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     connect_timeout_s: float = 10.0
+    ca_bundle: str | None = None
     transport: httpx.AsyncBaseTransport | None = None
 
     @classmethod
@@ -70,12 +74,15 @@ class ConnectionConfig:
         *,
         request_timeout_s: float | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        ca_bundle: str | None = None,
     ) -> ConnectionConfig:
-        """Explicit arguments win over SPACE_API_URL / SPACE_API_KEY, then defaults."""
+        """Explicit arguments win over SPACE_API_URL / SPACE_API_KEY / SPACE_CA_BUNDLE,
+        then defaults."""
         return cls(
             api_url=(api_url or os.environ.get("SPACE_API_URL") or DEFAULT_API_URL).rstrip("/"),
             api_key=api_key or os.environ.get("SPACE_API_KEY") or None,
             request_timeout_s=request_timeout_s or DEFAULT_REQUEST_TIMEOUT_S,
+            ca_bundle=ca_bundle or os.environ.get("SPACE_CA_BUNDLE") or None,
             transport=transport,
         )
 
@@ -84,6 +91,7 @@ class ApiClient:
     """An httpx.AsyncClient bound to one ConnectionConfig. Close it with ``aclose``."""
 
     def __init__(self, config: ConnectionConfig) -> None:
+        """Raises InvalidArgument if ``config.ca_bundle`` cannot be read as PEM CAs."""
         self.config = config
         headers = {"User-Agent": "space-sdk/0.1"}
         if config.api_key:
@@ -93,6 +101,7 @@ class ApiClient:
             headers=headers,
             timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s),
             transport=config.transport,
+            verify=_verify(config.ca_bundle),
         )
 
     async def aclose(self) -> None:
@@ -211,6 +220,16 @@ async def one_call(
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _verify(ca_bundle: str | None) -> ssl.SSLContext | bool:
+    # An SSLContext, not httpx's deprecated verify=<path>; the system's CAs without one.
+    if ca_bundle is None:
+        return True
+    try:
+        return ssl.create_default_context(cafile=ca_bundle)
+    except (OSError, ssl.SSLError) as exc:
+        raise InvalidArgument(f"CA bundle {ca_bundle}: {exc}") from None
 
 
 def same_contract(core: Callable[..., Any]) -> Callable[[_F], _F]:

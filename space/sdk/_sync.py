@@ -393,11 +393,12 @@ class Space(_Facade[AsyncSpace]):
         *,
         request_timeout_s: float | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        ca_bundle: str | None = None,
     ) -> None:
         # Made on the loop thread, where every later call on it runs.
         made = _LOOP.run(
             _made(AsyncSpace, api_url, api_key, request_timeout_s=request_timeout_s,
-                  transport=transport)
+                  transport=transport, ca_bundle=ca_bundle)
         )  # fmt: skip
         super().__init__(made)
         self.sandboxes = Sandboxes(made.sandboxes)

@@ -511,3 +511,9 @@ def test_negative_pools_with_a_malformed_answer_prints_one_error_line() -> None:
 )
 def test_hit_rates_are_printed_as_percentages(rate: float | None, shown: str) -> None:
     assert _pools.hit_rate(rate) == shown
+
+
+def test_the_node_api_listens_on_loopback_unless_told_otherwise() -> None:
+    # Issue 18: a node agent reachable from the network only when the operator says so.
+    (listen,) = [p for p in _server.node.params if p.name == "listen"]
+    assert listen.default == "127.0.0.1:8081"

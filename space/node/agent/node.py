@@ -46,6 +46,7 @@ from space.node.api import (
     TemplateInfo,
 )
 from space.node.core.config import NodeConfig, resolve_node_id
+from space.node.core.data_dir import secure_data_dir
 from space.node.core.template import prepare_template
 from space.node.egress.audit import AuditLog
 from space.node.network.gateway_client import GatewayProcess
@@ -102,6 +103,7 @@ class Node:
         the first image build (minutes); later starts reuse the cached image.
         """
         say = progress or (lambda _msg: None)
+        secure_data_dir(config.data_dir)  # 0700, also an existing one (issue 18)
         node_id = resolve_node_id(config)
         pool = await BtrfsPool.open(
             pool_path=config.pool_path, data_dir=config.data_dir, size_gib=config.pool_size_gib

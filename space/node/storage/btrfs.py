@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from space.node.api import InvalidArgument, NotFound, Unavailable
+from space.node.core.data_dir import secure_top_level
 from space.node.core.run import run
 
 __all__ = [
@@ -124,6 +125,8 @@ class BtrfsPool:
             await pool.enable_quotas()
         for sub in ("templates", "sandboxes", "snapshots", "layers"):
             (pool.root / sub).mkdir(exist_ok=True)
+        # Owner-only, also on a pool made before issue 18 (its root was 0755).
+        secure_top_level(pool.root)
         return pool
 
     async def enable_quotas(self) -> None:
