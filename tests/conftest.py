@@ -23,6 +23,16 @@ def _vm_tests_need_root(request: pytest.FixtureRequest) -> None:
         pytest.fail("this test boots QEMU VMs on a btrfs pool: run the suite as root")
 
 
+@pytest.fixture(autouse=True)
+def _umask_restored() -> Generator[None]:
+    """A test that runs `space serve`/`space node` in-process sets umask 077 (issue 18);
+    it must not change the modes every later test's files get."""
+    before = os.umask(0o022)
+    os.umask(before)
+    yield
+    os.umask(before)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     item.stash[_STARTED] = time.time() - _MTIME_SLACK_S

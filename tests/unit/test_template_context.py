@@ -111,6 +111,15 @@ async def test_a_good_archive_is_unpacked_with_exec_bits_kept_and_setuid_dropped
     assert _names(dest.parent) == [dest.name]
 
 
+async def test_the_servers_owner_only_umask_does_not_change_the_modes_unpacked(
+    dest: Path,
+) -> None:
+    # space serve runs under umask 077 (issue 18); the tree goes to the guest as is.
+    os.umask(0o077)  # restored by tests/conftest.py
+    await unpack_context(_chunks(_tar(GOOD)), dest)
+    assert _tree(dest) == GOOD_TREE
+
+
 @pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
 async def test_a_gzipped_archive_unpacks_the_same_in_every_tar_format(dest: Path, fmt: int) -> None:
     await unpack_context(_chunks(gzip.compress(_tar(GOOD, fmt))), dest)

@@ -63,6 +63,9 @@ def run_command(
                 stderr=subprocess.STDOUT,
                 cwd=cwd,
                 env=child_environment(**(env or {})),
+                # What these tools make (debootstrap, dpkg-deb, depmod, tar) becomes the
+                # guest's files: the usual 022, not the server's 077 (issue 18).
+                umask=0o022,
                 start_new_session=True,
             )
         except OSError as exc:

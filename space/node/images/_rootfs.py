@@ -236,11 +236,21 @@ def _install_sources(root: Path, sources: list[GuestSource]) -> None:
 
 
 def _write(path: Path, data: bytes, mode: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _make_dirs(path.parent)
     path.unlink(missing_ok=True)
     path.write_bytes(data)
     path.chmod(mode)
     os.chown(path, 0, 0)
+
+
+def _make_dirs(path: Path) -> None:
+    """mkdir -p with every new directory 0755: these are the guest's, and the server's
+    umask (077, issue 18) would make them root-only inside the guest."""
+    if path.is_dir():
+        return
+    _make_dirs(path.parent)
+    path.mkdir(exist_ok=True)
+    path.chmod(0o755)
 
 
 def _empty_dir(path: Path) -> None:

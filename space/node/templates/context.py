@@ -382,12 +382,16 @@ def _opened_dir(root: Path, path: str, *, create: bool) -> Iterator[int]:
     fd = os.open(root, _DIR_FLAGS)
     try:
         for part in path.split("/") if path else ():
+            made = False
             if create:
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(part, 0o755, dir_fd=fd)
+                    made = True
             child = os.open(part, _DIR_FLAGS, dir_fd=fd)
             os.close(fd)
             fd = child
+            if made:  # 0755 whatever the server's umask (077, issue 18): it goes to the guest
+                os.fchmod(fd, 0o755)
         yield fd
     finally:
         os.close(fd)
