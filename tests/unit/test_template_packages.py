@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from space.node.core import environment
 from space.node.templates.errors import TemplateError
 from space.node.templates.packages import MAX_STATUS_BYTES, PackageError, _Output, fetch_debs
 from tests.apt_repo import STATUS, served_repository
@@ -231,7 +232,8 @@ def test_negative_a_malformed_source_line_is_refused(tmp_path: Path, line: str) 
 def test_negative_a_missing_apt_get_raises_package_error(
     source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    # apt-get is looked up on the children's PATH (child_environment), not this process's.
+    monkeypatch.setattr(environment, "CHILD_PATH", str(tmp_path / "empty-bin"))
     with pytest.raises(PackageError, match="apt-get is not installed"):
         _fetch(["space-app"], source, tmp_path / "work")
 
