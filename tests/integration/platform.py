@@ -38,6 +38,8 @@ class Platform:
     process: subprocess.Popen[bytes] | None = None
     #: More `space serve` options (egress resolvers and the like).
     extra_args: list[str] = field(default_factory=list)
+    #: Variables added to this process's environment for `space serve` (a master key...).
+    extra_env: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -58,6 +60,7 @@ class Platform:
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                env={**os.environ, **self.extra_env} if self.extra_env else None,
             )
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -151,9 +154,11 @@ def release(data_dir: Path) -> list[str]:
 
 
 @contextlib.contextmanager
-def running_platform(data_dir: Path, extra_args: list[str] | None = None) -> Iterator[Platform]:
+def running_platform(
+    data_dir: Path, extra_args: list[str] | None = None, extra_env: dict[str, str] | None = None
+) -> Iterator[Platform]:
     logs.register(data_dir)
-    platform = Platform(data_dir, extra_args=extra_args or [])
+    platform = Platform(data_dir, extra_args=extra_args or [], extra_env=extra_env or {})
     try:
         platform.start()
         yield platform
