@@ -364,10 +364,11 @@ def server_errors() -> Iterator[None]:
 
 
 def _owner_only(data_dir: Path) -> None:
-    """The data dir made 0700, its top-level entries 0600/0700 (an older version left
-    them readable): issue 18. No umask 077 yet: see space/node/core/data_dir.py."""
-    from space.node.core.data_dir import secure_data_dir
+    """umask 077 for everything this server writes, and the data dir made 0700 (its
+    top-level entries too, if an older version left them readable): issue 18."""
+    from space.node.core.data_dir import restrict_umask, secure_data_dir
 
+    restrict_umask()
     secure_data_dir(data_dir)
 
 

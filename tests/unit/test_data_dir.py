@@ -1,11 +1,13 @@
-"""Nothing leaks by mode (issue 18): the data dir 0700, its top level 0600/0700, also
-when an older version left it 0755/0644."""
+"""Nothing leaks by mode (issue 18): the data dir 0700, what the server writes 0600,
+and an existing data dir of an older version brought to the same modes on start."""
 
 from __future__ import annotations
 
 import os
 import socket
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 from space.node.core.data_dir import secure_data_dir, secure_top_level
@@ -70,3 +72,17 @@ def test_secure_data_dir_is_idempotent(tmp_path: Path) -> None:
     before = {p: _mode(p) for p in data.rglob("*")}
     secure_data_dir(data)
     assert {p: _mode(p) for p in data.rglob("*")} == before
+
+
+def test_a_server_process_writes_owner_only_files(tmp_path: Path) -> None:
+    # In a child: the umask is process-wide and would change every later test here.
+    code = (
+        "import sys, pathlib\n"
+        "from space.node.core.data_dir import restrict_umask\n"
+        "restrict_umask()\n"
+        "d = pathlib.Path(sys.argv[1])\n"
+        "(d / 'f').write_text('x'); (d / 'd').mkdir()\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True)
+    assert _mode(tmp_path / "f") == 0o600
+    assert _mode(tmp_path / "d") == 0o700

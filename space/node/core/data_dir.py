@@ -1,18 +1,13 @@
 """Who may read the data dir: its owner only (issue 18, "nothing leaks by mode").
 
 The data dir holds every guest's disk and RAM (``pool.img``), saved memory, the
-database (sandbox env values, API key hashes), ``master.key`` and ``node-token``.
-``secure_data_dir`` makes the data dir 0700 and brings its top level (an existing one,
-written by an older version with 0755/0644, too) to 0600 files and 0700 directories.
-It fixes the top level only: below a 0700 directory nobody but its owner gets in,
-whatever the modes further down, and walking a pool of many GiB on every start would
-be slow.
-
-The server does not set ``umask 077`` yet: the VMM jail's helper
-(space/node/vmm/_jail_exec.py) makes the directories of a jail's root with
-``os.makedirs(mode=0o755)``, which the umask would turn into 0700 root-owned
-directories its unprivileged QEMU cannot cross (measured: "Failed to unlink socket
-.../agent.sock: Permission denied"). Once the helper sets its own umask, the CLI can.
+database (sandbox env values, API key hashes), ``master.key`` and ``node-token``. A
+server process sets ``umask 077`` before it writes anything (``restrict_umask``), so
+what it creates is 0600 (files) or 0700 (directories); ``secure_data_dir`` makes the
+data dir 0700 and brings an existing one, written by an older version with 0755/0644,
+to the same modes. It fixes the top level only: below a 0700 directory nobody but its
+owner gets in, whatever the modes further down, and walking a pool of many GiB or the
+image cache on every start would be slow.
 """
 
 from __future__ import annotations
@@ -21,10 +16,18 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["DIR_MODE", "FILE_MODE", "secure_data_dir", "secure_top_level"]
+__all__ = ["DIR_MODE", "FILE_MODE", "restrict_umask", "secure_data_dir", "secure_top_level"]
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600
+
+
+def restrict_umask() -> None:
+    """Make everything this process creates from now on owner-only (umask 077).
+
+    Process-wide and inherited by children; call it first thing in a server command.
+    """
+    os.umask(0o077)
 
 
 def secure_data_dir(data_dir: Path) -> None:

@@ -64,7 +64,7 @@ def run_command(
                 cwd=cwd,
                 env=child_environment(**(env or {})),
                 # What these tools make (debootstrap, dpkg-deb, depmod, tar) becomes the
-                # guest's files: the usual 022, whatever the server's umask (issue 18).
+                # guest's files: the usual 022, not the server's 077 (issue 18).
                 umask=0o022,
                 start_new_session=True,
             )

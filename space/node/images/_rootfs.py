@@ -245,7 +245,7 @@ def _write(path: Path, data: bytes, mode: int) -> None:
 
 def _make_dirs(path: Path) -> None:
     """mkdir -p with every new directory 0755: these are the guest's, and the server's
-    umask (077 is what issue 18 wants) would make them root-only inside the guest."""
+    umask (077, issue 18) would make them root-only inside the guest."""
     if path.is_dir():
         return
     _make_dirs(path.parent)

@@ -390,7 +390,7 @@ def _opened_dir(root: Path, path: str, *, create: bool) -> Iterator[int]:
             child = os.open(part, _DIR_FLAGS, dir_fd=fd)
             os.close(fd)
             fd = child
-            if made:  # 0755 whatever the server's umask (issue 18): it goes to the guest
+            if made:  # 0755 whatever the server's umask (077, issue 18): it goes to the guest
                 os.fchmod(fd, 0o755)
         yield fd
     finally:
