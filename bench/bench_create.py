@@ -43,7 +43,7 @@ from space.node.core.run import run as run_command
 from space.node.storage.btrfs import BtrfsPool, TemplateVolume, grow_image
 from space.sdk import AsyncSandbox
 from tests.integration.conftest import release_data_dir
-from tests.integration.platform import free_port
+from tests.ports import free_port
 
 PATHS = (
     "(a) full copy + cold boot",

@@ -129,7 +129,7 @@ async def sizes(node: Node) -> dict[str, float]:
 
 
 async def run(data_dir: Path, runs: int) -> tuple[dict[str, list[float]], dict[str, float]]:
-    node = await Node.start(NodeConfig(data_dir=data_dir, pool_size_gib=4, boot_timeout_s=90.0))
+    node = await Node.start(NodeConfig(data_dir=data_dir, pool_size_gib=16, boot_timeout_s=90.0))
     try:
         return await bench(node, runs), await sizes(node)
     finally:

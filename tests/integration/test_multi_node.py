@@ -18,7 +18,8 @@ import pytest
 
 from space import Sandbox
 
-from .platform import SPACE, Platform, free_port, release, running_platform
+from ..ports import free_port
+from .platform import SPACE, Platform, release, running_platform
 
 pytestmark = pytest.mark.vm
 

@@ -128,26 +128,12 @@ def _holding(value: str) -> set[int]:
     return pids
 
 
-def test_no_process_but_the_server_holds_the_master_key_apart_from_qemu(
+def test_no_process_of_the_platform_but_the_server_holds_the_master_key(
     platform: Platform, sandboxes: tuple[Sandbox, Sandbox]
 ) -> None:
     assert platform.process is not None
-    gateways = gateway_pids(platform.data_dir)
-    assert gateways
-    for pid in gateways:
+    qemus, gateways = qemu_pids(platform.data_dir), gateway_pids(platform.data_dir)
+    assert qemus and gateways  # the running sandbox's QEMU and the egress gateway
+    for pid in [*qemus, *gateways]:
         assert b"SPACE_MASTER_KEY" not in Path(f"/proc/{pid}/environ").read_bytes(), pid
-    others = _holding(MASTER_KEY) - set(qemu_pids(platform.data_dir))
-    assert others == {platform.process.pid}
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="space/node/vmm/qemu.py still spawns QEMU with dict(os.environ); the VMM jail"
-    " (issue 18, another change) gives it child_environment(): then drop this mark",
-)
-def test_no_qemu_holds_the_master_key(
-    platform: Platform, sandboxes: tuple[Sandbox, Sandbox]
-) -> None:
-    qemus = qemu_pids(platform.data_dir)
-    assert qemus  # the running sandbox's
-    assert _holding(MASTER_KEY) & set(qemus) == set()
+    assert _holding(MASTER_KEY) == {platform.process.pid}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -29,3 +31,19 @@ def sync_api(tmp_path: Path) -> Iterator[LiveApi]:
     of ``Sandbox``, ``Space`` and the CLI)."""
     with LiveApi(tmp_path / "control").serving_sync() as live:
         yield live
+
+
+@pytest.fixture
+def egress_dir(tmp_path: Path) -> Iterator[Path]:
+    """The gateway's data dir; every gateway started on it is gone afterwards."""
+    directory = tmp_path / "egress"
+    yield directory
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                argv = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"space.node.egress" in argv and str(directory).encode() in argv:
+                os.kill(int(proc.name), signal.SIGKILL)
+                pytest.fail(f"a gateway was left running: pid {proc.name}")

@@ -4,9 +4,6 @@ child_environment(), never the server's own, so SPACE_MASTER_KEY stays in the se
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -66,22 +63,6 @@ def test_apt_runs_with_its_own_config_and_nothing_of_the_server(
     env = _AptRoot(tmp_path, "amd64").environment()
     assert SECRET not in env.values()
     assert set(env) == {"PATH", "LANG", "APT_CONFIG", "LC_ALL", "DEBIAN_FRONTEND"}
-
-
-@pytest.fixture
-def egress_dir(tmp_path: Path) -> Iterator[Path]:
-    """The gateway's data dir; every gateway started on it is gone afterwards."""
-    directory = tmp_path / "egress"
-    yield directory
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                argv = (proc / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"space.node.egress" in argv and str(directory).encode() in argv:
-                os.kill(int(proc.name), signal.SIGKILL)
-                pytest.fail(f"a gateway was left running: pid {proc.name}")
 
 
 def test_the_egress_gateway_starts_without_the_servers_environment(

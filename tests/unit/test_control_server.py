@@ -15,17 +15,11 @@ import pytest
 from space.control import ControlSettings, register_remote_node, run_control_plane
 from space.node.api import Unavailable
 from space.node.api.http_connections import MAX_HEADER_BYTES
+from tests.ports import free_port
 from tests.unit._raw_http import closed_by_server
 from tests.unit.fakes import FakeNode
 
 pytestmark = pytest.mark.anyio
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 async def _wait_until_serving(url: str) -> None:
@@ -40,7 +34,7 @@ async def _wait_until_serving(url: str) -> None:
 
 async def test_a_node_registers_with_a_running_control_plane(tmp_path: Path) -> None:
     settings = ControlSettings(data_dir=tmp_path)
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = asyncio.create_task(
         run_control_plane(settings, FakeNode(), host="127.0.0.1", port=port)
@@ -80,7 +74,7 @@ async def test_negative_a_taken_port_is_unavailable(tmp_path: Path) -> None:
 @contextlib.asynccontextmanager
 async def _serving(tmp_path: Path, **bounds: Any) -> AsyncIterator[int]:
     """run_control_plane on a free loopback port with ``bounds``; yields the port."""
-    port = _free_port()
+    port = free_port()
     server = asyncio.create_task(
         run_control_plane(
             ControlSettings(data_dir=tmp_path), FakeNode(), host="127.0.0.1", port=port, **bounds

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import datetime
 import ipaddress
-import socket
 import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,6 +23,7 @@ from cryptography.x509.oid import NameOID
 from space.cli import main
 from space.control import ControlSettings, TlsFiles, create_key, run_control_plane
 from space.sdk import AsyncSpace, InvalidArgument, Unavailable
+from tests.ports import free_port
 from tests.unit.fakes import FakeNode
 
 pytestmark = pytest.mark.anyio
@@ -62,17 +62,10 @@ def _write_pair(directory: Path, name: str) -> TlsFiles:
     return files
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @contextlib.asynccontextmanager
 async def _serving(settings: ControlSettings, tls: TlsFiles) -> AsyncIterator[int]:
     """run_control_plane over HTTPS on a free port; yields the port once it answers."""
-    port = _free_port()
+    port = free_port()
     server = asyncio.create_task(
         run_control_plane(settings, FakeNode(), host="127.0.0.1", port=port, tls=tls)
     )

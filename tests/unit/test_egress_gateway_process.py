@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,22 +25,6 @@ def _alive(pid: int | None) -> bool:
     except (OSError, IndexError):
         return False
     return state not in ("Z", "X")
-
-
-@pytest.fixture
-def egress_dir(tmp_path: Path) -> Iterator[Path]:
-    """The gateway's data dir; every gateway started on it is gone afterwards."""
-    directory = tmp_path / "egress"
-    yield directory
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                argv = (proc / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"space.node.egress" in argv and str(directory).encode() in argv:
-                os.kill(int(proc.name), signal.SIGKILL)
-                pytest.fail(f"a gateway was left running: pid {proc.name}")
 
 
 async def _start(directory: Path, resolvers: list[str] = RESOLVERS) -> GatewayProcess:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
-import socket
 import tarfile
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,6 +18,7 @@ import pytest
 from space.node.api import SandboxSpec
 from space.node.api.http_connections import MAX_HEADER_BYTES
 from space.node.http.server import MAX_NODE_JSON_BODY_BYTES, create_node_app, node_server
+from tests.ports import free_port
 from tests.unit._raw_http import CHUNK_BYTES, StreamedBody, closed_by_server
 from tests.unit.fakes import FakeNode
 
@@ -131,17 +131,10 @@ def tarred(files: dict[str, bytes]) -> bytes:
 # -- a served node: header deadline, header size, connections per client ------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @contextlib.asynccontextmanager
 async def _serving(**bounds: Any) -> AsyncIterator[int]:
     """node_server over a FakeNode on a free loopback port; yields the port."""
-    port = _free_port()
+    port = free_port()
     server = node_server(create_node_app(FakeNode(), TOKEN), host="127.0.0.1", port=port, **bounds)
     serving = asyncio.create_task(server.serve())
     try:

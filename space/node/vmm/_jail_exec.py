@@ -247,11 +247,13 @@ def _child(spec: dict[str, object], errors: int) -> None:
         binds = [(str(s), str(m)) for s, m in spec["binds"]]  # type: ignore[attr-defined]
         with open("/proc/sys/kernel/cap_last_cap") as f:  # before the host's /proc is gone
             last_cap = f.read()
+        os.umask(0o022)  # the jail's own directories: every jailed uid walks them
         _build_root(str(spec["root"]), binds)
         _check(_libc.sethostname(b"jail", 4), "sethostname")
         if spec.get("sched_batch"):
             os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
         _drop_privileges(int(spec["uid"]), int(spec["gid"]), int(last_cap))  # type: ignore[call-overload]
+        os.umask(0o077)  # what QEMU makes (its sockets) is its uid's alone
         _install_seccomp()
         argv = [str(a) for a in spec["argv"]]  # type: ignore[attr-defined]
         os.execve(argv[0], argv, {str(k): str(v) for k, v in spec["env"].items()})  # type: ignore[attr-defined]

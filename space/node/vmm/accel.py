@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from space.node.core.environment import child_environment
+
 __all__ = [
     "Accelerator",
     "HostFacts",
@@ -141,6 +143,7 @@ async def probe_kvm_boot(qemu_binary: str, kernel: Path, initrd: Path, *, timeou
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.DEVNULL,
             start_new_session=True,
+            env=child_environment(),
         )
     except OSError as exc:
         log.warning("accelerator probe could not start %s: %s", qemu_binary, exc)

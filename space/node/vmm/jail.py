@@ -39,9 +39,11 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from space.node.api import Unavailable
 from space.node.core.capacity import VM_OVERHEAD_MIB
+from space.node.core.environment import child_environment
 from space.node.vmm.cgroups import CgroupLimits, VmCgroups
 
 __all__ = ["JAIL_UIDS", "TAP_FD", "Bind", "Jail", "jail_for", "jailed_uid_in_use"]
@@ -57,7 +59,7 @@ _PIDS_MAX = 128
 #: Beyond VM_OVERHEAD_MIB (what admission charges a VM besides guest RAM), room for
 #: TCG's 64 MiB translation cache and page cache of its own disk the kernel reclaims
 #: first: the limit is a wall against runaway growth, not a tight fit.
-_MEMORY_SLACK_MIB = 128
+_MEMORY_SLACK_MIB = 256
 
 _EXEC = Path(__file__).with_name("_jail_exec.py")
 _JAIL_ROOT = Path("/run/space-jail")
@@ -75,7 +77,7 @@ class Bind:
     """A host path the jail sees at the same path: ``ro``, ``rw`` or ``dev``."""
 
     path: Path
-    mode: str
+    mode: Literal["ro", "rw", "dev"]
 
 
 class Jail:
@@ -121,7 +123,7 @@ class Jail:
             await asyncio.to_thread(_hand_over, owned, uid)
             spec = {
                 "argv": [binary, *argv[1:]],
-                "env": {"PATH": "/usr/bin", "LANG": "C.UTF-8"},
+                "env": child_environment(),
                 "uid": uid,
                 "gid": uid,
                 "root": str(self.jail_root()),
