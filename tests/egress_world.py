@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import datetime
 import ipaddress
 import os
 import secrets
@@ -44,13 +43,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from mitmproxy import dns
 from mitmproxy.net.dns import response_codes, types
 
 from space.node.egress.netns_socket import bind_in_netns
+
+from .tls import write_self_signed
 
 __all__ = ["Hit", "World", "egress_world"]
 
@@ -353,33 +351,14 @@ def _made_in_netns(netns: Path, make: Callable[[], socket.socket]) -> socket.soc
 def _tls_context(world: World) -> ssl.SSLContext:
     """A server context with a self-signed certificate for the test names (also kept
     as ``world.upstream_ca``, for the node to verify the server with)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "allowed.test")])
-    now = datetime.datetime.now(datetime.UTC)
-    names = [x509.DNSName(n) for n in ("allowed.test", "tls.allowed.test", "other.test")]
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(days=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName(names), critical=False)
-        .sign(key, hashes.SHA256())
-    )
     directory = world.directory
-    (directory / "upstream-ca.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    names: list[x509.GeneralName] = [
+        x509.DNSName(n) for n in ("allowed.test", "tls.allowed.test", "other.test")
+    ]
+    write_self_signed(directory / "cert.pem", directory / "key.pem", "allowed.test", names)
     world.upstream_ca = directory / "upstream-ca.pem"
+    world.upstream_ca.write_bytes((directory / "cert.pem").read_bytes())
     try:
-        (directory / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        (directory / "key.pem").write_bytes(
-            key.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            )
-        )
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(directory / "cert.pem", directory / "key.pem")
     finally:

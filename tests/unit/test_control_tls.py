@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import ipaddress
 import ssl
 from collections.abc import AsyncIterator
@@ -16,14 +15,12 @@ import httpx
 import pytest
 from click.testing import CliRunner
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from space.cli import main
 from space.control import ControlSettings, TlsFiles, create_key, run_control_plane
 from space.sdk import AsyncSpace, InvalidArgument, Unavailable
 from tests.ports import free_port
+from tests.tls import write_self_signed
 from tests.unit.fakes import FakeNode
 
 pytestmark = pytest.mark.anyio
@@ -31,34 +28,9 @@ pytestmark = pytest.mark.anyio
 
 def _write_pair(directory: Path, name: str) -> TlsFiles:
     """A self-signed certificate for 127.0.0.1 (its own CA) and its key, PEM, 0600."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
     files = TlsFiles(directory / f"{name}.crt", directory / f"{name}.key")
-    files.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    files.key.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    files.key.chmod(0o600)
+    loopback = x509.IPAddress(ipaddress.ip_address("127.0.0.1"))
+    write_self_signed(files.cert, files.key, name, [loopback], ca=True)
     return files
 
 

@@ -140,11 +140,3 @@ class VmCgroups:
             for directory in (base, base.parent):
                 with contextlib.suppress(OSError):
                     directory.rmdir()
-
-    def procs_of(self, vm: str) -> list[int]:
-        """The pids in ``vm``'s cgroup (of the first hierarchy)."""
-        try:
-            text = (self.bases[0] / vm / "cgroup.procs").read_text()
-        except OSError:
-            return []
-        return [int(p) for p in text.split()]

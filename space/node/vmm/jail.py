@@ -105,8 +105,8 @@ class Jail:
         """Start ``argv`` jailed as VM ``name``; returns its host pid once it runs.
 
         ``owned`` are handed to the jail's uid first (its disk, sockets' directory,
-        console log...). Raises Unavailable (the jail's own error message included) if
-        any step fails; nothing is left running or in a cgroup then.
+        console log...). Raises Unavailable if any step fails (the jail's own message is in
+        ``stderr_log``); nothing is left running or in a cgroup then.
         """
         binary = shutil.which(argv[0])
         if binary is None:
@@ -136,7 +136,7 @@ class Jail:
                 "log": str(stderr_log),
                 "sched_batch": True,
             }
-            await asyncio.to_thread(self._broker.launch, spec, stderr_log, pid_file)
+            await asyncio.to_thread(self._broker.launch, spec, pid_file)
             return _read_pid(pid_file)
         except (OSError, ValueError) as exc:
             self.cgroups.remove(name)
@@ -224,8 +224,8 @@ class _Broker:
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
 
-    def launch(self, spec: dict[str, object], log: Path, pid_file: Path) -> None:
-        """One launch; Unavailable with the jail's message if it failed."""
+    def launch(self, spec: dict[str, object], pid_file: Path) -> None:
+        """One launch; Unavailable if it failed (the jail's message is in the spec's log)."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(pid_file)
         request = json.dumps(spec).encode() + b"\n"
@@ -235,7 +235,7 @@ class _Broker:
             self.stop()
             raise Unavailable("the VMM's jail launcher did not answer")
         if answer.get("status") != 0:
-            raise Unavailable(f"the VMM's jail failed: {_tail(log)}")
+            raise Unavailable("the VMM's jail failed")
 
     def _ask(self, request: bytes) -> dict[str, object] | None:
         proc = self._running()
@@ -277,15 +277,6 @@ class _Broker:
 def _read_pid(pid_file: Path) -> int:
     with open(pid_file) as f:
         return int(f.read())
-
-
-def _tail(path: Path, max_bytes: int = 2048) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.fstat(f.fileno()).st_size - max_bytes))
-            return f.read().decode(errors="replace").strip()
-    except OSError:
-        return "(no log)"
 
 
 def _become_subreaper() -> None:

@@ -200,18 +200,22 @@ class QemuVM:
             stale.unlink(missing_ok=True)
         await asyncio.to_thread(_prepare_files, cfg)
         jail = jail_for(cfg.run_dir.parent)
-        pid = await jail.spawn(
-            cfg.run_dir.name,
-            build_command(cfg, qemu_binary=qemu_binary),
-            binds=jail_binds(cfg),
-            owned=jail_owned(cfg),
-            netns=cfg.netns,
-            tap=cfg.tap,
-            memory_mib=cfg.memory_mib,
-            cpus=cfg.cpus,
-            stderr_log=cfg.stderr_log,
-            pid_file=cfg.pid_file,
-        )
+        try:
+            pid = await jail.spawn(
+                cfg.run_dir.name,
+                build_command(cfg, qemu_binary=qemu_binary),
+                binds=jail_binds(cfg),
+                owned=jail_owned(cfg),
+                netns=cfg.netns,
+                tap=cfg.tap,
+                memory_mib=cfg.memory_mib,
+                cpus=cfg.cpus,
+                stderr_log=cfg.stderr_log,
+                pid_file=cfg.pid_file,
+            )
+        except Unavailable as exc:
+            tail = _read_tail(cfg.stderr_log, 2048) or "(no log)"
+            raise Unavailable(f"{exc}: {tail}", sandbox_id=cfg.sandbox_id) from exc
         try:
             pidfd = os.pidfd_open(pid)
         except OSError as exc:
