@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from space.node.api import SandboxSpec, SandboxState
+from space.node.core.keys import NodeKeys
 from space.node.core.sandbox import hostname_for, vm_config_for
 from space.node.core.state import SandboxRecord
 from space.node.vmm.jail import TAP_FD, Bind
@@ -206,7 +207,9 @@ def test_sandbox_kernel_cmdline_adds_a_hostname_derived_from_the_id() -> None:
         base_cmdline="console=ttyS0 quiet",
         accel="tcg",
         console_log=Path("/data/c.log"),
+        keys=NodeKeys.from_node_key(bytes(32)),
     )
+    assert "disk_passphrase" not in repr(cfg) and cfg.keys is not None
     assert cfg.kernel_cmdline == (
         "console=ttyS0 quiet space.hostname=team-a-sb-42 space.net=192.0.2.2/30,192.0.2.1"
     )

@@ -25,6 +25,7 @@ from space.node.agent._lifecycle import Lifecycle
 from space.node.api import EgressPolicy, NodeError, NotFound, SandboxState
 from space.node.core.capacity import Resident, measure_host
 from space.node.core.config import NodeConfig
+from space.node.core.keys import NodeKeys
 from space.node.core.sandbox import LiveSandbox, vm_config_for
 from space.node.core.state import SandboxRecord, SnapshotStore, StateStore
 from space.node.storage.btrfs import BtrfsPool
@@ -46,8 +47,10 @@ class Registry:
         catalog: Catalog,
         accel: Accelerator,
         network: SandboxNetwork,
+        keys: NodeKeys,
     ) -> None:
         self.config = config
+        self.keys = keys
         self.pool = pool
         self.catalog = catalog
         self.accelerator = accel
@@ -104,6 +107,7 @@ class Registry:
             base_cmdline=self.catalog.base.kernel_cmdline,
             accel=self.accelerator,
             console_log=self.console_log(sid),
+            keys=self.keys,
         )
         return LiveSandbox(record=record, config=config, lock=lock or self.lock(sid))
 

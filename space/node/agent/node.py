@@ -47,6 +47,7 @@ from space.node.api import (
 )
 from space.node.core.config import NodeConfig, resolve_node_id
 from space.node.core.data_dir import secure_data_dir
+from space.node.core.keys import NodeKeys
 from space.node.core.template import prepare_template
 from space.node.egress.audit import AuditLog
 from space.node.network.gateway_client import GatewayProcess
@@ -69,6 +70,7 @@ class Node:
         catalog: Catalog,
         accel: Accelerator,
         gateway: GatewayProcess,
+        keys: NodeKeys,
     ) -> None:
         self.config = config
         self.node_id = node_id
@@ -83,7 +85,9 @@ class Node:
             run_root=config.effective_run_dir,
             bounds=config.egress_bounds,
         )
-        self._registry = Registry(config, pool=pool, catalog=catalog, accel=accel, network=network)
+        self._registry = Registry(
+            config, pool=pool, catalog=catalog, accel=accel, network=network, keys=keys
+        )
         self.pools = Pools(self._registry)
         self.snapshots = Snapshots(self._registry)
         self.sandboxes = Sandboxes(self._registry, snapshots=self.snapshots, pools=self.pools)
@@ -104,6 +108,7 @@ class Node:
         """
         say = progress or (lambda _msg: None)
         secure_data_dir(config.data_dir)  # 0700, also an existing one (issue 18)
+        keys = NodeKeys.load(config.effective_key_file, create=True)
         node_id = resolve_node_id(config)
         pool = await BtrfsPool.open(
             pool_path=config.pool_path, data_dir=config.data_dir, size_gib=config.pool_size_gib
@@ -130,7 +135,13 @@ class Node:
             for problem in catalog.load():
                 say(problem)
             node = cls(
-                config, node_id=node_id, pool=pool, catalog=catalog, accel=accel, gateway=gateway
+                config,
+                node_id=node_id,
+                pool=pool,
+                catalog=catalog,
+                accel=accel,
+                gateway=gateway,
+                keys=keys,
             )
             await node._start(say)
         except BaseException:

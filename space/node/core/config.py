@@ -96,6 +96,8 @@ class NodeConfig:
     #: carry ports beyond 80 and 443. (space.node.api.egress_policy.PolicyBounds.)
     egress_operator_ranges: tuple[str, ...] = ()
     egress_allow_wide_any_port: bool = False
+    #: The node key's file (space/node/core/keys.py); None means ``data_dir/node.key``.
+    key_file: Path | None = None
 
     def __post_init__(self) -> None:
         self._check_counts()
@@ -160,6 +162,10 @@ class NodeConfig:
             return self.run_dir
         tag = hashlib.sha256(str(self.data_dir.resolve()).encode()).hexdigest()[:12]
         return Path("/run/space") / tag
+
+    @property
+    def effective_key_file(self) -> Path:
+        return self.key_file if self.key_file is not None else self.data_dir / "node.key"
 
     @property
     def effective_upstream_ca(self) -> Path:

@@ -18,6 +18,7 @@ from typing import TypeVar
 
 from space.node.api import Conflict, NodeError, SandboxState, Timeout, Unavailable
 from space.node.channel import GuestChannel
+from space.node.core.keys import NodeKeys
 from space.node.core.state import Pending, SandboxRecord
 from space.node.network import netns
 from space.node.vmm.accel import Accelerator
@@ -91,7 +92,13 @@ def fsync_file(path: Path) -> None:
 
 
 def vm_config_for(
-    record: SandboxRecord, *, volume: Path, base_cmdline: str, accel: Accelerator, console_log: Path
+    record: SandboxRecord,
+    *,
+    volume: Path,
+    base_cmdline: str,
+    accel: Accelerator,
+    console_log: Path,
+    keys: NodeKeys,
 ) -> VmConfig:
     """The VM of a sandbox: kernel, initrd and rootfs live in its own volume; its RAM is
     anonymous until ``LiveSandbox.launch`` says otherwise."""
@@ -110,6 +117,7 @@ def vm_config_for(
         memory_mib=spec.memory_mib,
         accel=accel,
         netns=netns.netns_path(netns.netns_name(Path(record.run_dir))),
+        keys=keys,
     )
 
 

@@ -17,12 +17,13 @@ import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from qemu.qmp import QMPClient
 
 from space.node.api import Timeout, Unavailable
+from space.node.core.keys import NodeKeys
 from space.node.network.netns import GUEST_MAC, TAP
 from space.node.vmm.accel import Accelerator
 from space.node.vmm.jail import TAP_FD, Bind, jail_for
@@ -68,6 +69,9 @@ class VmConfig:
     accel: Accelerator = "tcg"
     # i440fx ("pc") has fewer devices to probe than q35, so the guest boots faster.
     machine: str = "pc"
+    #: The node's keys for data at rest (None: disks raw, states unencrypted; only
+    #: for tools and tests of this module, every VM of a node has them).
+    keys: NodeKeys | None = field(default=None, repr=False, compare=False)
 
     @property
     def qmp_socket(self) -> Path:
