@@ -40,7 +40,8 @@ from space.control.server import run_control_plane
 from space.node.agent import Node
 from space.node.core.config import NodeConfig
 from space.node.core.run import run as run_command
-from space.node.storage.btrfs import BtrfsPool, TemplateVolume, grow_image
+from space.node.storage.btrfs import BtrfsPool, TemplateVolume
+from space.node.storage.disks import grow_disk
 from space.sdk import AsyncSandbox
 from tests.integration.conftest import release_data_dir
 from tests.ports import free_port
@@ -62,7 +63,7 @@ async def full_copy_volume(
     for name in ("kernel", "initrd", "rootfs.img"):
         source = template.path / name
         await run_command("cp", "--reflink=never", str(source), str(path / name), timeout_s=300)
-    await grow_image(path / "rootfs.img", disk_mib)
+    await grow_disk(path / "rootfs.img", disk_mib)
     return path
 
 

@@ -35,7 +35,7 @@ from space.node.images import DEFAULT_CACHE_DIR
 from space.node.storage.btrfs import BtrfsPool, TemplateVolume
 
 DISK_MIB, MEMORY_MIB, WRITE_MIB = 2048, 256, 64
-_FILES, _NAMES = ("kernel", "initrd", "rootfs"), ("vmlinuz", "initrd.img", "rootfs.img")
+_NAMES = ("vmlinuz", "initrd.img", "rootfs.img")
 Times = dict[str, list[float]]
 
 
@@ -100,8 +100,10 @@ async def _measure(runs: int, live: int, image_dir: Path) -> dict[bool, Times]:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-quotas-")))
             pool = await BtrfsPool.open(pool_path=None, data_dir=tmp, size_gib=20, quotas=quotas)
             stack.push_async_callback(pool.close, unmount=True)
-            files = {f: image_dir / n for f, n in zip(_FILES, _NAMES, strict=True)}
-            template = await pool.import_template("base", "bench", **files)
+            kernel, initrd, rootfs = (image_dir / n for n in _NAMES)
+            template = await pool.import_template(
+                "base", "bench", kernel=kernel, initrd=initrd, rootfs=rootfs
+            )
             pools[quotas] = pool, template
             limit = volume_limit_mib(DISK_MIB, MEMORY_MIB) if quotas else None
             for i in range(live):

@@ -1,5 +1,5 @@
-"""PID 1 of a SPACE guest: mount the basics, name the host, set up the network, run
-and babysit spaced.
+"""PID 1 of a SPACE guest: mount the basics, grow the root filesystem to its disk, name
+the host, set up the network, run and babysit spaced.
 
 Exec'd from the initramfs as ``python3 -B -m space.guest.init``. It must never exit (a
 PID 1 exit panics the kernel): it reaps every child (orphans are re-parented to it),
@@ -13,9 +13,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import fcntl
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -50,6 +52,10 @@ _NIC_WAIT_S = 2.0
 #: Backoff between spaced restarts; reset once it has run this long.
 _BACKOFF_MAX_S = 5.0
 _HEALTHY_S = 30.0
+
+#: _IOW('f', 16, __u64): grow a mounted ext4 to a block count (what resize2fs does online).
+_EXT4_IOC_RESIZE_FS = 0x40086610
+_ROOT_DEVICE = "vda"
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
@@ -202,10 +208,31 @@ def supervise() -> None:
             _log(f"cannot start spaced: {exc}")
 
 
+def grow_root() -> None:
+    """Grow the root ext4 to its whole disk (a no-op when it fills it already).
+
+    The node makes a new sandbox's disk larger than its template's by extending the
+    encrypted image; only the guest can see, and so grow, the filesystem inside.
+    Failure is logged, never fatal: the guest then runs on the smaller filesystem.
+    """
+    try:
+        with open(f"/sys/block/{_ROOT_DEVICE}/size") as f:
+            disk_bytes = int(f.read()) * 512
+        blocks = disk_bytes // os.statvfs("/").f_frsize
+        fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.ioctl(fd, _EXT4_IOC_RESIZE_FS, struct.pack("=Q", blocks))
+        finally:
+            os.close(fd)
+    except (OSError, ValueError) as exc:
+        _log(f"cannot grow the root filesystem: {exc}")
+
+
 def main() -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _power_off)
     mount_basics()
+    grow_root()
     cmdline = _kernel_cmdline()
     set_hostname(cmdline)
     loopback_up()

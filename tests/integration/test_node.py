@@ -6,6 +6,7 @@ Each test boots as few VMs as it can (TCG boots take seconds on these machines).
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from space.node.api import (
     SandboxState,
     Unavailable,
 )
+from space.node.storage.disks import disk_format
 
 from .conftest import NodeHarness
 from .platform import qemu_pids
@@ -104,6 +106,40 @@ def test_create_exec_and_delete_leaves_nothing_behind(
     assert qemu_pids(node.config.data_dir) == []
     with pytest.raises(NotFound):
         node.run(node.node.get_sandbox(spec.sandbox_id))
+
+
+def _holds(image: Path, needle: bytes) -> bool:
+    """Whether ``needle`` is anywhere in the data of ``image`` (read past its holes)."""
+    with open(image, "rb") as f:
+        end, offset = os.fstat(f.fileno()).st_size, 0
+        while offset < end:
+            try:
+                offset = os.lseek(f.fileno(), offset, os.SEEK_DATA)
+            except OSError:  # ENXIO: only a hole is left
+                return False
+            chunk = os.pread(f.fileno(), 8 << 20, offset)
+            if needle in chunk:
+                return True
+            offset += max(len(chunk) - len(needle), 1)
+    return False
+
+
+def test_the_guest_disk_is_encrypted_on_the_host_and_its_filesystem_fills_its_size(
+    node: NodeHarness,
+) -> None:
+    spec = SandboxSpec("it-disk", memory_mib=256, disk_mib=1536)
+    node.run(node.node.create_sandbox(spec))
+    marker = secrets.token_hex(32)
+    script = f"printf {marker} > ~/marker && sync && df -k --output=size / | tail -1"
+    out, err, code = node.run(_run(node.node, spec.sandbox_id, ExecRequest(cmd=script)))
+    assert code == 0, err
+    # The guest grew its ext4 to the disk as it booted: all of it less ext4's overhead.
+    assert 1536 * 1024 * 0.95 < int(out) <= 1536 * 1024
+    rootfs = node.config.data_dir / "pool" / "sandboxes" / spec.sandbox_id / "rootfs.img"
+    assert disk_format(rootfs) == "luks"
+    assert not _holds(rootfs, marker.encode())
+    assert _holds(rootfs, b"LUKS\xba\xbe")  # the search itself finds what is there
+    node.run(node.node.delete_sandbox(spec.sandbox_id))
 
 
 def test_node_restart_readopts_a_running_sandbox_and_its_processes(node: NodeHarness) -> None:

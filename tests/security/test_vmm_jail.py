@@ -1,8 +1,8 @@
 """Assume QEMU is compromised: what can a jailed VMM reach?
 
 Two real QEMUs are started the way the node starts them (``QemuVM.launch``: jailed),
-A and B, each with its own kernel, initrd, disk and RAM file, beside a data dir holding
-a master key, a node token and a database. Then:
+A and B, each with its own kernel, initrd, disk (A's encrypted, as a node's are) and RAM
+file, beside a data dir holding a master key, a node token and a database. Then:
 
 - over A's own QMP, A is asked to open host files (``blockdev-add``) and read them
   (``human-monitor-command`` with ``qemu-io``): B's disk and RAM file, the data dir's
@@ -12,7 +12,9 @@ a master key, a node token and a database. Then:
   mount, reach a TCP listener on the host's loopback, B's QMP socket and an abstract
   socket, exceed its memory and fork-bomb. Each fails (the memory hog is killed by the
   cgroup, the fork bomb stops at the pids limit) while B runs on; reading its own disk
-  and writing in its own run directory succeed.
+  and writing in its own run directory succeed;
+- A's disk passphrase is in no process's argv or environment and in no file the host
+  sees: A's QEMU holds it (it opens its disk again with it), B's has none.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from pathlib import Path
 import pytest
 from qemu.qmp import ExecuteError, QMPClient
 
+from space.node.core.keys import NodeKeys
 from space.node.images import GuestImage, build_template
+from space.node.storage.disks import encrypt_image
 from space.node.vmm.jail import JAIL_UIDS, jail_for
 from space.node.vmm.qemu import QemuVM, VmConfig
 
@@ -44,17 +48,31 @@ PROBE = Path(__file__).with_name("jail_probe.py")
 SECRET = b"SPACE-SECRET-DO-NOT-LEAK"
 
 
+KEYS = NodeKeys.from_node_key(os.urandom(32))
+
+
 @pytest.fixture(scope="module")
 def image() -> GuestImage:
     return build_template("base", progress=lambda line: None)
 
 
-def _vm_files(image: GuestImage, directory: Path) -> VmConfig:
+@pytest.fixture(scope="module")
+def encrypted_rootfs(image: GuestImage) -> Iterator[Path]:
+    """The image's disk as the node imports it: LUKS under ``KEYS``."""
+    directory = Path(tempfile.mkdtemp(prefix="space-jail-disk-"))
+    try:
+        asyncio.run(encrypt_image(image.rootfs, directory / "rootfs", KEYS.disk_passphrase))
+        yield directory / "rootfs"
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _vm_files(image: GuestImage, rootfs: Path, directory: Path) -> VmConfig:
     directory.mkdir(mode=0o700)
     for name, source in (("kernel", image.kernel), ("initrd", image.initrd)):
         shutil.copyfile(source, directory / name)
     subprocess.run(
-        ["cp", "--reflink=auto", "--sparse=always", str(image.rootfs), str(directory / "disk")],
+        ["cp", "--reflink=auto", "--sparse=always", str(rootfs), str(directory / "disk")],
         check=True,
     )
     with open(directory / "memory.ram", "wb") as ram:
@@ -71,6 +89,7 @@ def _vm_files(image: GuestImage, directory: Path) -> VmConfig:
         memory_file=directory / "memory.ram",
         memory_shared=True,
         incoming=True,  # QEMU runs, waiting for a state: no guest CPU spent
+        keys=KEYS,
     )
 
 
@@ -86,7 +105,7 @@ class TwoVMs:
 
 
 @pytest.fixture
-def two_vms(image: GuestImage) -> Iterator[TwoVMs]:
+def two_vms(image: GuestImage, encrypted_rootfs: Path) -> Iterator[TwoVMs]:
     work = Path(tempfile.mkdtemp(prefix="space-jail-"))
     run_root = Path(tempfile.mkdtemp(prefix="sj-", dir="/run"))
     data = work / "data"
@@ -96,8 +115,9 @@ def two_vms(image: GuestImage) -> Iterator[TwoVMs]:
     vms: list[QemuVM] = []
     with asyncio.Runner() as runner:
         try:
-            for name in ("a", "b"):
-                cfg = replace(_vm_files(image, work / name), run_dir=run_root / name)
+            # A's disk is encrypted as a node's are; B's raw (as a tool's may be).
+            for name, rootfs in (("a", encrypted_rootfs), ("b", image.rootfs)):
+                cfg = replace(_vm_files(image, rootfs, work / name), run_dir=run_root / name)
                 vms.append(runner.run(QemuVM.launch(cfg)))
             yield TwoVMs(runner, vms[0], vms[1], work)
         finally:
@@ -152,6 +172,40 @@ async def _ask_qemu_for_host_files(a: QemuVM, b: QemuVM, work: Path) -> None:
     output = a.config.stderr_log.read_text()
     assert output.count("read 16/16 bytes") == 1 and "MZ" in output
     assert SECRET[:4].hex(" ") not in output
+
+
+def test_the_disk_key_is_in_its_own_jail_only(two_vms: TwoVMs) -> None:
+    a, b = two_vms.a, two_vms.b
+    passphrase = KEYS.disk_passphrase
+    assert a.config.disk_format == "luks" and b.config.disk_format == "raw"
+    # In no process's argv or environment, and in no file the host can see.
+    for proc in Path("/proc").iterdir():
+        for name in ("cmdline", "environ"):
+            with contextlib.suppress(OSError):
+                assert passphrase not in (proc / name).read_bytes(), (proc.name, name)
+    for directory in (two_vms.work, a.config.run_dir.parent, Path("/run/space-jail")):
+        for path in directory.rglob("*"):
+            if path.is_file() and not path.is_socket():
+                assert passphrase not in path.read_bytes(), path
+    # A holds it (QEMU opened its disk with it); B, whose jail has no secrets, does not.
+    two_vms.runner.run(_open_own_disk_again(a, expect=None))
+    two_vms.runner.run(_open_own_disk_again(b, expect="No secret with id 'disk-key'"))
+
+
+async def _open_own_disk_again(vm: QemuVM, *, expect: str | None) -> None:
+    qmp = await _qmp(vm)
+    try:
+        args = {
+            "driver": "luks", "node-name": "again", "key-secret": "disk-key", "read-only": True,
+            "file": {"driver": "file", "filename": str(vm.config.rootfs), "locking": "off"},
+        }  # fmt: skip
+        if expect is None:
+            await qmp.execute("blockdev-add", args)
+        else:
+            with pytest.raises(ExecuteError, match=expect):
+                await qmp.execute("blockdev-add", args)
+    finally:
+        await qmp.disconnect()
 
 
 def _probe(vm: QemuVM, args: dict[str, object]) -> subprocess.CompletedProcess[str]:

@@ -28,6 +28,7 @@ from space.node.storage.btrfs import (
     pack_snapshot_args,
     snapshot_subvolume,
 )
+from space.node.storage.disks import disk_bytes, disk_format
 
 IMAGE_MIB = 64
 
@@ -46,7 +47,7 @@ def data_dir(tmp_path: Path) -> Iterator[Path]:
 
 
 @pytest.fixture
-def image_files(tmp_path: Path) -> dict[str, Path]:
+def image_files(tmp_path: Path) -> dict[str, Any]:
     src = tmp_path / "image"
     src.mkdir()
     (src / "vmlinuz").write_bytes(b"kernel")
@@ -108,7 +109,7 @@ def test_pool_on_a_loop_file_is_mounted_and_reused_when_opened_again(
 
 
 def test_template_import_is_read_only_and_idempotent(
-    pool: BtrfsPool, runner: asyncio.Runner, image_files: dict[str, Path]
+    pool: BtrfsPool, runner: asyncio.Runner, image_files: dict[str, Any]
 ) -> None:
     vol = runner.run(pool.import_template("base", "d1", **image_files))
     assert vol.kernel.read_bytes() == b"kernel"
@@ -119,7 +120,7 @@ def test_template_import_is_read_only_and_idempotent(
 
 
 def test_sandbox_volume_is_an_o1_snapshot_with_a_grown_rootfs(
-    pool: BtrfsPool, runner: asyncio.Runner, image_files: dict[str, Path]
+    pool: BtrfsPool, runner: asyncio.Runner, image_files: dict[str, Any]
 ) -> None:
     vol = runner.run(pool.import_template("base", "d1", **image_files))
     start = time.monotonic()
@@ -141,8 +142,23 @@ def test_sandbox_volume_is_an_o1_snapshot_with_a_grown_rootfs(
     assert not path.exists() and pool.sandbox_volumes() == []
 
 
+def test_an_encrypted_template_disk_is_cloned_copy_on_write_and_grown_by_its_file(
+    pool: BtrfsPool, runner: asyncio.Runner, image_files: dict[str, Any]
+) -> None:
+    vol = runner.run(pool.import_template("base", "d1", **image_files, disk_passphrase=b"00" * 32))
+    assert disk_format(vol.rootfs) == "luks" and disk_bytes(vol.rootfs) == IMAGE_MIB << 20
+    path = runner.run(
+        pool.create_sandbox_volume("sb-1", vol, disk_mib=IMAGE_MIB * 2, limit_mib=None)
+    )
+    assert disk_bytes(path / "rootfs.img") == IMAGE_MIB * 2 << 20
+    assert disk_bytes(vol.rootfs) == IMAGE_MIB << 20  # the template is untouched
+    # Every extent of the clone is the template's: copy-on-write as with raw images.
+    assert runner.run(pool.exclusive_bytes(path)) < 1 << 20
+    runner.run(pool.delete_sandbox_volume("sb-1"))
+
+
 def test_negative_disk_smaller_than_the_image_is_refused_and_leaves_no_volume(
-    pool: BtrfsPool, runner: asyncio.Runner, image_files: dict[str, Path]
+    pool: BtrfsPool, runner: asyncio.Runner, image_files: dict[str, Any]
 ) -> None:
     vol = runner.run(pool.import_template("base", "d1", **image_files))
     with pytest.raises(InvalidArgument):
@@ -158,7 +174,7 @@ def test_negative_unknown_template_and_bad_names_are_refused(pool: BtrfsPool) ->
 
 
 def test_snapshot_of_a_sandbox_volume_is_read_only_and_holds_nothing_of_its_own(
-    pool: BtrfsPool, runner: asyncio.Runner, image_files: dict[str, Path]
+    pool: BtrfsPool, runner: asyncio.Runner, image_files: dict[str, Any]
 ) -> None:
     vol = runner.run(pool.import_template("base", "d1", **image_files))
     path = runner.run(pool.create_sandbox_volume("sb-1", vol, disk_mib=IMAGE_MIB, limit_mib=None))
@@ -189,7 +205,7 @@ def test_negative_a_snapshot_name_the_ioctl_cannot_take_is_refused(name: str) ->
 
 
 def test_a_woken_image_maps_the_ram_file_it_can_share_else_its_own_copy(
-    pool: BtrfsPool, runner: asyncio.Runner, image_files: dict[str, Path]
+    pool: BtrfsPool, runner: asyncio.Runner, image_files: dict[str, Any]
 ) -> None:
     vol = runner.run(pool.import_template("base", "d1", **image_files))
     path = runner.run(pool.create_sandbox_volume("sb-1", vol, disk_mib=IMAGE_MIB, limit_mib=None))
@@ -260,7 +276,7 @@ def test_quotas_are_turned_on_when_a_pool_opens_also_an_existing_one_and_again(
 
 
 def test_negative_a_volume_refuses_writes_past_its_quota_and_a_snapshot_frees_no_room(
-    pool: BtrfsPool, runner: asyncio.Runner, image_files: dict[str, Path]
+    pool: BtrfsPool, runner: asyncio.Runner, image_files: dict[str, Any]
 ) -> None:
     vol = runner.run(pool.import_template("base", "d1", **image_files))
     limit_mib = 96
@@ -291,7 +307,7 @@ def test_negative_a_volume_refuses_writes_past_its_quota_and_a_snapshot_frees_no
 
 
 def test_a_volume_near_its_quota_rewrites_a_saved_state_of_its_ram(
-    pool: BtrfsPool, runner: asyncio.Runner, image_files: dict[str, Path]
+    pool: BtrfsPool, runner: asyncio.Runner, image_files: dict[str, Any]
 ) -> None:
     # As a hibernation does (space.node.vmm.qemu save_state: O_TRUNC, then the RAM):
     # the old state's extents are freed only at the commit, which btrfs makes when the
@@ -332,7 +348,7 @@ def test_negative_a_quota_limit_on_a_pool_without_quotas_is_unavailable(
 
 
 def test_a_restarted_node_limits_the_volumes_made_before_its_pool_had_quotas(
-    data_dir: Path, runner: asyncio.Runner, image_files: dict[str, Path]
+    data_dir: Path, runner: asyncio.Runner, image_files: dict[str, Any]
 ) -> None:
     bare = runner.run(BtrfsPool.open(pool_path=None, data_dir=data_dir, size_gib=2, quotas=False))
     try:

@@ -121,7 +121,7 @@ class Node:
                 config.effective_upstream_ca,
                 config.egress_bounds,
             )
-            template = await prepare_template(pool, config, say)
+            template = await prepare_template(pool, config, keys, say)
             accel = await detect_accelerator(
                 config.accel,
                 data_dir=config.data_dir,

@@ -10,9 +10,11 @@ from pathlib import Path
 
 from space.node.api import NodeError, SandboxSpec, TemplateInfo, Unavailable
 from space.node.core.config import NodeConfig
+from space.node.core.keys import NodeKeys
 from space.node.images import build_template
 from space.node.images._rootfs import Debootstrap
 from space.node.storage.btrfs import BtrfsPool, TemplateVolume
+from space.node.storage.disks import disk_bytes
 
 __all__ = [
     "BASE",
@@ -113,7 +115,7 @@ class Template:
 
 
 async def prepare_template(
-    pool: BtrfsPool, config: NodeConfig, say: Callable[[str], None]
+    pool: BtrfsPool, config: NodeConfig, keys: NodeKeys, say: Callable[[str], None]
 ) -> Template:
     try:
         image = await asyncio.to_thread(
@@ -124,7 +126,12 @@ async def prepare_template(
     except Exception as exc:
         raise Unavailable(f"building the base image failed: {exc}") from exc
     volume = await pool.import_template(
-        BASE, image.digest, kernel=image.kernel, initrd=image.initrd, rootfs=image.rootfs
+        BASE,
+        image.digest,
+        kernel=image.kernel,
+        initrd=image.initrd,
+        rootfs=image.rootfs,
+        disk_passphrase=keys.disk_passphrase,
     )
     created = volume.path.stat().st_mtime
     return Template(
@@ -145,5 +152,5 @@ def ready_paths(volume: TemplateVolume) -> tuple[Path, Path]:
 
 
 def image_mib(volume: TemplateVolume) -> int:
-    """The size of a template's disk image, in MiB rounded up."""
-    return -(-volume.rootfs.stat().st_size // (1 << 20))
+    """The size of a template's disk (as its guest sees it), in MiB rounded up."""
+    return -(-disk_bytes(volume.rootfs) // (1 << 20))

@@ -10,7 +10,7 @@ Layout::
                                         template files of its build VM, paused)
 
 A sandbox volume is a subvolume snapshot, O(1) whatever the image size; its rootfs
-image is grown (truncate + resize2fs) right after the snapshot and before any boot, and
+image (LUKS, see disks.py) is grown right after the snapshot and before any boot, and
 never touched by the host again once a guest may have written to it.
 
 Quota groups (issue 17): ``open`` turns btrfs quotas on, and every sandbox volume is
@@ -41,6 +41,7 @@ from pathlib import Path
 from space.node.api import InvalidArgument, NotFound, Unavailable
 from space.node.core.data_dir import secure_top_level
 from space.node.core.run import run
+from space.node.storage.disks import encrypt_image, grow_disk
 
 __all__ = [
     "BtrfsPool",
@@ -193,9 +194,17 @@ class BtrfsPool:
         return found
 
     async def import_template(
-        self, name: str, digest: str, *, kernel: Path, initrd: Path, rootfs: Path
+        self,
+        name: str,
+        digest: str,
+        *,
+        kernel: Path,
+        initrd: Path,
+        rootfs: Path,
+        disk_passphrase: bytes | None = None,
     ) -> TemplateVolume:
-        """Copy a built image into a read-only subvolume once; idempotent.
+        """Copy a built image into a read-only subvolume once; idempotent. With a
+        ``disk_passphrase`` the rootfs is encrypted on the way in (LUKS, see disks.py).
 
         A half-finished import (no completion mark) is deleted and redone.
         """
@@ -208,7 +217,12 @@ class BtrfsPool:
         if path.exists():
             await self._delete_subvolume(path)
         await run("btrfs", "subvolume", "create", str(path))
-        for src, dst in zip((kernel, initrd, rootfs), _TEMPLATE_FILES, strict=True):
+        copies = [(kernel, "kernel"), (initrd, "initrd")]
+        if disk_passphrase is None:
+            copies.append((rootfs, "rootfs.img"))
+        else:
+            await encrypt_image(rootfs, path / "rootfs.img", disk_passphrase)
+        for src, dst in copies:
             await run("cp", "--reflink=auto", "--sparse=always", str(src), str(path / dst))
         (path / _COMPLETE_MARK).write_text(digest + "\n")
         await asyncio.to_thread(os.sync)
@@ -309,7 +323,7 @@ class BtrfsPool:
         try:
             (path / _COMPLETE_MARK).unlink(missing_ok=True)
             if grow:
-                await grow_image(path / "rootfs.img", disk_mib)
+                await grow_disk(path / "rootfs.img", disk_mib)
         except BaseException:
             await self._delete_subvolume(path)
             raise
@@ -456,26 +470,6 @@ async def limit_subvolume(path: Path, max_referenced: int) -> None:
         await asyncio.to_thread(limit)
     except OSError as exc:
         raise Unavailable(f"quota limit of {path} failed: {exc}") from exc
-
-
-async def grow_image(image: Path, disk_mib: int) -> None:
-    """Grow a pristine ext4 image file to ``disk_mib`` MiB (never shrinks it).
-
-    Only for an image no guest has written to yet: it runs resize2fs on the host.
-    """
-    if await asyncio.to_thread(_extend_file, image, disk_mib << 20):
-        await run("resize2fs", "-f", str(image), timeout_s=120.0)
-
-
-def _extend_file(path: Path, size: int) -> bool:
-    """Grow ``path`` (sparse) to ``size`` bytes; False if it already has that size."""
-    current = path.stat().st_size
-    if size < current:
-        raise InvalidArgument(f"disk of {size >> 20} MiB is below the image's {current >> 20} MiB")
-    if size == current:
-        return False
-    os.truncate(path, size)
-    return True
 
 
 def _keep_template_files(path: Path, digest: str) -> None:

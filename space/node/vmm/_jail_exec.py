@@ -199,10 +199,14 @@ def _open_tap(netns: str, tap: str) -> int:
     return fd
 
 
-def _build_root(root: str, binds: list[tuple[str, str]]) -> None:
-    """A tmpfs at ``root`` with each bind at its own path; ``mode`` is ro, rw or dev."""
+def _build_root(root: str, binds: list[tuple[str, str]], spec: dict[str, object]) -> None:
+    """A tmpfs at ``root`` with each bind at its own path (``mode`` is ro, rw or dev)
+    and each of the spec's secrets a file in its secrets_dir only its uid can read."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     _mount("jail", root, "tmpfs", MS_NOSUID, "size=1m,mode=0755")
+    secrets = {str(k): str(v) for k, v in dict(spec.get("secrets") or {}).items()}  # type: ignore[call-overload]
+    if secrets:
+        _write_secrets(root + str(spec["secrets_dir"]), secrets, int(spec["uid"]))  # type: ignore[call-overload]
     for source, mode in binds:
         target = root + source
         os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
@@ -231,6 +235,20 @@ def _build_root(root: str, binds: list[tuple[str, str]]) -> None:
     _mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
+def _write_secrets(directory: str, secrets: dict[str, str], uid: int) -> None:
+    os.mkdir(directory, 0o500)
+    for name, value in secrets.items():
+        if "/" in name or name in ("", ".", ".."):
+            raise JailError(f"bad secret name {name!r}")
+        fd = os.open(f"{directory}/{name}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+        try:
+            os.write(fd, value.encode("ascii"))
+            os.fchown(fd, uid, uid)
+        finally:
+            os.close(fd)
+    os.chown(directory, uid, uid)
+
+
 def _drop_privileges(uid: int, gid: int, last_cap: int) -> None:
     for cap in range(last_cap + 1):
         _prctl(PR_CAPBSET_DROP, cap)
@@ -248,7 +266,7 @@ def _child(spec: dict[str, object], errors: int) -> None:
         with open("/proc/sys/kernel/cap_last_cap") as f:  # before the host's /proc is gone
             last_cap = f.read()
         os.umask(0o022)  # the jail's own directories: every jailed uid walks them
-        _build_root(str(spec["root"]), binds)
+        _build_root(str(spec["root"]), binds, spec)
         _check(_libc.sethostname(b"jail", 4), "sethostname")
         if spec.get("sched_batch"):
             os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))

@@ -10,8 +10,9 @@ way Firecracker's jailer confines each VMM:
   urandom; and kvm when used), and this VM's own files bound at their host paths: kernel
   and initrd read-only, disk and console log read-write, its RAM file (read-only when
   mapped private: QEMU >= 8.2 maps it copy-on-write from a read-only descriptor), and
-  its run directory (its QMP and channel sockets). Nothing of another sandbox, the data
-  dir's keys and database, or the host's /etc, /proc, /sys and /dev;
+  its run directory (its QMP and channel sockets); and its secrets (the disk's
+  passphrase) in files only it can read, under ``JAIL_SECRETS``. Nothing of another
+  sandbox, the data dir's keys and database, or the host's /etc, /proc, /sys and /dev;
 - its own PID, IPC and UTS namespaces, and a network namespace of its own that is
   empty: the guest's NIC is a descriptor on the sandbox's tap, opened in the sandbox's
   namespace before, so QEMU can open no socket anywhere useful;
@@ -46,13 +47,25 @@ from space.node.core.capacity import VM_OVERHEAD_MIB
 from space.node.core.environment import child_environment
 from space.node.vmm.cgroups import CgroupLimits, VmCgroups
 
-__all__ = ["JAIL_UIDS", "TAP_FD", "Bind", "Jail", "jail_for", "jailed_uid_in_use"]
+__all__ = [
+    "JAIL_SECRETS",
+    "JAIL_UIDS",
+    "TAP_FD",
+    "Bind",
+    "Jail",
+    "jail_for",
+    "jailed_uid_in_use",
+]
 
 #: The uids (and gids) jailed VMMs run as: far above any a distribution hands out, and
 #: apart from the 100000-165535 range user namespaces are usually given.
 JAIL_UIDS = range(1_500_000_000, 1_500_000_000 + 1_000_000)
 #: The descriptor number the guest's tap has in QEMU.
 TAP_FD = 3
+#: Where a jailed program finds the secrets of its spawn (a file each, its uid's alone,
+#: mode 0400): a directory of the jail's own root, which exists in the jail's mount
+#: namespace only, so the key is on no host path, in no argv and no environment.
+JAIL_SECRETS = Path("/secrets")
 #: Threads a QEMU may have: its main loop, RCU and vCPU threads, and a block I/O pool
 #: of up to 64 workers. A fork bomb in the jail stops here.
 _PIDS_MAX = 128
@@ -101,11 +114,14 @@ class Jail:
         cpus: int,
         stderr_log: Path,
         pid_file: Path,
+        secrets: dict[str, bytes] | None = None,
     ) -> int:
         """Start ``argv`` jailed as VM ``name``; returns its host pid once it runs.
 
         ``owned`` are handed to the jail's uid first (its disk, sockets' directory,
-        console log...). Raises Unavailable if any step fails (the jail's own message is in
+        console log...). Each of ``secrets`` (ASCII text) is the file
+        ``JAIL_SECRETS/<name>`` in the jail, reaching the launcher through its pipe.
+        Raises Unavailable if any step fails (the jail's own message is in
         ``stderr_log``); nothing is left running or in a cgroup then.
         """
         binary = shutil.which(argv[0])
@@ -135,6 +151,8 @@ class Jail:
                 "pid_file": str(pid_file),
                 "log": str(stderr_log),
                 "sched_batch": True,
+                "secrets": {k: v.decode("ascii") for k, v in (secrets or {}).items()},
+                "secrets_dir": str(JAIL_SECRETS),
             }
             await asyncio.to_thread(self._broker.launch, spec, pid_file)
             return _read_pid(pid_file)

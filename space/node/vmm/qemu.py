@@ -17,7 +17,7 @@ import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from qemu.qmp import QMPClient
@@ -25,8 +25,9 @@ from qemu.qmp import QMPClient
 from space.node.api import Timeout, Unavailable
 from space.node.core.keys import NodeKeys
 from space.node.network.netns import GUEST_MAC, TAP
+from space.node.storage.disks import DiskFormat, disk_format
 from space.node.vmm.accel import Accelerator
-from space.node.vmm.jail import TAP_FD, Bind, jail_for
+from space.node.vmm.jail import JAIL_SECRETS, TAP_FD, Bind, jail_for
 
 __all__ = ["QemuVM", "VmConfig", "build_command", "jail_binds", "jail_owned", "pid_runs_vm"]
 
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 _QMP_TIMEOUT_S = 5.0
 _UNTHROTTLED = 1 << 40  # bytes/s
 _SECCOMP = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+_DISK_SECRET = "disk"
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +74,8 @@ class VmConfig:
     #: The node's keys for data at rest (None: disks raw, states unencrypted; only
     #: for tools and tests of this module, every VM of a node has them).
     keys: NodeKeys | None = field(default=None, repr=False, compare=False)
+    #: How ``rootfs`` is stored: ``launch`` reads it from the image itself.
+    disk_format: DiskFormat = "raw"
 
     @property
     def qmp_socket(self) -> Path:
@@ -118,11 +122,7 @@ def build_command(cfg: VmConfig, *, qemu_binary: str = "qemu-system-x86_64") -> 
         "-smp", str(cfg.cpus), "-m", str(cfg.memory_mib), "-object", backend,
         "-kernel", str(cfg.kernel), "-initrd", str(cfg.initrd),
         "-append", cfg.kernel_cmdline,
-        # werror/rerror=report: a failed write or read (the host's ENOSPC when the pool
-        # is full, EDQUOT past the volume's quota group) is the guest's I/O error, and
-        # the VM runs on. QEMU's default werror=enospc would pause the VM on ENOSPC
-        # until someone resumes it (issue 17).
-        "-drive", f"file={cfg.rootfs},if=none,id=root,format=raw,werror=report,rerror=report",
+        *_disk(cfg),
         "-device", "virtio-blk-pci,drive=root",
         "-device", "virtio-serial-pci,id=vser",
         "-chardev", f"socket,id=agent,path={cfg.agent_socket},server=on,wait=off",
@@ -140,6 +140,21 @@ def build_command(cfg: VmConfig, *, qemu_binary: str = "qemu-system-x86_64") -> 
             "-device", f"virtio-net-pci,netdev=net0,mac={cfg.mac},romfile=",
         ]  # fmt: skip
     return [*argv, "-incoming", "defer"] if cfg.incoming else argv
+
+
+def _disk(cfg: VmConfig) -> list[str]:
+    # werror/rerror=report: a failed write or read (the host's ENOSPC when the pool is
+    # full, EDQUOT past the volume's quota group) is the guest's I/O error, and the VM
+    # runs on. QEMU's default werror=enospc would pause the VM on ENOSPC until someone
+    # resumes it (issue 17).
+    drive = (
+        f"file={cfg.rootfs},if=none,id=root,format={cfg.disk_format},werror=report,rerror=report"
+    )
+    if cfg.disk_format == "raw":
+        return ["-drive", drive]
+    # The passphrase is a file of the jail's own root (JAIL_SECRETS), never in argv.
+    secret = f"secret,id=disk-key,file={JAIL_SECRETS / _DISK_SECRET},format=raw"
+    return ["-object", secret, "-drive", f"{drive},key-secret=disk-key"]
 
 
 def jail_binds(cfg: VmConfig) -> list[Bind]:
@@ -202,6 +217,7 @@ class QemuVM:
         cfg.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         for stale in (cfg.qmp_socket, cfg.agent_socket, cfg.pid_file):
             stale.unlink(missing_ok=True)
+        cfg = replace(cfg, disk_format=await asyncio.to_thread(disk_format, cfg.rootfs))
         await asyncio.to_thread(_prepare_files, cfg)
         jail = jail_for(cfg.run_dir.parent)
         try:
@@ -216,6 +232,7 @@ class QemuVM:
                 cpus=cfg.cpus,
                 stderr_log=cfg.stderr_log,
                 pid_file=cfg.pid_file,
+                secrets=_secrets(cfg),
             )
         except Unavailable as exc:
             tail = _read_tail(cfg.stderr_log, 2048) or "(no log)"
@@ -513,6 +530,16 @@ def _reap(pid: int) -> None:
     """Collect the exit status if ``pid`` is our own child (it is not after a restart)."""
     with contextlib.suppress(ChildProcessError, OSError):
         os.waitpid(pid, os.WNOHANG)
+
+
+def _secrets(cfg: VmConfig) -> dict[str, bytes]:
+    if cfg.disk_format == "raw":
+        return {}
+    if cfg.keys is None:
+        raise Unavailable(
+            f"{cfg.rootfs} is encrypted and the VM has no keys", sandbox_id=cfg.sandbox_id
+        )
+    return {_DISK_SECRET: cfg.keys.disk_passphrase}
 
 
 def _prepare_files(cfg: VmConfig) -> None:
