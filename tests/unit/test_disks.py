@@ -62,6 +62,29 @@ def test_an_encrypted_image_holds_no_plaintext_and_reads_back_through_luks(
     assert superblock_magic == b"\x53\xef"  # ext4's, little-endian
 
 
+def test_an_encrypted_image_is_as_sparse_as_the_raw_one_and_its_filesystem_checks_clean(
+    tmp_path: Path,
+) -> None:
+    raw = _raw_ext4(tmp_path, mib=64)
+    luks = tmp_path / "disk.img"
+    asyncio.run(encrypt_image(raw, luks, PASSPHRASE))
+    # Free space stays holes: at most the header (2 MiB) more than the raw image holds.
+    assert luks.stat().st_blocks * 512 <= raw.stat().st_blocks * 512 + (2 << 20)
+    plain = tmp_path / "decrypted.img"
+    subprocess.run(
+        [
+            "qemu-img", "convert", "--object", "secret,id=k,file=/dev/stdin,format=raw",
+            "--image-opts", f"driver=luks,key-secret=k,file.filename={luks}", "-O", "raw",
+            str(plain),
+        ],
+        input=PASSPHRASE, check=True, env=child_environment(),
+    )  # fmt: skip
+    assert plain.read_bytes() != raw.read_bytes()  # its holes read as noise
+    fsck = subprocess.run(["e2fsck", "-fn", str(plain)], capture_output=True, text=True)
+    assert fsck.returncode == 0, fsck.stdout  # yet ext4 sees a sound filesystem
+    assert _read_decrypted(luks, (63 << 20), 64, PASSPHRASE) == MARKER[:64]
+
+
 def test_negative_a_wrong_passphrase_does_not_open_the_disk(tmp_path: Path) -> None:
     luks = tmp_path / "disk.img"
     asyncio.run(encrypt_image(_raw_ext4(tmp_path), luks, PASSPHRASE))
@@ -98,6 +121,8 @@ def test_a_raw_disk_is_still_grown_with_its_filesystem(tmp_path: Path) -> None:
 
 
 def test_negative_a_failed_encryption_says_why(tmp_path: Path) -> None:
-    with pytest.raises(Unavailable, match="qemu-img"):
+    with pytest.raises(Unavailable, match="cannot read the image"):
         asyncio.run(encrypt_image(tmp_path / "missing.img", tmp_path / "out.img", PASSPHRASE))
+    with pytest.raises(Unavailable, match="qemu-img"):
+        asyncio.run(encrypt_image(_raw_ext4(tmp_path), tmp_path / "no" / "out.img", PASSPHRASE))
     assert not os.path.exists(tmp_path / "out.img")
