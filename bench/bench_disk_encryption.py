@@ -18,6 +18,7 @@ import asyncio
 import os
 import re
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -134,7 +135,7 @@ def _report(figures: dict[str, list[float]], runs: int, vms: int, disk_mib: int)
     for name, values in figures.items():
         print(summary(name, values, units[name.split()[0]]))
     for what in units:
-        raw, luks = (sorted(figures[f"{what} {f}"])[runs // 2] for f in ("raw", "luks"))
+        raw, luks = (statistics.median(figures[f"{what} {f}"]) for f in ("raw", "luks"))
         print(f"{what}: LUKS / raw = {luks / raw:.2f}x (p50)")
 
 

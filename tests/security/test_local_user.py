@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from space import Sandbox
+from space.node.core.config import NodeConfig
 from tests.integration.platform import Platform, gateway_pids, qemu_pids, running_platform
 
 pytestmark = pytest.mark.vm
@@ -108,7 +109,7 @@ def test_an_unprivileged_user_can_open_or_list_nothing_in_the_data_dir(
     paths = _everything_under(data)
     names = {Path(p).name for p in paths}
     # What is at stake (no master.key: the key came from SPACE_MASTER_KEY).
-    assert {"pool.img", "space.db", "node-token"} <= names
+    assert {"pool.img", "space.db", "node-token", "node.key"} <= names
     assert any(Path(p).name == "memory.ram" for p in paths), "no saved memory image to probe"
     # Control: the same uid lists the parent, so it does run and the refusals are real.
     assert _as_nobody([str(data.parent)]) == {str(data.parent): 0}
@@ -116,6 +117,10 @@ def test_an_unprivileged_user_can_open_or_list_nothing_in_the_data_dir(
     assert refused[str(data)] == errno.EACCES  # the top dir itself refuses
     assert {p: e for p, e in refused.items() if e != errno.EACCES} == {}
     assert oct(data.stat().st_mode & 0o777) == oct(0o700)
+    # Nor the VMs' sockets (QMP, guest channels) under the node's run directory.
+    run_root = NodeConfig(data_dir=data).effective_run_dir
+    assert any(p.name == "qmp.sock" for p in run_root.rglob("*"))
+    assert _as_nobody([str(run_root)]) == {str(run_root): errno.EACCES}
 
 
 def _holding(value: str) -> set[int]:

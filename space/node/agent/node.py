@@ -108,6 +108,7 @@ class Node:
         """
         say = progress or (lambda _msg: None)
         secure_data_dir(config.data_dir)  # 0700, also an existing one (issue 18)
+        secure_data_dir(config.effective_run_dir)  # the VMs' sockets: root's alone
         keys = NodeKeys.load(config.effective_key_file, create=True)
         node_id = resolve_node_id(config)
         pool = await BtrfsPool.open(
