@@ -32,8 +32,6 @@ import hashlib
 import logging
 import os
 import re
-import secrets
-import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +44,7 @@ from space.control.settings import ControlSettings
 from space.control.store import secrets as stored
 from space.control.store.db import migrated
 from space.control.store.secrets import Sealed, SecretRecord
+from space.keyfile import KeyFileProblem, create_key_file, read_key_file
 
 __all__ = [
     "MASTER_KEY_ENV",
@@ -226,51 +225,19 @@ def load_keyring(
 
 
 def _create_key_file(path: Path) -> None:
-    """Make ``path`` with one random key unless it exists; atomic (link of a full file)."""
-    if path.exists():
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        with os.fdopen(fd, "w") as file:
-            file.write(base64.b64encode(os.urandom(KEY_BYTES)).decode() + "\n")
-            file.flush()
-            os.fsync(file.fileno())
-        try:
-            os.link(temporary, path)  # fails if another replica made it first: keep theirs
-        except FileExistsError:
-            return
+    """Make ``path`` with one random key unless it exists (space/keyfile.py)."""
+    if create_key_file(path, base64.b64encode(os.urandom(KEY_BYTES)).decode() + "\n"):
         log.info("made master key file %s", path)
-    finally:
-        temporary.unlink(missing_ok=True)
-    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
 
 
 def _read_key_file(path: Path) -> list[MasterKey]:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        data = read_key_file(path, what="master key file", max_bytes=_MAX_KEY_FILE_BYTES)
     except FileNotFoundError:
         message = f"no master key: {MASTER_KEY_ENV} is unset and {path} is missing"
         raise MasterKeyError(message) from None
-    except OSError as exc:
-        raise MasterKeyError(f"cannot open master key file {path}: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as file:
-        info = os.fstat(file.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise MasterKeyError(f"master key file {path} is not a regular file")
-        if info.st_mode & 0o077:
-            raise MasterKeyError(
-                f"master key file {path} is open to group or others"
-                f" (mode {stat.S_IMODE(info.st_mode):04o}); chmod 600 it"
-            )
-        data = file.read(_MAX_KEY_FILE_BYTES + 1)
-    if len(data) > _MAX_KEY_FILE_BYTES:
-        raise MasterKeyError(f"master key file {path} is larger than {_MAX_KEY_FILE_BYTES} bytes")
+    except KeyFileProblem as exc:
+        raise MasterKeyError(str(exc)) from None
     lines = data.decode("utf-8", "replace").splitlines()
     keys = [
         _parse_entry(line, f"{path} line {number}")

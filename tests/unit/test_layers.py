@@ -13,17 +13,24 @@ PACKAGE = Path(__file__).resolve().parents[2] / "space"
 ALLOWED: dict[str, tuple[str, ...]] = {
     "protocol": ("space.protocol",),
     "guest": ("space.guest", "space.protocol"),
-    "node": ("space.node", "space.protocol", "space.limits"),
+    "node": ("space.node", "space.protocol", "space.limits", "space.keyfile"),
     # The control plane reaches a node only through the node's contract and the HTTP
     # client of a remote node (ARCHITECTURE.md).
-    "control": ("space.control", "space.node.api", "space.node.http.client", "space.limits"),
+    "control": (
+        "space.control",
+        "space.node.api",
+        "space.node.http.client",
+        "space.limits",
+        "space.keyfile",
+    ),
     "sdk": ("space.sdk", "space.limits"),
 }
 
 
-def test_the_contract_limits_module_imports_nothing_of_space() -> None:
-    # Every layer may import space.limits, so it may import no layer.
-    assert space_imports(PACKAGE / "limits.py") == set()
+@pytest.mark.parametrize("shared", ["limits.py", "keyfile.py"])
+def test_the_modules_layers_share_import_nothing_of_space(shared: str) -> None:
+    # More than one layer imports each, so it may import no layer.
+    assert space_imports(PACKAGE / shared) == set()
 
 
 def space_imports(path: Path) -> set[str]:

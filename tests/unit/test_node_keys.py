@@ -45,7 +45,7 @@ def test_negative_a_missing_key_file_is_not_made_without_create(tmp_path: Path) 
         (base64.b64encode(bytes(32)) + b"\n", 0o640, "open to group or others"),
         (b"not base64!\n", 0o600, "not one base64 key"),
         (base64.b64encode(bytes(16)) + b"\n", 0o600, "16 bytes, not 32"),
-        (b"A" * 5000, 0o600, "over 4096 bytes"),
+        (b"A" * 5000, 0o600, "larger than 4096 bytes"),
     ],
 )
 def test_negative_an_unsafe_or_malformed_key_file_is_refused(

@@ -22,14 +22,13 @@ from __future__ import annotations
 import base64
 import binascii
 import os
-import secrets
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cryptography.hazmat.primitives.hashes import SHA256
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from space.keyfile import KeyFileProblem, create_key_file, read_key_file
 from space.node.api import InvalidArgument
 
 __all__ = ["KEY_BYTES", "KeyFileError", "NodeKeys"]
@@ -65,52 +64,17 @@ class NodeKeys:
     def load(cls, path: Path, *, create: bool = False) -> NodeKeys:
         """The keys of the key file at ``path``; with ``create``, made first if absent."""
         if create:
-            _create_key_file(path)
+            create_key_file(path, base64.b64encode(os.urandom(KEY_BYTES)).decode() + "\n")
         return cls.from_node_key(_read_key_file(path))
-
-
-def _create_key_file(path: Path) -> None:
-    """Make ``path`` with a random key unless it exists; atomic (link of a full file)."""
-    if path.exists():
-        return
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        with os.fdopen(fd, "w") as file:
-            file.write(base64.b64encode(os.urandom(KEY_BYTES)).decode() + "\n")
-            file.flush()
-            os.fsync(file.fileno())
-        try:
-            os.link(temporary, path)
-        except FileExistsError:
-            return  # made meanwhile by another process: theirs is the key
-    finally:
-        temporary.unlink(missing_ok=True)
-    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
 
 
 def _read_key_file(path: Path) -> bytes:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        raise KeyFileError(f"cannot open the node key file {path}: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as file:
-        info = os.fstat(file.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise KeyFileError(f"the node key file {path} is not a regular file")
-        if info.st_mode & 0o077:
-            raise KeyFileError(
-                f"the node key file {path} is open to group or others"
-                f" (mode {stat.S_IMODE(info.st_mode):04o}); chmod 600 it"
-            )
-        data = file.read(_MAX_KEY_FILE_BYTES + 1)
-    if len(data) > _MAX_KEY_FILE_BYTES:
-        raise KeyFileError(f"the node key file {path} is over {_MAX_KEY_FILE_BYTES} bytes")
+        data = read_key_file(path, what="the node key file", max_bytes=_MAX_KEY_FILE_BYTES)
+    except FileNotFoundError:
+        raise KeyFileError(f"cannot open the node key file {path}: it is missing") from None
+    except KeyFileProblem as exc:
+        raise KeyFileError(str(exc)) from None
     try:
         key = base64.b64decode(data.strip(), validate=True)
     except (binascii.Error, ValueError):
