@@ -332,8 +332,7 @@ class QemuVM:
         never authenticates).
         """
         await self._set_migration_options()
-        key = self.config.keys.state_key if self.config.keys else None
-        async with state_writer(path, key, sandbox_id=self.sandbox_id) as writer:
+        async with state_writer(path, self._state_key, sandbox_id=self.sandbox_id) as writer:
             await self._pass_fd(writer.qemu_fd, "state")
             writer.handed_over()
             await self._execute("migrate", {"uri": "fd:state"})
@@ -358,8 +357,7 @@ class QemuVM:
         was saved with.
         """
         await self._set_migration_options()
-        key = self.config.keys.state_key if self.config.keys else None
-        async with state_reader(path, key, sandbox_id=self.sandbox_id) as reader:
+        async with state_reader(path, self._state_key, sandbox_id=self.sandbox_id) as reader:
             await self._pass_fd(reader.qemu_fd, "state")
             reader.handed_over()
             await self._execute("migrate-incoming", {"uri": "fd:state"})
@@ -369,6 +367,10 @@ class QemuVM:
                 reader.check()  # a chunk that did not authenticate is why QEMU failed
                 raise
             await reader.finish(timeout_s)
+
+    @property
+    def _state_key(self) -> bytes | None:
+        return self.config.keys.state_key if self.config.keys is not None else None
 
     async def _incoming_done(self) -> bool:
         return await self.query_status() != "inmigrate"

@@ -283,11 +283,13 @@ class _OpeningReader(StateReader):
     def _pump(self, stop_fd: int) -> None:
         try:
             for plaintext in open_chunks(self._key, lambda n: os.read(self._fd, n)):
+                _wait(self._pipe_w, select.POLLOUT, stop_fd)  # a stop is seen per chunk
                 view = memoryview(plaintext)
                 while view:
-                    _wait(self._pipe_w, select.POLLOUT, stop_fd)
-                    with contextlib.suppress(BlockingIOError):
+                    try:
                         view = view[os.write(self._pipe_w, view) :]
+                    except BlockingIOError:  # the pipe is full: QEMU reads on
+                        _wait(self._pipe_w, select.POLLOUT, stop_fd)
         finally:
             # QEMU sees the end of its stream now; after a failure, a short one it
             # refuses (it has only ever read verified chunks).
