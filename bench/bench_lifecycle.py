@@ -15,8 +15,11 @@ of:
   disk a little larger, so it cannot start from the ready state), and each path's
   ratio to it; and a create from the ready state;
 and the sizes: saved memory of a snapshot, and the disk an untouched snapshot holds
-exclusively. Everything (VMs, pool mount, loop device) is removed at the end, also on
-failure. Usage: `.venv/bin/python bench/bench_lifecycle.py [--runs 20]` as root.
+exclusively. Then, side by side on the same hibernated sandbox (issue 18): a state
+save and a state load alone (QMP migration to or from ``vmstate``, no guest call),
+sealed under the node's state key and plain as before, with the ratio. Everything
+(VMs, pool mount, loop device) is removed at the end, also on failure. Usage:
+`.venv/bin/python bench/bench_lifecycle.py [--runs 20]` as root.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -36,8 +40,10 @@ from bench._stats import summary
 from space.node.agent import Node
 from space.node.api import ExecExited, ExecRequest, SandboxSpec
 from space.node.core.config import NodeConfig
+from space.node.core.keys import NodeKeys
 from space.node.core.sandbox import preflush
 from space.node.core.template import READY_SHAPE
+from space.node.vmm.qemu import QemuVM
 from tests.integration.conftest import release_data_dir
 
 _SANDBOX = "bench-lifecycle"
@@ -59,6 +65,7 @@ _TIMED = (
     "restore",
     "fork of a live sandbox (1 child)",
 )
+_STATES = ("save sealed", "save plain", "load sealed", "load plain")
 
 
 async def _exec_true(node: Node) -> None:
@@ -128,12 +135,68 @@ async def sizes(node: Node) -> dict[str, float]:
     }
 
 
-async def run(data_dir: Path, runs: int) -> tuple[dict[str, list[float]], dict[str, float]]:
+async def states(node: Node, runs: int) -> dict[str, list[float]]:
+    """Save and load of one VM's state, sealed and plain, alternately (ms).
+
+    The sandbox is hibernated; its VM is then launched ``incoming`` and driven here,
+    under the node (no API saves a state to a file of one's choosing), as a wake does;
+    each round one QEMU loads the sealed state and saves it plain, the next loads that
+    and saves it sealed (QEMU launches are outside the timing).
+    """
+    results: dict[str, list[float]] = {name: [] for name in _STATES}
+    await node.hibernate_sandbox(_SANDBOX)
+    sandbox = node._registry.get(_SANDBOX)
+    sealed, plain = sandbox.state_file, sandbox.volume / "vmstate.plain"
+    launch = sandbox.launch
+    try:
+        for _ in range(runs):
+            # QEMU saves a VM once (then it is "postmigrate"): each QEMU loads one file
+            # and writes the other.
+            vm = await launch(qemu_binary=node.config.qemu_binary, incoming=True)
+            results["load sealed"].append(await _timed_ms(vm.load_state(sealed)))
+            results["save plain"].append(await _timed_ms(_keyed(vm, None).save_state(plain)))
+            await sandbox.teardown()
+            vm = _keyed(await launch(qemu_binary=node.config.qemu_binary, incoming=True), None)
+            results["load plain"].append(await _timed_ms(vm.load_state(plain)))
+            keyed = _keyed(vm, sandbox.config.keys)
+            results["save sealed"].append(await _timed_ms(keyed.save_state(sealed)))
+            await sandbox.teardown()
+        results["size sealed"] = [sealed.stat().st_size / 2**20]
+        results["size plain"] = [plain.stat().st_size / 2**20]
+    finally:
+        await sandbox.teardown()
+        plain.unlink(missing_ok=True)
+    return results
+
+
+def _keyed(vm: QemuVM, keys: NodeKeys | None) -> QemuVM:
+    """The VM saving and loading states sealed under ``keys`` (None: plain, as before
+    issue 18)."""
+    vm.config = replace(vm.config, keys=keys)
+    return vm
+
+
+async def run(
+    data_dir: Path, runs: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, float]]:
     node = await Node.start(NodeConfig(data_dir=data_dir, pool_size_gib=16, boot_timeout_s=90.0))
     try:
-        return await bench(node, runs), await sizes(node)
+        timed = await bench(node, runs)
+        return timed, await states(node, runs), await sizes(node)
     finally:
         await node.shutdown(unmount_pool=True)
+
+
+def _print_states(results: dict[str, list[float]]) -> None:
+    for what in ("save", "load"):
+        sealed = statistics.median(results[f"{what} sealed"])
+        plain = statistics.median(results[f"{what} plain"])
+        print(
+            f"state {what}, median of {len(results[f'{what} sealed'])}:"
+            f"  sealed {sealed:8.1f} ms  plain {plain:8.1f} ms  sealed/plain {sealed / plain:5.2f}x"
+        )
+    sealed, plain = results["size sealed"][0], results["size plain"][0]
+    print(f"state size:  sealed {sealed:8.2f} MiB  plain {plain:8.2f} MiB")
 
 
 def main() -> None:
@@ -143,7 +206,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="space-bench-lifecycle-") as tmp:
         data_dir = Path(tmp) / "data"
         try:
-            results, sized = asyncio.run(run(data_dir, max(args.runs, 20)))
+            results, sealing, sized = asyncio.run(run(data_dir, max(args.runs, 20)))
         finally:
             leaked = release_data_dir(data_dir)
             if leaked:
@@ -154,6 +217,7 @@ def main() -> None:
         print(f"{summary(name, values, 'ms')}  {ratio:8.1f}x faster than a cold create")
     for name, mib in sized.items():
         print(f"{name:<34} {mib:9.2f} MiB")
+    _print_states(sealing)
 
 
 if __name__ == "__main__":

@@ -22,12 +22,13 @@ from pathlib import Path
 
 from qemu.qmp import QMPClient
 
-from space.node.api import Timeout, Unavailable
+from space.node.api import NodeError, Timeout, Unavailable
 from space.node.core.keys import NodeKeys
 from space.node.network.netns import GUEST_MAC, TAP
 from space.node.storage.disks import DiskFormat, disk_format
 from space.node.vmm.accel import Accelerator
 from space.node.vmm.jail import JAIL_SECRETS, TAP_FD, Bind, jail_for
+from space.node.vmm.state_io import state_reader, state_writer
 
 __all__ = ["QemuVM", "VmConfig", "build_command", "jail_binds", "jail_owned", "pid_runs_vm"]
 
@@ -339,43 +340,54 @@ class QemuVM:
         """Write the paused VM's state to ``path``, fsynced; returns its size in bytes.
 
         The state is the devices' and, unless ``memory_shared`` (the RAM is in its file
-        already), the RAM's: every page, a zero page as a flag only. The VM must be
-        paused (``pause``); afterwards it stays paused until ``resume``. Uses migration
-        to a file descriptor passed over QMP, unthrottled. Raises Unavailable (migration
-        failed or QMP lost) or Timeout. Cancellation cancels the migration; ``path`` is
-        then incomplete.
+        already), the RAM's: every page, a zero page as a flag only. With ``keys`` it is
+        sealed (space.node.vmm.sealed_state) as QEMU writes it: no plaintext reaches the
+        disk. The VM must be paused (``pause``); afterwards it stays paused until
+        ``resume``. Uses migration to a file descriptor passed over QMP, unthrottled.
+        Raises Unavailable (migration or the file's write failed, QMP lost) or Timeout.
+        Cancellation cancels the migration; ``path`` is then incomplete (a sealed one
+        never authenticates).
         """
         await self._set_migration_options()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            await self._pass_fd(fd, "state")
+        async with state_writer(path, self._state_key, sandbox_id=self.sandbox_id) as writer:
+            await self._pass_fd(writer.qemu_fd, "state")
+            writer.handed_over()
             await self._execute("migrate", {"uri": "fd:state"})
             try:
                 await self._await_migration(timeout_s)
-            except BaseException:
+            except BaseException as exc:
                 with contextlib.suppress(Unavailable):
                     await self._execute("migrate_cancel")
+                if isinstance(exc, NodeError):
+                    writer.check()  # a failed write is why QEMU failed
                 raise
-            os.fsync(fd)
-            return os.fstat(fd).st_size
-        finally:
-            os.close(fd)
+            return await writer.finish(timeout_s)
 
     async def load_state(self, path: Path, *, timeout_s: float = 60.0) -> None:
         """Load a state written by ``save_state`` into a VM launched ``incoming``.
 
-        Returns once loaded; the VM is then paused (``resume`` runs it). Raises
-        Unavailable if QEMU rejects the state (it exits then) or Timeout. A state
-        without RAM needs ``memory_file`` to be the RAM it was saved with.
+        Returns once loaded; the VM is then paused (``resume`` runs it). A sealed state
+        is opened with ``keys`` chunk by chunk, and QEMU reads only verified chunks; a
+        plaintext state (saved before states were sealed) loads as it is. Raises
+        Unavailable if the state does not authenticate or QEMU rejects it (QEMU exits
+        then), or Timeout. A state without RAM needs ``memory_file`` to be the RAM it
+        was saved with.
         """
         await self._set_migration_options()
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            await self._pass_fd(fd, "state")
+        async with state_reader(path, self._state_key, sandbox_id=self.sandbox_id) as reader:
+            await self._pass_fd(reader.qemu_fd, "state")
+            reader.handed_over()
             await self._execute("migrate-incoming", {"uri": "fd:state"})
-        finally:
-            os.close(fd)
-        await self._poll(timeout_s, self._incoming_done, "loading the VM state")
+            try:
+                await self._poll(timeout_s, self._incoming_done, "loading the VM state")
+            except NodeError:
+                reader.check()  # a chunk that did not authenticate is why QEMU failed
+                raise
+            await reader.finish(timeout_s)
+
+    @property
+    def _state_key(self) -> bytes | None:
+        return self.config.keys.state_key if self.config.keys is not None else None
 
     async def _incoming_done(self) -> bool:
         return await self.query_status() != "inmigrate"
