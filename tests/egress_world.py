@@ -46,7 +46,7 @@ from cryptography import x509
 from mitmproxy import dns
 from mitmproxy.net.dns import response_codes, types
 
-from space.node.egress.netns_socket import bind_in_netns
+from space.node.network.netns_socket import bind_in_netns
 
 from .tls import write_self_signed
 
@@ -320,7 +320,7 @@ def _stray_source(data: bytes, protocol: int) -> str | None:
 
 def _made_in_netns(netns: Path, make: Callable[[], socket.socket]) -> socket.socket:
     """``make()`` run on a thread inside ``netns`` (a socket stays in the namespace it
-    was made in), as space.node.egress.netns_socket does for its AF_INET sockets."""
+    was made in), as space.node.network.netns_socket does for its AF_INET sockets."""
     result: list[socket.socket | BaseException] = []
 
     def enter_and_make() -> None:

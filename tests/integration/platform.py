@@ -18,6 +18,8 @@ from pathlib import Path
 
 import httpx
 
+from space.node.network.gateway_client import running_gateways
+
 from .. import logs
 from ..ports import free_port
 
@@ -106,17 +108,9 @@ def qemu_pids(data_dir: Path) -> list[int]:
 
 
 def gateway_pids(data_dir: Path) -> list[int]:
-    """Egress gateway processes serving ``data_dir`` (by their --audit-dir); they outlive
-    the node agent, as QEMU does."""
-    needle = f"{data_dir / 'egress'}/".encode()
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            with contextlib.suppress(OSError):
-                argv = (proc / "cmdline").read_bytes().split(b"\0")
-                if b"space.node.egress" in argv and any(a.startswith(needle) for a in argv):
-                    pids.append(int(proc.name))
-    return pids
+    """Egress gateway processes serving ``data_dir`` (their working directory is its
+    ``egress``); they outlive the node agent, as QEMU does."""
+    return running_gateways(data_dir / "egress")
 
 
 def mounts_under(path: Path) -> list[str]:

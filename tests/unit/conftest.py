@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from space.node.network.gateway_client import running_gateways
 from tests.unit._live_api import LiveApi
 
 
@@ -38,12 +39,6 @@ def egress_dir(tmp_path: Path) -> Iterator[Path]:
     """The gateway's data dir; every gateway started on it is gone afterwards."""
     directory = tmp_path / "egress"
     yield directory
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                argv = (proc / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"space.node.egress" in argv and str(directory).encode() in argv:
-                os.kill(int(proc.name), signal.SIGKILL)
-                pytest.fail(f"a gateway was left running: pid {proc.name}")
+    for pid in running_gateways(directory):
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"a gateway was left running: pid {pid}")

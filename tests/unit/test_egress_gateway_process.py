@@ -130,6 +130,8 @@ def test_negative_the_gateway_process_refuses_a_private_rule_its_operator_did_no
     egress_dir: Path, tmp_path: Path
 ) -> None:
     # The node checks first; the gateway, told the bounds as options, checks again.
+    (tmp_path / "ca").write_text("not a CA")
+
     async def scenario() -> None:
         strict = await _start(egress_dir)
         try:
@@ -140,7 +142,7 @@ def test_negative_the_gateway_process_refuses_a_private_rule_its_operator_did_no
         listed = PolicyBounds.of(["10.99.0.0/24"])
         opened = await GatewayProcess.start(egress_dir, RESOLVERS, None, listed)
         try:
-            # Past the policy now: what fails is the CA this test never made.
+            # Past the policy now: what fails is the CA, which is none.
             with pytest.raises(InvalidArgument, match="cannot load the CA"):
                 await opened.attach("sb", tmp_path / "no-netns", PRIVATE_POLICY, tmp_path / "ca")
         finally:

@@ -111,7 +111,7 @@ async def _scenario(
     upstream = await asyncio.start_server(world.upstream, "127.0.0.1", 0, ssl=upstream_ssl)
     upstream_port = upstream.sockets[0].getsockname()[1]
     interceptor = Interceptor(tmp / "mitm", world.upstream_ca)
-    ca = load_ca(world.sandbox_ca)
+    ca = load_ca(world.sandbox_ca.read_bytes(), interceptor.dhparam)
 
     async def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         first = await reader.read(65536)

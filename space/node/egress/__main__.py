@@ -20,14 +20,17 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 
 from space.node.api import PolicyBounds
 from space.node.egress.audit import AuditLog
-from space.node.egress.gateway import Gateway, GatewayError
+from space.node.egress.gateway import Gateway, GatewayError, Listeners
 from space.node.egress.intercept import Interceptor
 from space.node.egress.resolver import Resolver
+from space.node.network.fd_lines import FdLineReader
 from space.node.network.resolvers import parse_resolvers
 
 log = logging.getLogger("space.egress")
@@ -68,48 +71,86 @@ async def _serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(signum, stop.set)
     identity = {"version": args.version, "pid": os.getpid()}
 
-    async def session(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def session(conn: socket.socket) -> None:
+        reader = FdLineReader(conn, max_line_bytes=_MAX_LINE)
         try:
-            while line := await reader.readline():
-                answer = await _handle(gateway, line, identity, stop)
-                writer.write(json.dumps(answer).encode() + b"\n")
-                await writer.drain()
-        except (ValueError, ConnectionError) as exc:  # an over-long line, a dead node
+            while True:
+                line, fds = await reader.readline()
+                if not line:
+                    return
+                answer = await _handle(gateway, line, fds, identity, stop)
+                await loop.sock_sendall(conn, json.dumps(answer).encode() + b"\n")
+        except (ValueError, OSError) as exc:  # an over-long line, a dead node
             log.warning("control session ended: %s", exc)
         finally:
-            writer.close()
+            reader.close()
+            conn.close()
 
-    path: Path = args.control_socket
-    # Only the node's uid may connect (issue 18): umask 077 closes the window between
-    # bind and chmod; the chmod makes it exactly 0600 (what docs/security.md states).
-    old_umask = os.umask(0o077)
-    try:
-        server = await asyncio.start_unix_server(session, path=str(path), limit=_MAX_LINE)
-        os.chmod(path, 0o600)
-    finally:
-        os.umask(old_umask)
-    log.info("serving control socket %s (version %s)", path, args.version)
+    server = _listen(args.control_socket)
+    log.info("serving control socket %s (version %s)", args.control_socket, args.version)
+    accepting = asyncio.create_task(_accept(server, session))
     try:
         await stop.wait()
     finally:
+        accepting.cancel()
         server.close()
         await gateway.close()
         log.info("stopped")
 
 
+def _listen(path: Path) -> socket.socket:
+    """The control socket at ``path``, 0600: only the gateway's uid and root may
+    connect (issue 18); umask 077 closes the window between bind and chmod."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    old_umask = os.umask(0o077)
+    try:
+        server.bind(str(path))
+        os.chmod(path, 0o600)
+    finally:
+        os.umask(old_umask)
+    server.listen(8)
+    server.setblocking(False)
+    return server
+
+
+async def _accept(
+    server: socket.socket, session: Callable[[socket.socket], Coroutine[None, None, None]]
+) -> None:
+    """Serve every connection to ``server``, each in a task of its own."""
+    loop = asyncio.get_running_loop()
+    sessions: set[asyncio.Task[None]] = set()
+    while True:
+        conn, _ = await loop.sock_accept(server)
+        conn.setblocking(False)
+        task = asyncio.create_task(session(conn))
+        sessions.add(task)
+        task.add_done_callback(sessions.discard)
+
+
 async def _handle(
-    gateway: Gateway, line: bytes, identity: dict[str, object], stop: asyncio.Event
+    gateway: Gateway,
+    line: bytes,
+    fds: list[int],
+    identity: dict[str, object],
+    stop: asyncio.Event,
 ) -> dict[str, object]:
+    """The answer to one request; ``fds`` are its descriptors, always consumed: those
+    of an attach become its listeners, any others are closed."""
     try:
         request = json.loads(line)
         if not isinstance(request, dict):
             raise GatewayError("a request is a JSON object")
     except (ValueError, GatewayError) as exc:
+        _close(fds)
         return {"id": None, "error": f"bad request: {exc}"}
     answer: dict[str, object] = {"id": request.get("id")}
     op = request.get("op")
+    if op != "attach":
+        _close(fds)
     try:
-        if op == "ping":
+        if op == "attach":
+            answer["attached"] = await _attach(gateway, request, fds)
+        elif op == "ping":
             answer.update(identity)
         elif op == "shutdown":
             stop.set()
@@ -132,17 +173,28 @@ def _list(value: object) -> list[object]:
     return value
 
 
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+async def _attach(gateway: Gateway, request: dict[str, object], fds: list[int]) -> bool:
+    """Attach as ``request`` says, with the listeners ``fds`` (if any), which it owns."""
+    listeners = Listeners.adopt(fds) if fds else None
+    try:
+        sandbox, netns = str(request["sandbox"]), str(request["netns"])
+        ca = request.get("ca")
+    except KeyError:
+        if listeners is not None:
+            listeners.close()
+        raise
+    pem = ca.encode() if isinstance(ca, str) and ca else None
+    return await gateway.attach(sandbox, netns, request.get("policy"), pem, listeners)
+
+
 async def _dispatch(gateway: Gateway, op: str, request: dict[str, object]) -> None:
     sandbox = str(request["sandbox"])
-    if op == "attach":
-        ca = request.get("ca")
-        await gateway.attach(
-            sandbox,
-            Path(str(request["netns"])),
-            request.get("policy"),
-            Path(str(ca)) if ca else None,
-        )
-    elif op == "secrets":
+    if op == "secrets":
         gateway.set_secrets(sandbox, request.get("grants"))
     elif op == "policy":
         gateway.set_policy(sandbox, request.get("policy"))

@@ -31,13 +31,13 @@ from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv6Address
 
 from space.node.api import EgressEvent, EgressPolicy, SecretGrant, blocked_category
-from space.node.egress.netns_socket import original_destination
 from space.node.egress.resolver import ResolveError, Resolver
 from space.node.egress.sniff import Head, sniff
 
 __all__ = ["Refused", "Route", "Tracker", "route", "serve"]
 
 _CONNECT_TIMEOUT_S = 10.0
+_SO_ORIGINAL_DST = 80
 _CHUNK = 64 * 1024
 
 IPAddress = IPv4Address | IPv6Address
@@ -331,3 +331,10 @@ def _event(
         bytes_out=counts[0],
         bytes_in=counts[1],
     )
+
+
+def original_destination(sock: socket.socket) -> tuple[str, int]:
+    """Where a redirected TCP connection was headed (conntrack's SO_ORIGINAL_DST)."""
+    raw = sock.getsockopt(socket.SOL_IP, _SO_ORIGINAL_DST, 16)
+    port, address = struct.unpack("!2xH4s8x", raw)
+    return socket.inet_ntoa(address), port

@@ -1,10 +1,11 @@
 """The node's egress gateway: listeners inside every sandbox's namespace, one process.
 
-For each attached sandbox the gateway binds, inside that sandbox's network namespace,
-a TCP listener that nftables redirects every guest connection to, and a DNS responder
-on UDP 53. Both are served here, in the host's namespace, where the gateway itself
-connects out. A sandbox's identity is the listener its traffic arrived on, so no
-packet a guest forges can make it pass for another.
+For each attached sandbox the gateway serves, bound inside that sandbox's network
+namespace, a TCP listener that nftables redirects every guest connection to, and a DNS
+responder on UDP 53. The node binds both (it alone may enter a namespace: the gateway
+runs unprivileged, issue 18) and hands them over; they are served here, in the host's
+namespace, where the gateway itself connects out. A sandbox's identity is the listener
+its traffic arrived on, so no packet a guest forges can make it pass for another.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 from dataclasses import dataclass, replace
 from ipaddress import IPv4Address
-from pathlib import Path
 from typing import cast
 
 from mitmproxy import certs
@@ -36,11 +37,9 @@ from space.node.egress.connection import Refused, Route, Streams, Tracker, serve
 from space.node.egress.fakeip import FakeIps
 from space.node.egress.intercept import Exchange, Interceptor, load_ca
 from space.node.egress.local_addresses import LocalAddresses
-from space.node.egress.netns_socket import bind_in_netns
 from space.node.egress.resolver import Resolver
-from space.node.network.netns import DNS_PORT, GATEWAY_ADDRESS, PROXY_PORT
 
-__all__ = ["Gateway", "GatewayError"]
+__all__ = ["Gateway", "GatewayError", "Listeners"]
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +51,47 @@ class GatewayError(Exception):
     """A request to the gateway failed (unknown sandbox, namespace gone, bad policy)."""
 
 
+@dataclass(frozen=True, eq=False)
+class Listeners:
+    """A sandbox's listeners as the node bound them: TCP (listening) and UDP (DNS)."""
+
+    tcp: socket.socket
+    udp: socket.socket
+
+    @classmethod
+    def adopt(cls, fds: list[int]) -> Listeners:
+        """The listeners of descriptors received, owning them: ``[tcp, udp]``, both
+        AF_INET. Raises GatewayError, having closed them all, for anything else."""
+        sockets: list[socket.socket] = []
+        try:
+            for fd in fds:
+                sockets.append(socket.socket(fileno=fd))
+        except OSError as exc:
+            _close_all(sockets, fds[len(sockets) :])
+            raise GatewayError(f"a listener is not a socket: {exc}") from exc
+        kinds = [(s.family, s.type) for s in sockets]
+        if kinds != [(socket.AF_INET, socket.SOCK_STREAM), (socket.AF_INET, socket.SOCK_DGRAM)]:
+            _close_all(sockets, [])
+            raise GatewayError("an attach takes two listeners: TCP then UDP")
+        for sock in sockets:
+            sock.setblocking(False)
+        return cls(sockets[0], sockets[1])
+
+    def close(self) -> None:
+        self.tcp.close()
+        self.udp.close()
+
+
+def _close_all(sockets: list[socket.socket], fds: list[int]) -> None:
+    for sock in sockets:
+        sock.close()
+    for fd in fds:
+        os.close(fd)
+
+
 @dataclass(eq=False)
 class _Attached:
-    netns: Path
+    netns: str
     tracker: Tracker
     fake: FakeIps
     server: asyncio.Server
@@ -81,25 +118,48 @@ class Gateway:
         self._attached: dict[str, _Attached] = {}
         self._cas: dict[str, certs.CertStore] = {}
 
-    async def attach(self, sandbox_id: str, netns: Path, policy: object, ca: Path | None) -> None:
-        """Listen in ``netns`` for the sandbox under ``policy`` (JSON), terminating its
-        TLS with the CA (key and certificate, PEM) at ``ca``; idempotent (a second
-        attach with the same namespace only sets the policy and CA).
+    async def attach(
+        self,
+        sandbox_id: str,
+        netns: str,
+        policy: object,
+        ca: bytes | None,
+        listeners: Listeners | None,
+    ) -> bool:
+        """Serve the sandbox, whose namespace ``netns`` names, under ``policy`` (JSON),
+        terminating its TLS with the CA ``ca`` (key and certificate, PEM); takes
+        ``listeners`` over (closed when unused or on error). Idempotent: a second attach
+        with the same namespace only sets the policy and CA.
 
-        Raises GatewayError (bad policy, unreadable CA, namespace missing, ports taken)."""
-        parsed = self._parse(policy)
+        Returns False, having changed nothing, when the sandbox is not served in
+        ``netns`` yet and no ``listeners`` came: the node binds them and asks again.
+        Raises GatewayError (bad policy or CA)."""
         try:
-            store = load_ca(ca) if ca is not None else None
-        except (OSError, ValueError) as exc:
-            raise GatewayError(f"cannot load the CA of {sandbox_id}: {exc}") from exc
+            parsed = self._parse(policy)
+            store = self._load_ca(sandbox_id, ca)
+        except GatewayError:
+            if listeners is not None:
+                listeners.close()
+            raise
         current = self._attached.get(sandbox_id)
-        if current is None or current.netns != netns:
-            await self.detach(sandbox_id)
-            self._attached[sandbox_id] = await self._listen(sandbox_id, netns, parsed)
-        else:
+        if current is not None and current.netns == netns:
+            if listeners is not None:
+                listeners.close()  # the namespace's own are served already
             current.tracker.set_policy(parsed)
+        elif listeners is None:
+            return False
+        else:
+            await self.detach(sandbox_id)
+            self._attached[sandbox_id] = await self._listen(sandbox_id, netns, listeners, parsed)
         if store is not None:
             self._cas[sandbox_id] = store
+        return True
+
+    def _load_ca(self, sandbox_id: str, ca: bytes | None) -> certs.CertStore | None:
+        try:
+            return load_ca(ca, self._interceptor.dhparam) if ca is not None else None
+        except (OSError, ValueError) as exc:
+            raise GatewayError(f"cannot load the CA of {sandbox_id}: {exc}") from exc
 
     def set_secrets(self, sandbox_id: str, grants: object) -> None:
         """Replace the sandbox's secret grants. GatewayError (never naming a value) if
@@ -149,7 +209,9 @@ class Gateway:
         except InvalidArgument as exc:
             raise GatewayError(exc.message) from exc
 
-    async def _listen(self, sandbox_id: str, netns: Path, policy: EgressPolicy) -> _Attached:
+    async def _listen(
+        self, sandbox_id: str, netns: str, listeners: Listeners, policy: EgressPolicy
+    ) -> _Attached:
         fake = FakeIps()
         tracker = Tracker(
             sandbox_id=sandbox_id,
@@ -161,11 +223,6 @@ class Gateway:
             audit=lambda event: self._audit.write(sandbox_id, event),
             intercept=self._intercept,
         )
-        try:
-            tcp = bind_in_netns(netns, socket.SOCK_STREAM, (GATEWAY_ADDRESS, PROXY_PORT))
-            udp = bind_in_netns(netns, socket.SOCK_DGRAM, (GATEWAY_ADDRESS, DNS_PORT))
-        except OSError as exc:
-            raise GatewayError(f"cannot listen in {netns}: {exc}") from exc
 
         async def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             if len(tracker.live) >= MAX_CONNECTIONS:
@@ -174,9 +231,9 @@ class Gateway:
             await serve(tracker, reader, writer)
 
         loop = asyncio.get_running_loop()
-        server = await asyncio.start_server(accepted, sock=tcp)
+        server = await asyncio.start_server(accepted, sock=listeners.tcp)
         transport, _ = await loop.create_datagram_endpoint(
-            lambda: _DnsResponder(tracker, fake, self._audit), sock=udp
+            lambda: _DnsResponder(tracker, fake, self._audit), sock=listeners.udp
         )
         return _Attached(netns, tracker, fake, server, transport)
 

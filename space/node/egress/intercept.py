@@ -53,12 +53,14 @@ log = logging.getLogger(__name__)
 _STREAM_BODIES = "256k"
 
 
-def load_ca(path: Path) -> certs.CertStore:
-    """A CertStore issuing leaves from the CA (key and certificate, PEM) at ``path``."""
-    raw = path.read_bytes()
+def load_ca(raw: bytes, dhparam_path: Path) -> certs.CertStore:
+    """A CertStore issuing leaves from the CA ``raw`` (key and certificate, PEM); the DH
+    parameters are read from ``dhparam_path``, written there first if missing. The node
+    sends the CA's PEM: its file stays root's (docs/security.md). Raises ValueError,
+    OSError."""
     key = serialization.load_pem_private_key(raw, None)
     cert = x509.load_pem_x509_certificate(raw)
-    dhparams = certs.CertStore.load_dhparam(path.parent / "dhparam.pem")
+    dhparams = certs.CertStore.load_dhparam(dhparam_path)
     return certs.CertStore(key, certs.Cert(cert), None, dhparams)  # type: ignore[arg-type]
 
 
@@ -166,6 +168,8 @@ class Interceptor:
 
     def __init__(self, confdir: Path, upstream_ca: Path | None) -> None:
         confdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        #: Where the DH parameters of every sandbox's CertStore are kept.
+        self.dhparam = confdir / "dhparam.pem"
         self._exchanges: dict[str, Exchange] = {}
         opts = options.Options()
         self._master = Master(opts, event_loop=asyncio.get_running_loop())

@@ -6,6 +6,13 @@ the agent, as QEMU does, so a node restart cuts no connection: a starting node c
 to the gateway's control socket and adopts it if it runs this very code with this
 configuration (``fingerprint``), and replaces it otherwise. A gateway that died is
 started again on the next request and told everything the node told the last one.
+
+It runs unprivileged (issue 18): a uid of the VMM jails' range of its own
+(``jail.take_uid``), no capabilities, no supplementary groups, ``no_new_privs``
+(``setpriv``), its working directory ``data_dir`` (entered while root: the data dir
+above it is root's alone), which with its audit logs and mitmproxy's state is handed to
+its uid. It enters no namespace: the node binds its listeners in each sandbox's and
+sends them over the control socket (space.node.network.fd_lines).
 """
 
 from __future__ import annotations
@@ -17,8 +24,11 @@ import itertools
 import json
 import logging
 import os
+import shutil
 import signal
+import socket
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from space.node.api import (
@@ -29,9 +39,13 @@ from space.node.api import (
     encode_grants,
 )
 from space.node.core.environment import child_environment
+from space.node.network.fd_lines import send_line
+from space.node.network.netns import DNS_PORT, GATEWAY_ADDRESS, PROXY_PORT
+from space.node.network.netns_socket import bind_in_netns
+from space.node.vmm import jail
 from space.node.vmm.qemu import console_tail
 
-__all__ = ["GatewayProcess", "fingerprint"]
+__all__ = ["GatewayProcess", "fingerprint", "running_gateways"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +59,8 @@ _GRACE_S = 1.0
 _MAX_SOCKET_PATH = 107
 #: Of the gateway's log, quoted when it did not start.
 _LOG_TAIL_BYTES = 2048
+#: The gateway's files, relative to its working directory (``data_dir``).
+_SOCKET_NAME, _AUDIT, _MITM, _UPSTREAM_CA = "control.sock", "audit", "mitm", "upstream-ca.pem"
 #: The code the gateway runs: the space package (its egress modules import across it).
 _SOURCES = Path(__file__).resolve().parents[2]
 
@@ -83,10 +99,11 @@ class GatewayProcess:
         upstream_ca: Path | None,
         bounds: PolicyBounds | None = None,
     ) -> None:
-        self._data_dir, self._resolvers, self._upstream_ca = data_dir, resolvers, upstream_ca
+        # Resolved: it is matched against a gateway's /proc/PID/cwd.
+        self._data_dir = data_dir.resolve()
+        self._resolvers, self._upstream_ca = resolvers, upstream_ca
         self._bounds = bounds or PolicyBounds()
-        self._audit_dir = data_dir / "audit"
-        self._socket = data_dir / "control.sock"
+        self._socket = data_dir / _SOCKET_NAME
         self._version = fingerprint(resolvers, upstream_ca, self._bounds)
         self._attached: dict[str, tuple[Path, object, Path]] = {}
         self._secrets: dict[str, list[dict[str, object]]] = {}
@@ -106,7 +123,8 @@ class GatewayProcess:
     ) -> GatewayProcess:
         """Adopt the gateway of ``data_dir`` if one of this version runs, else start
         one; its audit logs go to ``data_dir/audit``, mitmproxy's state to
-        ``data_dir/mitm``, its own log to ``data_dir/gateway.log``. ``upstream_ca`` is
+        ``data_dir/mitm``, its own log to ``data_dir/gateway.log``; ``data_dir`` must
+        not hold anything the gateway may not read (its uid owns it). ``upstream_ca`` is
         the CA bundle upstream servers are verified with (None: the host's); ``bounds``
         what policies may name (None: the strictest)."""
         gateway = cls(data_dir, resolvers, upstream_ca, bounds)
@@ -124,8 +142,10 @@ class GatewayProcess:
 
     async def attach(self, sandbox_id: str, netns: Path, policy: object, ca: Path) -> None:
         """Serve the sandbox's namespace under ``policy``, its TLS terminated with the
-        CA at ``ca``; idempotent."""
-        await self._call(_attach(sandbox_id, netns, policy, ca))
+        CA at ``ca``; idempotent. Raises Unavailable also if the CA cannot be read or
+        the listeners cannot be bound in ``netns`` (gone, ports taken)."""
+        request = _attach(sandbox_id, netns, policy, ca)
+        await self._ask(lambda: self._attach_exchange(netns, request))
         self._attached[sandbox_id] = (netns, policy, ca)
 
     async def set_secrets(self, sandbox_id: str, grants: list[SecretGrant]) -> None:
@@ -165,12 +185,16 @@ class GatewayProcess:
                 await self._stop()
 
     async def _call(self, request: dict[str, object]) -> None:
+        await self._ask(lambda: self._exchange(request))
+
+    async def _ask(self, exchange: Callable[[], Awaitable[dict[str, object]]]) -> None:
+        """Run ``exchange``, restarting the gateway once if it does not answer."""
         async with self._lock:
             for attempt in (1, 2):
                 if self._stream is None:
                     await self._restart()
                 try:
-                    answer = await self._exchange(request)
+                    answer = await exchange()
                 except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError) as exc:
                     log.warning("egress gateway did not answer (%s); restarting it", exc)
                     await self._stop()
@@ -181,12 +205,33 @@ class GatewayProcess:
                     raise InvalidArgument(str(answer["error"]))
                 return
 
-    async def _exchange(self, request: dict[str, object]) -> dict[str, object]:
+    async def _attach_exchange(self, netns: Path, request: dict[str, object]) -> dict[str, object]:
+        """Attach; with listeners bound in ``netns`` if the gateway has none there."""
+        answer = await self._exchange(request)
+        if answer.get("attached") is not False:
+            return answer
+        listeners = _bind_listeners(netns)
+        try:
+            return await self._exchange(request, [s.fileno() for s in listeners])
+        finally:
+            for sock in listeners:
+                sock.close()
+
+    async def _exchange(
+        self, request: dict[str, object], fds: list[int] | None = None
+    ) -> dict[str, object]:
+        """One request and its answer; ``fds`` go with the request (the gateway gets
+        copies). Raises OSError, TimeoutError, ValueError, IncompleteReadError."""
         if self._stream is None:
             raise OSError("not connected to the gateway")
         reader, writer = self._stream
         self._next_id += 1
-        writer.write(json.dumps({**request, "id": self._next_id}).encode() + b"\n")
+        line = json.dumps({**request, "id": self._next_id}).encode() + b"\n"
+        if fds:
+            # Nothing is buffered in the writer: each request waits for its answer.
+            with socket.socket(fileno=os.dup(writer.get_extra_info("socket").fileno())) as dup:
+                line = line[send_line(dup, line, fds) :]
+        writer.write(line)
         async with asyncio.timeout(_REQUEST_TIMEOUT_S):
             await writer.drain()
             line = await reader.readline()
@@ -199,7 +244,10 @@ class GatewayProcess:
         await self._stop()
         await self._spawn()
         for sandbox_id, (netns, policy, ca) in list(self._attached.items()):
-            answer = await self._exchange(_attach(sandbox_id, netns, policy, ca))
+            try:
+                answer = await self._attach_exchange(netns, _attach(sandbox_id, netns, policy, ca))
+            except Unavailable as exc:
+                answer = {"error": exc.message}
             if "error" in answer:
                 log.warning(
                     "re-attaching %s to the gateway failed: %s", sandbox_id, answer["error"]
@@ -238,18 +286,22 @@ class GatewayProcess:
     async def _spawn(self) -> None:
         """Start a gateway, detached (``setsid --fork``): not the node's child, it is
         not reaped, signalled or waited for by it, and outlives it like QEMU."""
-        _kill_gateways(self._socket, "it does not answer")  # hung, if any
-        argv = ["setsid", "--fork", sys.executable, "-m", "space.node.egress"]
-        argv += ["--control-socket", str(self._socket), "--version", self._version]
-        argv += ["--audit-dir", str(self._audit_dir), "--confdir", str(self._data_dir / "mitm")]
-        if self._upstream_ca is not None:
-            argv += ["--upstream-ca", str(self._upstream_ca)]
-        for resolver in self._resolvers:
-            argv += ["--resolver", resolver]
-        argv += _bounds_argv(self._bounds)
-        self._audit_dir.mkdir(parents=True, exist_ok=True)
+        _kill_gateways(self._data_dir, "it does not answer")  # hung, if any
+        uid = jail.take_uid()
+        try:
+            await self._launch(uid)
+        finally:
+            jail.release_uid(uid)  # it runs as uid now, or never will
+
+    async def _launch(self, uid: int) -> None:
+        """Start a gateway as ``uid`` and wait for its first answer. Raises Unavailable."""
+        argv = ["setsid", "--fork", *_unprivileged(uid), *self._command()]
         log_path = self._data_dir / "gateway.log"
-        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        try:
+            await asyncio.to_thread(self._hand_over, uid)
+            log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise Unavailable(f"cannot prepare the egress gateway's files: {exc}") from exc
         try:
             launcher = await asyncio.create_subprocess_exec(
                 *argv,
@@ -257,6 +309,7 @@ class GatewayProcess:
                 stdout=log_fd,
                 stderr=log_fd,
                 env=_gateway_environment(),
+                cwd=self._data_dir,
             )
             await launcher.wait()  # setsid returns once the gateway is forked off
         except OSError as exc:
@@ -267,7 +320,7 @@ class GatewayProcess:
             async with asyncio.timeout(_START_TIMEOUT_S):
                 answer = await self._await_start()
         except (OSError, TimeoutError) as exc:
-            _kill_gateways(self._socket, "it did not start")
+            _kill_gateways(self._data_dir, "it did not start")
             self._disconnect()
             tail = " | ".join(console_tail(log_path, _LOG_TAIL_BYTES).strip().splitlines()[-5:])
             problem = f"{exc or 'timed out'}; gateway log: {tail or '(empty)'}"
@@ -282,10 +335,40 @@ class GatewayProcess:
             answer = await self._connect()
             if answer is not None:
                 return answer
-            if attempt * _POLL_S > _GRACE_S and not _gateways(self._socket):
+            if attempt * _POLL_S > _GRACE_S and not running_gateways(self._data_dir):
                 raise OSError("it exited")
             await asyncio.sleep(_POLL_S)
         raise AssertionError("unreachable")
+
+    def _command(self) -> list[str]:
+        """The gateway's argv; ``-P``: nothing is imported from its working directory."""
+        argv = [sys.executable, "-P", "-m", "space.node.egress", "--control-socket"]
+        argv += [_SOCKET_NAME, "--version", self._version, "--audit-dir", _AUDIT]
+        argv += ["--confdir", _MITM]
+        if self._upstream_ca is not None:
+            argv += ["--upstream-ca", _UPSTREAM_CA]
+        for resolver in self._resolvers:
+            argv += ["--resolver", resolver]
+        return argv + _bounds_argv(self._bounds)
+
+    def _hand_over(self, uid: int) -> None:
+        """Give ``uid`` the gateway's directory, audit logs and mitmproxy state (a
+        gateway before it may have had another uid), and a copy of the upstream CA
+        bundle, wherever that is. The sandboxes' CAs (``ca/``) and the log stay root's."""
+        self._data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for name in (_AUDIT, _MITM):
+            (self._data_dir / name).mkdir(mode=0o700, exist_ok=True)
+        if self._upstream_ca is not None:
+            copy = self._data_dir / _UPSTREAM_CA
+            shutil.copyfile(self._upstream_ca, copy)
+            os.chmod(copy, 0o600)
+            os.chown(copy, uid, uid, follow_symlinks=False)
+        os.chown(self._data_dir, uid, uid)
+        os.chmod(self._data_dir, 0o700)
+        for name in (_AUDIT, _MITM):
+            for root, dirs, files in os.walk(self._data_dir / name):
+                for entry in (root, *(os.path.join(root, n) for n in dirs + files)):
+                    os.chown(entry, uid, uid, follow_symlinks=False)
 
     def _disconnect(self) -> None:
         if self._stream is not None:
@@ -298,7 +381,7 @@ class GatewayProcess:
         pid, self._pid = self._pid, None
         self._adopted = False
         # Checked before asking: an exiting process's cmdline reads empty.
-        ours = pid is not None and _is_gateway(pid, self._socket)
+        ours = pid is not None and _is_gateway(pid, self._data_dir)
         if self._stream is not None:
             with contextlib.suppress(
                 OSError, TimeoutError, ValueError, asyncio.IncompleteReadError
@@ -322,14 +405,15 @@ async def _exit_of(pid: int) -> bool:
     return _exited(pid)
 
 
-def _is_gateway(pid: int, socket_path: Path) -> bool:
-    """Whether ``pid`` is still a gateway serving ``socket_path`` (not a reused pid,
-    not a zombie)."""
+def _is_gateway(pid: int, data_dir: Path) -> bool:
+    """Whether ``pid`` is still the gateway of ``data_dir``, its working directory (not
+    a reused pid, not a zombie)."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        cwd = os.readlink(f"/proc/{pid}/cwd")
     except OSError:
         return False
-    return not _exited(pid) and b"space.node.egress" in argv and str(socket_path).encode() in argv
+    return not _exited(pid) and b"space.node.egress" in argv and cwd == str(data_dir)
 
 
 def _exited(pid: int) -> bool:
@@ -341,27 +425,50 @@ def _exited(pid: int) -> bool:
     return state in ("Z", "X")
 
 
-def _gateways(socket_path: Path) -> list[int]:
-    """The live gateways serving ``socket_path``."""
+def running_gateways(data_dir: Path) -> list[int]:
+    """The pids of the live gateways of ``data_dir`` (a node's ``data_dir/egress``)."""
+    data_dir = data_dir.resolve()
     pids = (int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit())
-    return [pid for pid in pids if _is_gateway(pid, socket_path)]
+    return [pid for pid in pids if _is_gateway(pid, data_dir)]
 
 
-def _kill_gateways(socket_path: Path, why: str) -> None:
-    for pid in _gateways(socket_path):
+def _kill_gateways(data_dir: Path, why: str) -> None:
+    for pid in running_gateways(data_dir):
         log.warning("killing the egress gateway pid %s: %s", pid, why)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 
 
 def _attach(sandbox_id: str, netns: Path, policy: object, ca: Path) -> dict[str, object]:
-    return {
-        "op": "attach",
-        "sandbox": sandbox_id,
-        "netns": str(netns),
-        "policy": policy,
-        "ca": str(ca),
-    }
+    """The attach request, carrying the CA's PEM: its file stays root's. Raises
+    Unavailable if it cannot be read."""
+    try:
+        pem = ca.read_text()
+    except (OSError, ValueError) as exc:
+        raise Unavailable(f"cannot read the CA of {sandbox_id}: {exc}") from exc
+    return {"op": "attach", "sandbox": sandbox_id, "netns": str(netns), "policy": policy, "ca": pem}
+
+
+def _bind_listeners(netns: Path) -> list[socket.socket]:
+    """The gateway's TCP and UDP listeners, bound in ``netns``. Raises Unavailable."""
+    try:
+        tcp = bind_in_netns(netns, socket.SOCK_STREAM, (GATEWAY_ADDRESS, PROXY_PORT))
+    except OSError as exc:
+        raise Unavailable(f"cannot listen in {netns}: {exc}") from exc
+    try:
+        udp = bind_in_netns(netns, socket.SOCK_DGRAM, (GATEWAY_ADDRESS, DNS_PORT))
+    except OSError as exc:
+        tcp.close()
+        raise Unavailable(f"cannot listen in {netns}: {exc}") from exc
+    return [tcp, udp]
+
+
+def _unprivileged(uid: int) -> list[str]:
+    """setpriv's argv running the rest as ``uid`` (gid alike), with no supplementary
+    groups, no capabilities in any set, and ``no_new_privs`` (issue 18)."""
+    ids = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+    caps = ["--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all"]
+    return ["setpriv", *ids, *caps, "--no-new-privs", "--"]
 
 
 def _gateway_environment() -> dict[str, str]:

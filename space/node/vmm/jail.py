@@ -55,6 +55,8 @@ __all__ = [
     "Jail",
     "jail_for",
     "jailed_uid_in_use",
+    "release_uid",
+    "take_uid",
 ]
 
 #: The uids (and gids) jailed VMMs run as: far above any a distribution hands out, and
@@ -204,6 +206,12 @@ def take_uid() -> int:
             _launching.add(uid)
             return uid
     raise Unavailable(f"all {len(JAIL_UIDS)} jail uids are in use")
+
+
+def release_uid(uid: int) -> None:
+    """End the reservation ``take_uid`` made, once a process runs as ``uid`` (or its
+    launch failed); idempotent."""
+    _launching.discard(uid)
 
 
 def jailed_uid_in_use() -> set[int]:

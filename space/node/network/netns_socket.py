@@ -1,10 +1,12 @@
-"""Sockets bound inside another network namespace, made from this process.
+"""Sockets bound inside another network namespace, made by the node (root).
 
 A socket belongs to the namespace of the thread that created it and stays there. So a
 short-lived thread enters the sandbox's namespace (setns, which Python 3.11's os module
-lacks, hence ctypes), makes and binds the socket, and ends; the gateway's event loop
-then serves the socket from the host's namespace. One gateway process can so listen in
-every sandbox without any route between them and the host.
+lacks, hence ctypes), makes and binds the socket, and ends. The node hands the gateway's
+listeners so made over its control socket (space.node.network.fd_lines), and the
+gateway serves them from the host's namespace: it listens in every sandbox without any
+route between them and the host, and without the privilege to enter a namespace
+(issue 18).
 """
 
 from __future__ import annotations
@@ -13,14 +15,12 @@ import ctypes
 import ctypes.util
 import os
 import socket
-import struct
 import threading
 from pathlib import Path
 
-__all__ = ["bind_in_netns", "original_destination"]
+__all__ = ["bind_in_netns"]
 
 _CLONE_NEWNET = 0x40000000
-_SO_ORIGINAL_DST = 80
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
@@ -74,10 +74,3 @@ def _setns(fd: int) -> None:
     if _libc.setns(fd, _CLONE_NEWNET) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"setns: {os.strerror(errno)}")
-
-
-def original_destination(sock: socket.socket) -> tuple[str, int]:
-    """Where a redirected TCP connection was headed (conntrack's SO_ORIGINAL_DST)."""
-    raw = sock.getsockopt(socket.SOL_IP, _SO_ORIGINAL_DST, 16)
-    port, address = struct.unpack("!2xH4s8x", raw)
-    return socket.inet_ntoa(address), port

@@ -1,0 +1,191 @@
+"""Assume the egress gateway is compromised (it parses every hostile byte guests send
+out): what does it hold? (issue 18)
+
+A real gateway is started the way a node starts it, its directory ``egress`` inside a
+data dir (0700, root's) that also holds a master key, a node token, a node key, a
+database and a pool directory, and a real sandbox namespace attached. Then:
+
+- its /proc status shows a uid and gid not root's, no supplementary groups, every
+  capability set empty and ``no_new_privs``;
+- a probe with its exact uid and gid, started in its working directory, can open its
+  own files but none of the data dir's, nor the sandboxes' CA keys;
+- it serves the namespace through listeners the node bound there (it cannot enter a
+  namespace itself), and a gateway that died is started again and handed new ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from space.node.network import ca, netns
+from space.node.network.gateway_client import GatewayProcess, running_gateways
+from space.node.network.netns import GATEWAY_ADDRESS, PROXY_PORT
+
+#: What a node's data dir holds beside ``egress`` (space.node.core.data_dir).
+SECRET_FILES = ("master.key", "node-token", "node.key", "space.db")
+POLICY = {"allow": [{"domain": "example.com", "ports": [443]}]}
+
+# Try to open (list) every path named on stdin (relative ones from the working directory);
+# print {path: errno or 0 when it worked}.
+_PROBE = """
+import json, os, sys
+found = {}
+for path in json.load(sys.stdin):
+    try:
+        if os.path.isdir(path):
+            os.listdir(path)
+        else:
+            os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW))
+        found[path] = 0
+    except OSError as exc:
+        found[path] = exc.errno
+print(json.dumps(found))
+"""
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Iterator[Path]:
+    """A node's data dir as the server leaves it; no gateway of it outlives the test."""
+    directory = tmp_path / "data"
+    directory.mkdir(mode=0o700)
+    for name in SECRET_FILES:
+        (directory / name).write_bytes(b"secret")
+        (directory / name).chmod(0o600)
+    (directory / "pool").mkdir(mode=0o700)
+    yield directory
+    for pid in running_gateways(directory / "egress"):
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"a gateway was left running: pid {pid}")
+
+
+@pytest.fixture
+def namespace() -> Iterator[Path]:
+    """A sandbox's namespace (its tap holding the gateway's address), deleted after."""
+    name = f"spt-{secrets.token_hex(3)}"
+    asyncio.run(netns.create(name))
+    try:
+        yield netns.netns_path(name)
+    finally:
+        asyncio.run(netns.delete(name))
+
+
+def _status(pid: int) -> dict[str, str]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {key: value.strip() for key, _, value in (line.partition(":") for line in lines)}
+
+
+def _probe(uid: int, gid: int, cwd: Path, paths: list[str]) -> dict[str, int]:
+    ids = [f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]
+    done = subprocess.run(
+        ["setpriv", *ids, "--", sys.executable, "-I", "-c", _PROBE],
+        input=json.dumps(paths),
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        check=True,
+        timeout=30,
+    )
+    found: dict[str, int] = json.loads(done.stdout)
+    return found
+
+
+def _listeners_in(namespace: Path) -> set[tuple[str, str, int]]:
+    """(protocol, local address, pid) of every socket listening inside ``namespace``."""
+    done = subprocess.run(
+        ["ip", "netns", "exec", namespace.name, "ss", "-Hlntup"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
+    found = set()
+    for line in done.stdout.splitlines():
+        fields = line.split()
+        pid = int(fields[-1].split("pid=")[1].split(",")[0])
+        found.add((fields[0], fields[4], pid))
+    return found
+
+
+def _served_by(pid: int) -> set[tuple[str, str, int]]:
+    return {("tcp", f"{GATEWAY_ADDRESS}:{PROXY_PORT}", pid), ("udp", f"{GATEWAY_ADDRESS}:53", pid)}
+
+
+def test_the_gateway_runs_with_no_privilege_and_reads_nothing_of_the_data_dir(
+    data_dir: Path, namespace: Path
+) -> None:
+    egress = data_dir / "egress"
+    sandbox_ca = ca.ensure_ca(egress / "ca", "sb-1")
+
+    async def scenario() -> None:
+        gateway = await GatewayProcess.start(egress, ["127.0.0.1:53"], None)
+        try:
+            await gateway.attach("sb-1", namespace, POLICY, sandbox_ca)
+            assert gateway.pid is not None
+            _check_unprivileged(gateway.pid)
+            assert os.readlink(f"/proc/{gateway.pid}/cwd") == str(egress)
+            _check_files(gateway.pid, data_dir, sandbox_ca)
+            assert _listeners_in(namespace) == _served_by(gateway.pid)
+        finally:
+            await gateway.detach("sb-1")
+            await gateway.close()
+
+    asyncio.run(scenario())
+
+
+def _check_unprivileged(pid: int) -> None:
+    status = _status(pid)
+    assert all(int(uid) != 0 for uid in status["Uid"].split())
+    assert all(int(gid) != 0 for gid in status["Gid"].split())
+    assert status["Groups"] == ""
+    for caps in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert int(status[caps], 16) == 0, caps
+    assert status["NoNewPrivs"] == "1"
+
+
+def _check_files(pid: int, data_dir: Path, sandbox_ca: Path) -> None:
+    status = _status(pid)
+    uid, gid = int(status["Uid"].split()[0]), int(status["Gid"].split()[0])
+    egress = data_dir / "egress"
+    forbidden = [str(data_dir / name) for name in SECRET_FILES]
+    forbidden += [f"../{name}" for name in SECRET_FILES]
+    forbidden += [str(data_dir / "pool"), "../pool", str(data_dir), "..", str(sandbox_ca)]
+    forbidden += [f"ca/{sandbox_ca.name}", "gateway.log"]
+    own = ["audit", "mitm", "."]
+    found = _probe(uid, gid, egress, forbidden + own)
+    assert {path: found[path] for path in forbidden} == dict.fromkeys(forbidden, 13)  # EACCES
+    assert {path: found[path] for path in own} == dict.fromkeys(own, 0)
+    assert (egress / "control.sock").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_gateway_that_died_is_started_again_with_new_listeners(
+    data_dir: Path, namespace: Path
+) -> None:
+    egress = data_dir / "egress"
+    sandbox_ca = ca.ensure_ca(egress / "ca", "sb-1")
+
+    async def scenario() -> None:
+        gateway = await GatewayProcess.start(egress, ["127.0.0.1:53"], None)
+        try:
+            await gateway.attach("sb-1", namespace, POLICY, sandbox_ca)
+            await gateway.attach("sb-1", namespace, POLICY, sandbox_ca)  # idempotent
+            first = gateway.pid
+            assert first is not None
+            os.kill(first, signal.SIGKILL)
+            await gateway.retain()  # restarts it: the node tells it everything again
+            assert gateway.pid is not None and gateway.pid != first
+            assert _listeners_in(namespace) == _served_by(gateway.pid)
+        finally:
+            await gateway.detach("sb-1")
+            await gateway.close()
+
+    asyncio.run(scenario())
