@@ -16,12 +16,10 @@ database and a pool directory, and a real sandbox namespace attached. Then:
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import secrets
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,29 +28,15 @@ import pytest
 from space.node.network import ca, netns
 from space.node.network.gateway_client import GatewayProcess, running_gateways
 from space.node.network.netns import GATEWAY_ADDRESS, PROXY_PORT
+from tests.security.access_probe import errnos_as
 
 #: What a node's data dir holds beside ``egress`` (space.node.core.data_dir).
 SECRET_FILES = ("master.key", "node-token", "node.key", "space.db")
 POLICY = {"allow": [{"domain": "example.com", "ports": [443]}]}
 
+
 # Try to open (list) every path named on stdin (relative ones from the working directory);
 # print {path: errno or 0 when it worked}.
-_PROBE = """
-import json, os, sys
-found = {}
-for path in json.load(sys.stdin):
-    try:
-        if os.path.isdir(path):
-            os.listdir(path)
-        else:
-            os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW))
-        found[path] = 0
-    except OSError as exc:
-        found[path] = exc.errno
-print(json.dumps(found))
-"""
-
-
 @pytest.fixture
 def data_dir(tmp_path: Path) -> Iterator[Path]:
     """A node's data dir as the server leaves it; no gateway of it outlives the test."""
@@ -82,21 +66,6 @@ def namespace() -> Iterator[Path]:
 def _status(pid: int) -> dict[str, str]:
     lines = Path(f"/proc/{pid}/status").read_text().splitlines()
     return {key: value.strip() for key, _, value in (line.partition(":") for line in lines)}
-
-
-def _probe(uid: int, gid: int, cwd: Path, paths: list[str]) -> dict[str, int]:
-    ids = [f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]
-    done = subprocess.run(
-        ["setpriv", *ids, "--", sys.executable, "-I", "-c", _PROBE],
-        input=json.dumps(paths),
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        check=True,
-        timeout=30,
-    )
-    found: dict[str, int] = json.loads(done.stdout)
-    return found
 
 
 def _listeners_in(namespace: Path) -> set[tuple[str, str, int]]:
@@ -161,7 +130,7 @@ def _check_files(pid: int, data_dir: Path, sandbox_ca: Path) -> None:
     forbidden += [str(data_dir / "pool"), "../pool", str(data_dir), "..", str(sandbox_ca)]
     forbidden += [f"ca/{sandbox_ca.name}", "gateway.log"]
     own = ["audit", "mitm", "."]
-    found = _probe(uid, gid, egress, forbidden + own)
+    found = errnos_as(uid, gid, forbidden + own, cwd=egress)
     assert {path: found[path] for path in forbidden} == dict.fromkeys(forbidden, 13)  # EACCES
     assert {path: found[path] for path in own} == dict.fromkeys(own, 0)
     assert (egress / "control.sock").stat().st_mode & 0o777 == 0o600

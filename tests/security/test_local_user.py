@@ -12,10 +12,8 @@ from __future__ import annotations
 import base64
 import contextlib
 import errno
-import json
 import os
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,30 +23,16 @@ import pytest
 from space import Sandbox
 from space.node.core.config import NodeConfig
 from tests.integration.platform import Platform, gateway_pids, qemu_pids, running_platform
+from tests.security.access_probe import errnos_as
 
 pytestmark = pytest.mark.vm
 
 NOBODY = 65534
 MASTER_KEY = base64.b64encode(os.urandom(32)).decode()
 
+
 # Run as uid/gid 65534 with no supplementary groups: try to list every directory and
 # open every file named on stdin; print {path: errno or 0 when it worked}.
-_PROBE = """
-import json, os, sys
-found = {}
-for path in json.load(sys.stdin):
-    try:
-        if os.path.isdir(path) and not os.path.islink(path):
-            os.listdir(path)
-        else:
-            os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW))
-        found[path] = 0
-    except OSError as exc:
-        found[path] = exc.errno
-print(json.dumps(found))
-"""
-
-
 @pytest.fixture(scope="module")
 def platform() -> Iterator[Platform]:
     # Not under pytest's tmp dirs: those are 0700 themselves and would hide the data
@@ -81,18 +65,7 @@ def sandboxes(platform: Platform) -> Iterator[tuple[Sandbox, Sandbox]]:
 
 
 def _as_nobody(paths: list[str]) -> dict[str, int]:
-    argv = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
-    done = subprocess.run(
-        [*argv, "/usr/bin/python3", "-I", "-c", _PROBE],
-        input=json.dumps(paths),
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-        env={"PATH": "/usr/bin:/bin"},
-    )
-    answer: dict[str, int] = json.loads(done.stdout)
-    return answer
+    return errnos_as(NOBODY, NOBODY, paths)
 
 
 def _everything_under(root: Path) -> list[str]:
