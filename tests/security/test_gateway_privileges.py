@@ -16,11 +16,12 @@ database and a pool directory, and a real sandbox namespace attached. Then:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import signal
 import subprocess
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,20 @@ def _served_by(pid: int) -> set[tuple[str, str, int]]:
     return {("tcp", f"{GATEWAY_ADDRESS}:{PROXY_PORT}", pid), ("udp", f"{GATEWAY_ADDRESS}:53", pid)}
 
 
+@contextlib.asynccontextmanager
+async def _serving(
+    egress: Path, namespace: Path, sandbox_ca: Path
+) -> AsyncIterator[GatewayProcess]:
+    """A gateway of ``egress`` started and serving sandbox sb-1 in ``namespace``."""
+    gateway = await GatewayProcess.start(egress, ["127.0.0.1:53"], None)
+    try:
+        await gateway.attach("sb-1", namespace, POLICY, sandbox_ca)
+        yield gateway
+    finally:
+        await gateway.detach("sb-1")
+        await gateway.close()
+
+
 def test_the_gateway_runs_with_no_privilege_and_reads_nothing_of_the_data_dir(
     data_dir: Path, namespace: Path
 ) -> None:
@@ -96,17 +111,12 @@ def test_the_gateway_runs_with_no_privilege_and_reads_nothing_of_the_data_dir(
     sandbox_ca = ca.ensure_ca(egress / "ca", "sb-1")
 
     async def scenario() -> None:
-        gateway = await GatewayProcess.start(egress, ["127.0.0.1:53"], None)
-        try:
-            await gateway.attach("sb-1", namespace, POLICY, sandbox_ca)
+        async with _serving(egress, namespace, sandbox_ca) as gateway:
             assert gateway.pid is not None
             _check_unprivileged(gateway.pid)
             assert os.readlink(f"/proc/{gateway.pid}/cwd") == str(egress)
             _check_files(gateway.pid, data_dir, sandbox_ca)
             assert _listeners_in(namespace) == _served_by(gateway.pid)
-        finally:
-            await gateway.detach("sb-1")
-            await gateway.close()
 
     asyncio.run(scenario())
 
@@ -143,9 +153,7 @@ def test_a_gateway_that_died_is_started_again_with_new_listeners(
     sandbox_ca = ca.ensure_ca(egress / "ca", "sb-1")
 
     async def scenario() -> None:
-        gateway = await GatewayProcess.start(egress, ["127.0.0.1:53"], None)
-        try:
-            await gateway.attach("sb-1", namespace, POLICY, sandbox_ca)
+        async with _serving(egress, namespace, sandbox_ca) as gateway:
             await gateway.attach("sb-1", namespace, POLICY, sandbox_ca)  # idempotent
             first = gateway.pid
             assert first is not None
@@ -153,8 +161,5 @@ def test_a_gateway_that_died_is_started_again_with_new_listeners(
             await gateway.retain()  # restarts it: the node tells it everything again
             assert gateway.pid is not None and gateway.pid != first
             assert _listeners_in(namespace) == _served_by(gateway.pid)
-        finally:
-            await gateway.detach("sb-1")
-            await gateway.close()
 
     asyncio.run(scenario())

@@ -30,7 +30,7 @@ from space.node.egress.audit import AuditLog
 from space.node.egress.gateway import Gateway, GatewayError, Listeners
 from space.node.egress.intercept import Interceptor
 from space.node.egress.resolver import Resolver
-from space.node.network.fd_lines import FdLineReader
+from space.node.network.fd_lines import FdLineReader, close_fds
 from space.node.network.resolvers import parse_resolvers
 
 log = logging.getLogger("space.egress")
@@ -141,12 +141,12 @@ async def _handle(
         if not isinstance(request, dict):
             raise GatewayError("a request is a JSON object")
     except (ValueError, GatewayError) as exc:
-        _close(fds)
+        close_fds(fds)
         return {"id": None, "error": f"bad request: {exc}"}
     answer: dict[str, object] = {"id": request.get("id")}
     op = request.get("op")
     if op != "attach":
-        _close(fds)
+        close_fds(fds)
     try:
         if op == "attach":
             answer["attached"] = await _attach(gateway, request, fds)
@@ -171,11 +171,6 @@ def _list(value: object) -> list[object]:
     if not isinstance(value, list):
         raise TypeError("expected a list")
     return value
-
-
-def _close(fds: list[int]) -> None:
-    for fd in fds:
-        os.close(fd)
 
 
 async def _attach(gateway: Gateway, request: dict[str, object], fds: list[int]) -> bool:

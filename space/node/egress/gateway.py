@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import socket
 from dataclasses import dataclass, replace
 from ipaddress import IPv4Address
@@ -38,6 +37,7 @@ from space.node.egress.fakeip import FakeIps
 from space.node.egress.intercept import Exchange, Interceptor, load_ca
 from space.node.egress.local_addresses import LocalAddresses
 from space.node.egress.resolver import Resolver
+from space.node.network.fd_lines import close_fds
 
 __all__ = ["Gateway", "GatewayError", "Listeners"]
 
@@ -85,8 +85,7 @@ class Listeners:
 def _close_all(sockets: list[socket.socket], fds: list[int]) -> None:
     for sock in sockets:
         sock.close()
-    for fd in fds:
-        os.close(fd)
+    close_fds(fds)
 
 
 @dataclass(eq=False)

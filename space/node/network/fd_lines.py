@@ -16,7 +16,7 @@ import asyncio
 import os
 import socket
 
-__all__ = ["MAX_FDS", "FdLineReader", "send_line"]
+__all__ = ["MAX_FDS", "FdLineReader", "close_fds", "send_line"]
 
 #: Descriptors one line may carry (an attach needs two: TCP and UDP).
 MAX_FDS = 2
@@ -67,12 +67,12 @@ class FdLineReader:
         line, self._buffer = self._buffer[: end + 1], self._buffer[end + 1 :]
         mine = [fd for offset, fd in self._fds if offset <= end]
         self._fds = [(offset - end - 1, fd) for offset, fd in self._fds if offset > end]
-        _close(mine[self._max_fds :])
+        close_fds(mine[self._max_fds :])
         return line, mine[: self._max_fds]
 
     def close(self) -> None:
         """Close the descriptors not handed out (the socket stays the caller's)."""
-        _close([fd for _, fd in self._fds])
+        close_fds([fd for _, fd in self._fds])
         self._fds = []
 
     async def _receive(self) -> tuple[bytes, list[int]]:
@@ -97,6 +97,7 @@ def _settle(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-def _close(fds: list[int]) -> None:
+def close_fds(fds: list[int]) -> None:
+    """Close each of ``fds`` (descriptors received and not wanted)."""
     for fd in fds:
         os.close(fd)

@@ -165,7 +165,7 @@ class Jail:
             self.cgroups.remove(name)
             raise
         finally:
-            _launching.discard(uid)
+            release_uid(uid)
 
     def jail_root(self) -> Path:
         """An empty directory each jail's root is mounted on, in the jail's own mount
