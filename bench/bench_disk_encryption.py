@@ -32,6 +32,7 @@ from space.node.channel import GuestChannel
 from space.node.core.keys import NodeKeys
 from space.node.core.run import run
 from space.node.images import GuestImage, build_template
+from space.node.privileged import Scope, start_broker
 from space.node.storage.disks import DiskFormat, encrypt_image, grow_disk
 from space.node.vmm.jail import jail_for
 from space.node.vmm.qemu import QemuVM, VmConfig
@@ -98,6 +99,7 @@ async def main(runs: int, vms: int, disk_mib: int) -> None:
     image = build_template("base", progress=lambda line: None)
     work = Path(tempfile.mkdtemp(prefix="space-bench-disk-"))
     run_root = Path(tempfile.mkdtemp(prefix="sbd-", dir="/run"))
+    broker = await start_broker(Scope(run_root, (work, run_root)))
     running: list[tuple[QemuVM, GuestChannel]] = []
     try:
         luks = work / "base.luks"
@@ -125,6 +127,7 @@ async def main(runs: int, vms: int, disk_mib: int) -> None:
         for vm, channel in running:
             await _stop(vm, channel)
         jail_for(run_root).close()
+        await broker.close()
         shutil.rmtree(run_root, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
 

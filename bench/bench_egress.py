@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._stats import summary
 from space.node.network import ca, netns
 from space.node.network.gateway_client import GatewayProcess
+from space.node.privileged import Scope, start_broker
 from tests.egress_world import UPSTREAM, World, egress_world
 
 CLIENT = Path(__file__).with_name("_egress_client.py")
@@ -88,9 +89,12 @@ async def bench(world: World, runs: int, work: Path) -> None:
     run_root = work / "run"
     name = netns.netns_name(run_root / "bench")
     guest = f"spbg-{secrets.token_hex(3)}"
-    gateway = await GatewayProcess.start(work / "egress", [world.resolver], world.upstream_ca)
+    broker = await start_broker(Scope(run_root, (work,)))
+    gateway = await GatewayProcess.start(
+        work / "egress", [world.resolver], world.upstream_ca, broker=broker
+    )
     try:
-        await netns.create(name)
+        await netns.create(run_root, name)
         sh("ip", "netns", "add", guest)
         sh("ip", "-n", name, "link", "del", netns.TAP)
         sh("ip", "link", "add", "eth0", "netns", guest, "type", "veth",
@@ -103,13 +107,14 @@ async def bench(world: World, runs: int, work: Path) -> None:
         ca_file = ca.ensure_ca(work / "ca", "bench")
         (work / "guest-ca.pem").write_bytes(ca.certificate_pem(ca_file))
         await gateway.attach("bench", netns.netns_path(name), POLICY, ca_file)
-        await netns.set_open(name, True)
+        await netns.set_open(run_root, name, True)
         measure(world, guest, work / "guest-ca.pem", runs)
     finally:
         await gateway.detach("bench")
         await gateway.close()  # nothing attached: the gateway ends
-        await netns.delete(guest)
-        await netns.delete(name)
+        sh("ip", "netns", "delete", guest)
+        await netns.delete(run_root, name)
+        await broker.close()
 
 
 def measure(world: World, guest: str, sandbox_ca: Path, runs: int) -> None:

@@ -33,6 +33,7 @@ from qemu.qmp.protocol import ConnectError
 
 from bench._stats import summary
 from space.node.images import build_template
+from space.node.privileged import Scope, start_broker
 from space.node.vmm.jail import jail_for
 from space.node.vmm.qemu import QemuVM, VmConfig, build_command
 
@@ -93,6 +94,7 @@ async def _direct(cfg: VmConfig) -> float:
 async def main(runs: int, vms: int) -> None:
     work = Path(tempfile.mkdtemp(prefix="space-bench-jail-"))
     run_root = Path(tempfile.mkdtemp(prefix="sbj-", dir="/run"))
+    broker = await start_broker(Scope(run_root, (work, run_root)))
     others: list[QemuVM] = []
     try:
         for i in range(vms):
@@ -112,6 +114,7 @@ async def main(runs: int, vms: int) -> None:
         for vm in others:
             await vm.kill()
         jail_for(run_root).close()
+        await broker.close()
         shutil.rmtree(run_root, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
 

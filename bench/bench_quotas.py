@@ -32,6 +32,7 @@ from bench._stats import summary
 from space.node.core.capacity import volume_limit_mib
 from space.node.core.run import run
 from space.node.images import DEFAULT_CACHE_DIR
+from space.node.privileged import Scope, start_broker
 from space.node.storage.btrfs import BtrfsPool, TemplateVolume
 
 DISK_MIB, MEMORY_MIB, WRITE_MIB = 2048, 256, 64
@@ -98,7 +99,11 @@ async def _measure(runs: int, live: int, image_dir: Path) -> dict[bool, Times]:
         pools: dict[bool, tuple[BtrfsPool, TemplateVolume]] = {}
         for quotas in (False, True):
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-quotas-")))
-            pool = await BtrfsPool.open(pool_path=None, data_dir=tmp, size_gib=20, quotas=quotas)
+            broker = await start_broker(Scope(tmp / "run", (tmp,)))
+            stack.push_async_callback(broker.close)
+            pool = await BtrfsPool.open(
+                pool_path=None, data_dir=tmp, size_gib=20, broker=broker, quotas=quotas
+            )
             stack.push_async_callback(pool.close, unmount=True)
             kernel, initrd, rootfs = (image_dir / n for n in _NAMES)
             template = await pool.import_template(

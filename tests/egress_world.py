@@ -46,7 +46,7 @@ from cryptography import x509
 from mitmproxy import dns
 from mitmproxy.net.dns import response_codes, types
 
-from space.node.network.netns_socket import bind_in_netns
+from space.node.privileged.netns_socket import bind_in_netns
 
 from .tls import write_self_signed
 
@@ -358,6 +358,7 @@ def _tls_context(world: World) -> ssl.SSLContext:
     write_self_signed(directory / "cert.pem", directory / "key.pem", "allowed.test", names)
     world.upstream_ca = directory / "upstream-ca.pem"
     world.upstream_ca.write_bytes((directory / "cert.pem").read_bytes())
+    world.upstream_ca.chmod(0o644)  # a certificate: public, as a host's CA bundle is
     try:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(directory / "cert.pem", directory / "key.pem")

@@ -23,7 +23,7 @@ import pytest
 from space.node.agent import Node
 from space.node.core.config import NodeConfig
 from space.node.network import netns
-from space.node.vmm.cgroups import VmCgroups
+from space.node.privileged.cgroups import VmCgroups
 
 from .. import logs
 from .platform import gateway_pids, qemu_pids

@@ -13,7 +13,7 @@ import ctypes
 import os
 import sys
 
-from space.node.vmm import _jail_exec as jail
+from space.node.privileged import _jail_exec as jail
 
 ATTACK = r"""
 import ctypes, errno, json, os, socket, sys, time

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import secrets
 import signal
 import subprocess
 from collections.abc import AsyncIterator, Iterator
@@ -29,6 +28,8 @@ import pytest
 from space.node.network import ca, netns
 from space.node.network.gateway_client import GatewayProcess, running_gateways
 from space.node.network.netns import GATEWAY_ADDRESS, PROXY_PORT
+from space.node.privileged import RootBroker
+from tests.root_broker import netns_name_of, root_broker
 from tests.security.access_probe import errnos_as
 
 #: What a node's data dir holds beside ``egress`` (space.node.core.data_dir).
@@ -54,14 +55,20 @@ def data_dir(tmp_path: Path) -> Iterator[Path]:
 
 
 @pytest.fixture
-def namespace() -> Iterator[Path]:
+def broker(data_dir: Path) -> Iterator[RootBroker]:
+    with root_broker(data_dir) as started:
+        yield started
+
+
+@pytest.fixture
+def namespace(broker: RootBroker) -> Iterator[Path]:
     """A sandbox's namespace (its tap holding the gateway's address), deleted after."""
-    name = f"spt-{secrets.token_hex(3)}"
-    asyncio.run(netns.create(name))
+    name = netns_name_of(broker)
+    asyncio.run(netns.create(broker.scope.run_root, name))
     try:
         yield netns.netns_path(name)
     finally:
-        asyncio.run(netns.delete(name))
+        asyncio.run(netns.delete(broker.scope.run_root, name))
 
 
 def _status(pid: int) -> dict[str, str]:
@@ -92,10 +99,10 @@ def _served_by(pid: int) -> set[tuple[str, str, int]]:
 
 @contextlib.asynccontextmanager
 async def _serving(
-    egress: Path, namespace: Path, sandbox_ca: Path
+    egress: Path, namespace: Path, sandbox_ca: Path, broker: RootBroker
 ) -> AsyncIterator[GatewayProcess]:
     """A gateway of ``egress`` started and serving sandbox sb-1 in ``namespace``."""
-    gateway = await GatewayProcess.start(egress, ["127.0.0.1:53"], None)
+    gateway = await GatewayProcess.start(egress, ["127.0.0.1:53"], None, broker=broker)
     try:
         await gateway.attach("sb-1", namespace, POLICY, sandbox_ca)
         yield gateway
@@ -105,13 +112,13 @@ async def _serving(
 
 
 def test_the_gateway_runs_with_no_privilege_and_reads_nothing_of_the_data_dir(
-    data_dir: Path, namespace: Path
+    data_dir: Path, namespace: Path, broker: RootBroker
 ) -> None:
     egress = data_dir / "egress"
     sandbox_ca = ca.ensure_ca(egress / "ca", "sb-1")
 
     async def scenario() -> None:
-        async with _serving(egress, namespace, sandbox_ca) as gateway:
+        async with _serving(egress, namespace, sandbox_ca, broker) as gateway:
             assert gateway.pid is not None
             _check_unprivileged(gateway.pid)
             assert os.readlink(f"/proc/{gateway.pid}/cwd") == str(egress)
@@ -147,13 +154,13 @@ def _check_files(pid: int, data_dir: Path, sandbox_ca: Path) -> None:
 
 
 def test_a_gateway_that_died_is_started_again_with_new_listeners(
-    data_dir: Path, namespace: Path
+    data_dir: Path, namespace: Path, broker: RootBroker
 ) -> None:
     egress = data_dir / "egress"
     sandbox_ca = ca.ensure_ca(egress / "ca", "sb-1")
 
     async def scenario() -> None:
-        async with _serving(egress, namespace, sandbox_ca) as gateway:
+        async with _serving(egress, namespace, sandbox_ca, broker) as gateway:
             await gateway.attach("sb-1", namespace, POLICY, sandbox_ca)  # idempotent
             first = gateway.pid
             assert first is not None

@@ -38,6 +38,7 @@ from qemu.qmp import ExecuteError, QMPClient
 
 from space.node.core.keys import NodeKeys
 from space.node.images import GuestImage, build_template
+from space.node.privileged import Scope, start_broker
 from space.node.storage.disks import encrypt_image
 from space.node.vmm.jail import JAIL_UIDS, jail_for
 from space.node.vmm.qemu import QemuVM, VmConfig
@@ -114,6 +115,7 @@ def two_vms(image: GuestImage, encrypted_rootfs: Path) -> Iterator[TwoVMs]:
         (data / name).write_bytes(SECRET)
     vms: list[QemuVM] = []
     with asyncio.Runner() as runner:
+        broker = runner.run(start_broker(Scope(run_root, (work, run_root))))
         try:
             # A's disk is encrypted as a node's are; B's raw (as a tool's may be).
             for name, rootfs in (("a", encrypted_rootfs), ("b", image.rootfs)):
@@ -126,6 +128,7 @@ def two_vms(image: GuestImage, encrypted_rootfs: Path) -> Iterator[TwoVMs]:
                     os.kill(vm.pid, signal.SIGKILL)  # whatever the test did to the QemuVM
                 runner.run(vm.kill())
             jail_for(run_root).close()
+            runner.run(broker.close())
             shutil.rmtree(run_root, ignore_errors=True)
             shutil.rmtree(work, ignore_errors=True)
     assert not any(vm.alive for vm in vms)

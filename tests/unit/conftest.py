@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from space.node.network.gateway_client import running_gateways
+from tests.root_broker import root_broker
 from tests.unit._live_api import LiveApi
 
 
@@ -36,9 +37,11 @@ def sync_api(tmp_path: Path) -> Iterator[LiveApi]:
 
 @pytest.fixture
 def egress_dir(tmp_path: Path) -> Iterator[Path]:
-    """The gateway's data dir; every gateway started on it is gone afterwards."""
+    """The gateway's data dir, with a root broker whose run root is its sibling ``run``
+    (``gateway_broker``); every gateway started on it is gone afterwards."""
     directory = tmp_path / "egress"
-    yield directory
+    with root_broker(tmp_path):
+        yield directory
     for pid in running_gateways(directory):
         os.kill(pid, signal.SIGKILL)
         pytest.fail(f"a gateway was left running: pid {pid}")

@@ -22,13 +22,14 @@ from space.node.agent._recovery import _limit_volumes
 from space.node.api import InvalidArgument, NotFound, SandboxSpec, Unavailable
 from space.node.core.capacity import volume_limit_mib
 from space.node.core.sandbox import MEMORY_FILE
+from space.node.privileged import broker_for
 from space.node.storage.btrfs import (
     BtrfsPool,
-    limit_subvolume,
     pack_snapshot_args,
     snapshot_subvolume,
 )
 from space.node.storage.disks import disk_bytes, disk_format
+from tests.root_broker import root_broker
 
 IMAGE_MIB = 64
 
@@ -37,7 +38,8 @@ IMAGE_MIB = 64
 def data_dir(tmp_path: Path) -> Iterator[Path]:
     if os.geteuid() != 0:
         pytest.fail("the btrfs pool tests mount a loop file: run them as root")
-    yield tmp_path
+    with root_broker(tmp_path):
+        yield tmp_path
     # Whatever the test did, leave no mount or loop device behind.
     subprocess.run(["umount", str(tmp_path / "pool")], capture_output=True, check=False)
     loops = loops_of(tmp_path / "pool.img")
@@ -82,6 +84,13 @@ def _field(show: str, name: str) -> str:
     raise AssertionError(f"no {name} in {show!r}")
 
 
+async def _open(data_dir: Path, quotas: bool = True) -> BtrfsPool:
+    broker = broker_for(data_dir / "run")
+    return await BtrfsPool.open(
+        pool_path=None, data_dir=data_dir, size_gib=2, broker=broker, quotas=quotas
+    )
+
+
 @pytest.fixture
 def runner() -> Iterator[asyncio.Runner]:
     with asyncio.Runner() as r:
@@ -90,7 +99,7 @@ def runner() -> Iterator[asyncio.Runner]:
 
 @pytest.fixture
 def pool(data_dir: Path, runner: asyncio.Runner) -> Iterator[BtrfsPool]:
-    pool = runner.run(BtrfsPool.open(pool_path=None, data_dir=data_dir, size_gib=2))
+    pool = runner.run(_open(data_dir))
     try:
         yield pool
     finally:
@@ -103,7 +112,7 @@ def test_pool_on_a_loop_file_is_mounted_and_reused_when_opened_again(
 ) -> None:
     assert os.path.ismount(pool.root)
     assert (pool.root / "templates").is_dir() and (pool.root / "sandboxes").is_dir()
-    again = runner.run(BtrfsPool.open(pool_path=None, data_dir=data_dir, size_gib=2))
+    again = runner.run(_open(data_dir))
     assert again.root == pool.root
     assert len(loops_of(data_dir / "pool.img")) == 1
 
@@ -258,13 +267,13 @@ def _write_until_refused(path: Path, *, start: int, mib: int) -> tuple[int, OSEr
 def test_quotas_are_turned_on_when_a_pool_opens_also_an_existing_one_and_again(
     data_dir: Path, runner: asyncio.Runner
 ) -> None:
-    bare = runner.run(BtrfsPool.open(pool_path=None, data_dir=data_dir, size_gib=2, quotas=False))
+    bare = runner.run(_open(data_dir, quotas=False))
     try:
         assert not _quotas_on(bare.root)  # the check can tell
         _btrfs("subvolume", "create", str(bare.root / "sandboxes" / "old"))
         (bare.root / "sandboxes" / "old" / "data").write_bytes(os.urandom(8 << 20))
         for _ in range(2):  # on an existing pool with data; then once more, a no-op
-            pool = runner.run(BtrfsPool.open(pool_path=None, data_dir=data_dir, size_gib=2))
+            pool = runner.run(_open(data_dir))
             assert _quotas_on(pool.root)
             os.sync()
             # The scan that turning them on starts has counted what was there.
@@ -333,12 +342,12 @@ def test_a_volume_near_its_quota_rewrites_a_saved_state_of_its_ram(
 def test_negative_a_quota_limit_on_a_pool_without_quotas_is_unavailable(
     data_dir: Path, runner: asyncio.Runner
 ) -> None:
-    bare = runner.run(BtrfsPool.open(pool_path=None, data_dir=data_dir, size_gib=2, quotas=False))
+    bare = runner.run(_open(data_dir, quotas=False))
     try:
         volume = bare.sandbox_path("sb-1")
         _btrfs("subvolume", "create", str(volume))
         with pytest.raises(Unavailable, match="quota limit"):
-            runner.run(limit_subvolume(volume, 1 << 30))
+            runner.run(bare.limit(volume, 1 << 30))
         with pytest.raises(Unavailable):
             runner.run(bare.clone_volume(volume, "sb-2", limit_mib=64))
         assert bare.sandbox_volumes() == ["sb-1"]  # the failed clone left nothing
@@ -350,13 +359,13 @@ def test_negative_a_quota_limit_on_a_pool_without_quotas_is_unavailable(
 def test_a_restarted_node_limits_the_volumes_made_before_its_pool_had_quotas(
     data_dir: Path, runner: asyncio.Runner, image_files: dict[str, Any]
 ) -> None:
-    bare = runner.run(BtrfsPool.open(pool_path=None, data_dir=data_dir, size_gib=2, quotas=False))
+    bare = runner.run(_open(data_dir, quotas=False))
     try:
         vol = runner.run(bare.import_template("base", "d1", **image_files))
         old = runner.run(
             bare.create_sandbox_volume("sb-old", vol, disk_mib=IMAGE_MIB, limit_mib=None)
         )
-        pool = runner.run(BtrfsPool.open(pool_path=None, data_dir=data_dir, size_gib=2))
+        pool = runner.run(_open(data_dir))
         spec = SandboxSpec("sb-old", memory_mib=128, disk_mib=1024)
         sandbox = SimpleNamespace(
             sandbox_id="sb-old", volume=old, record=SimpleNamespace(spec=spec)
@@ -365,7 +374,9 @@ def test_a_restarted_node_limits_the_volumes_made_before_its_pool_had_quotas(
             sandbox_id="sb-gone", volume=pool.sandbox_path("sb-gone"), record=sandbox.record
         )
         said: list[str] = []
-        node = SimpleNamespace(sandboxes={"sb-old": sandbox, "sb-gone": gone})
+        node = SimpleNamespace(
+            sandboxes={"sb-old": sandbox, "sb-gone": gone}, life=SimpleNamespace(pool=pool)
+        )
         runner.run(_limit_volumes(cast(Any, node), said.append))
         assert said == []
         limits = _btrfs("qgroup", "show", "-r", "--raw", "-f", str(old)).splitlines()[-1]

@@ -13,6 +13,7 @@ from space.node.core.run import run
 from space.node.images._command import run_command
 from space.node.network.gateway_client import GatewayProcess
 from space.node.templates.packages import _AptRoot
+from tests.root_broker import gateway_broker
 
 SECRET = "master-key-that-must-stay-in-the-server"
 
@@ -69,7 +70,9 @@ def test_the_egress_gateway_starts_without_the_servers_environment(
     egress_dir: Path, secret_in_environ: str
 ) -> None:
     async def scenario() -> None:
-        gateway = await GatewayProcess.start(egress_dir, ["127.0.0.1:53"], None)
+        gateway = await GatewayProcess.start(
+            egress_dir, ["127.0.0.1:53"], None, broker=gateway_broker(egress_dir)
+        )
         try:
             assert gateway.pid is not None  # it answered: it imports with a minimal env
             env = _environ_of(gateway.pid)
@@ -83,7 +86,9 @@ def test_the_egress_gateway_starts_without_the_servers_environment(
 
 def test_the_gateway_control_socket_is_its_owners_only(egress_dir: Path) -> None:
     async def scenario() -> None:
-        gateway = await GatewayProcess.start(egress_dir, ["127.0.0.1:53"], None)
+        gateway = await GatewayProcess.start(
+            egress_dir, ["127.0.0.1:53"], None, broker=gateway_broker(egress_dir)
+        )
         try:
             mode = (egress_dir / "control.sock").stat().st_mode & 0o777
             assert mode == 0o600

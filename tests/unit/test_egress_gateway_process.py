@@ -13,6 +13,7 @@ import pytest
 
 from space.node.api import InvalidArgument, PolicyBounds
 from space.node.network.gateway_client import GatewayProcess, fingerprint
+from tests.root_broker import gateway_broker
 
 RESOLVERS = ["127.0.0.1:53"]
 
@@ -28,7 +29,7 @@ def _alive(pid: int | None) -> bool:
 
 
 async def _start(directory: Path, resolvers: list[str] = RESOLVERS) -> GatewayProcess:
-    return await GatewayProcess.start(directory, resolvers, None)
+    return await GatewayProcess.start(directory, resolvers, None, broker=gateway_broker(directory))
 
 
 def _crash(gateway: GatewayProcess) -> None:
@@ -140,7 +141,9 @@ def test_negative_the_gateway_process_refuses_a_private_rule_its_operator_did_no
         finally:
             await strict.close()
         listed = PolicyBounds.of(["10.99.0.0/24"])
-        opened = await GatewayProcess.start(egress_dir, RESOLVERS, None, listed)
+        opened = await GatewayProcess.start(
+            egress_dir, RESOLVERS, None, listed, broker=gateway_broker(egress_dir)
+        )
         try:
             # Past the policy now: what fails is the CA, which is none.
             with pytest.raises(InvalidArgument, match="cannot load the CA"):

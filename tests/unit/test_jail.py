@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from space.node.vmm import _jail_exec as jail_exec
-from space.node.vmm import jail
-from space.node.vmm.cgroups import CgroupLimits, VmCgroups
+from space.node.privileged import _jail_exec as jail_exec
+from space.node.privileged import _jails as jails
+from space.node.privileged.cgroups import CgroupLimits, VmCgroups
+from space.node.vmm.jail import JAIL_UIDS
 
 ALLOW, KILL = jail_exec.SECCOMP_RET_ALLOW, jail_exec.SECCOMP_RET_KILL_PROCESS
 EPERM = jail_exec.SECCOMP_RET_ERRNO | 1
@@ -173,8 +174,8 @@ def test_removal_and_sweep_leave_no_cgroup_behind(
 def test_a_jail_uid_is_never_one_a_live_process_or_a_launch_in_flight_has(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    first = jail.JAIL_UIDS[0]
-    monkeypatch.setattr(jail, "jailed_uid_in_use", lambda: {first, first + 2})
-    monkeypatch.setattr(jail, "_launching", set())
-    assert jail.take_uid() == first + 1
-    assert jail.take_uid() == first + 3  # first + 1 is being launched
+    first = JAIL_UIDS[0]
+    monkeypatch.setattr(jails, "jailed_uid_in_use", lambda: {first, first + 2})
+    monkeypatch.setattr(jails, "_launching", set())
+    assert jails.take_uid() == first + 1
+    assert jails.take_uid() == first + 3  # first + 1 is being launched

@@ -83,3 +83,28 @@ def test_benchmarks_import_only_public_modules() -> None:
         if any(part.startswith("_") for part in name.split("."))
     }
     assert offending == set()
+
+
+#: What runs as root inside the root broker's process only; the node agent asks
+#: through space.node.privileged's client and request set.
+ROOT_ONLY = (
+    "space.node.privileged.server",
+    "space.node.privileged._storage",
+    "space.node.privileged._network",
+    "space.node.privileged._jails",
+    "space.node.privileged._gateway",
+    "space.node.privileged.cgroups",
+    "space.node.privileged.netns_socket",
+)
+
+
+def test_nothing_outside_the_root_broker_imports_what_runs_as_root() -> None:
+    privileged = PACKAGE / "node" / "privileged"
+    offending = {
+        f"{path.relative_to(PACKAGE)}: {name}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if not path.is_relative_to(privileged)
+        for name in space_imports(path)
+        if allowed(name, ROOT_ONLY)
+    }
+    assert offending == set()

@@ -31,7 +31,7 @@ TOP_NAMES = {
 
 #: The node's contract: all the control plane may use of a node (tests/unit/test_layers.py).
 NODE_API_NAMES = {
-    "BUILD_ID_HEADER", "BuildEvent", "BuildFailed", "BuildLog", "BuildStream",
+    "BUILD_ID_HEADER", "BuildEvent", "BuildFailed", "BuildLog", "BuildStream", "ERROR_BY_CODE",
     "BuildSucceeded", "CapacityInfo", "CidrRule", "Conflict", "DomainRule", "EgressEvent",
     "EgressLog",
     "EgressPolicy", "ExecEvent", "ExecExited", "ExecOutput", "ExecRequest", "ExecStream",

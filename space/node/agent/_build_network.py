@@ -108,7 +108,7 @@ async def open_build_network(
     ca_file = ca.ensure_ca(ca_dir, vm.sandbox_id)
     await gateway.attach(vm.sandbox_id, netns.netns_path(name), policy.to_json(), ca_file)
     try:
-        await netns.set_open(name, True)
+        await netns.set_open(vm.config.run_dir.parent, name, True)
         yield BuildNetwork(vm.sandbox_id, ca_file, audit)
     finally:
         try:

@@ -87,15 +87,15 @@ class SandboxNetwork:
             return
         name = netns.netns_name(sandbox.config.run_dir)
         policy = parse_policy(sandbox.record.spec.egress, sandbox.sandbox_id, self.bounds)
-        await netns.create(name)  # gone after a host reboot; a no-op otherwise
+        await netns.create(self._run_root, name)  # gone after a host reboot; a no-op otherwise
         if policy.closed:
-            await netns.set_open(name, False)
+            await netns.set_open(self._run_root, name, False)
         ca_file = ca.ensure_ca(self._ca_dir, sandbox.sandbox_id)
         path = netns.netns_path(name)
         await self.gateway.attach(sandbox.sandbox_id, path, policy.to_json(), ca_file)
         if not policy.closed:
             await self._trust(sandbox, ca_file)
-            await netns.set_open(name, True)
+            await netns.set_open(self._run_root, name, True)
 
     async def trust_after_resume(self, sandbox: LiveSandbox) -> None:
         """A policy opened while the sandbox was paused or hibernated could not install
@@ -136,7 +136,7 @@ class SandboxNetwork:
         try:
             if not is_hidden(sandbox_id):
                 await self.gateway.detach(sandbox_id)
-            await netns.delete(netns.netns_name(run_dir))
+            await netns.delete(self._run_root, netns.netns_name(run_dir))
             ca.remove_ca(self._ca_dir, sandbox_id)
         except (NodeError, OSError) as exc:
             log.error("sandbox %s: removing its network failed: %s", sandbox_id, exc)
@@ -163,7 +163,7 @@ class SandboxNetwork:
             if name not in owned:
                 say(f"removing stray network namespace {name}")
                 try:
-                    await netns.delete(name)
+                    await netns.delete(self._run_root, name)
                 except (Unavailable, OSError) as exc:
                     say(f"cannot remove {name}: {exc}")
 

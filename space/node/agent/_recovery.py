@@ -22,7 +22,6 @@ from space.node.api import NodeError, SandboxState, Unavailable
 from space.node.core.capacity import volume_limit_mib
 from space.node.core.sandbox import LiveSandbox, kill_strays
 from space.node.core.state import SandboxRecord
-from space.node.storage.btrfs import limit_subvolume
 from space.node.vmm.jail import jail_for
 from space.node.vmm.qemu import QemuVM
 
@@ -42,7 +41,7 @@ async def recover(node: Registry, say: Say) -> None:
     records, bad = life.store.load_all()
     expected = {Path(r.run_dir).name: r.vmm_pid for r in records if not is_hidden(r.sandbox_id)}
     await kill_strays(life.config.effective_run_dir, expected, say)
-    jail_for(life.config.effective_run_dir).sweep()
+    await jail_for(life.config.effective_run_dir).sweep()
     for path in bad:
         say(f"removing unreadable state file {path.name}")
         await node.remove_leftovers(path.stem)
@@ -188,7 +187,7 @@ async def _limit_volumes(node: Registry, say: Say) -> None:
         limit_mib = volume_limit_mib(spec.disk_mib, spec.memory_mib)
         try:
             if sandbox.volume.is_dir():
-                await limit_subvolume(sandbox.volume, limit_mib << 20)
+                await node.life.pool.limit(sandbox.volume, limit_mib << 20)
         except Unavailable as exc:
             say(f"sandbox {sandbox.sandbox_id}: its volume keeps no quota limit ({exc})")
 

@@ -51,6 +51,7 @@ from space.node.core.keys import NodeKeys
 from space.node.core.template import prepare_template
 from space.node.egress.audit import AuditLog
 from space.node.network.gateway_client import GatewayProcess
+from space.node.privileged import Scope, broker_for, start_broker
 from space.node.storage.btrfs import BtrfsPool
 from space.node.vmm.accel import Accelerator, detect_accelerator
 from space.node.vmm.jail import jail_for
@@ -111,9 +112,17 @@ class Node:
         secure_data_dir(config.effective_run_dir)  # the VMs' sockets: root's alone
         keys = NodeKeys.load(config.effective_key_file, create=True)
         node_id = resolve_node_id(config)
-        pool = await BtrfsPool.open(
-            pool_path=config.pool_path, data_dir=config.data_dir, size_gib=config.pool_size_gib
-        )
+        broker = await start_broker(broker_scope(config))
+        try:
+            pool = await BtrfsPool.open(
+                pool_path=config.pool_path,
+                data_dir=config.data_dir,
+                size_gib=config.pool_size_gib,
+                broker=broker,
+            )
+        except BaseException:
+            await broker.close()
+            raise
         gateway: GatewayProcess | None = None
         try:
             gateway = await GatewayProcess.start(
@@ -121,6 +130,7 @@ class Node:
                 config.effective_resolvers,
                 config.effective_upstream_ca,
                 config.egress_bounds,
+                broker=broker,
             )
             template = await prepare_template(pool, config, keys, say)
             accel = await detect_accelerator(
@@ -150,6 +160,7 @@ class Node:
                 await gateway.abandon()
             with contextlib.suppress(NodeError):
                 await pool.close(unmount=pool.fresh_mount)
+            await broker.close()
             raise
         return node
 
@@ -179,7 +190,10 @@ class Node:
         jail_for(self._registry.run_root).close()
         with contextlib.suppress(OSError):
             self._registry.run_root.rmdir()  # only once empty: VMs left running keep their dirs
-        await self.pool.close(unmount=unmount_pool)
+        try:
+            await self.pool.close(unmount=unmount_pool)
+        finally:
+            await broker_for(self._registry.run_root).close()
 
     async def shutdown(self, *, unmount_pool: bool = False) -> None:
         """Delete every sandbox and snapshot, then ``close``. For tests and demos."""
@@ -313,3 +327,10 @@ class Node:
 
     async def delete_template(self, ref: str) -> None:
         await self.templates.delete_template(ref)
+
+
+def broker_scope(config: NodeConfig) -> Scope:
+    """What the node's root broker may touch: the data dir, the pool and the VMs' run
+    directories, and the namespaces and cgroups of this node (by its run root)."""
+    run_root = config.effective_run_dir
+    return Scope(run_root, (config.data_dir, config.effective_pool_path, run_root))

@@ -26,6 +26,7 @@ from space.node.api.egress_policy import (
     parse_ip_literal,
 )
 from space.node.api.errors import (
+    ERROR_BY_CODE,
     Conflict,
     GuestError,
     InsufficientCapacity,
@@ -106,6 +107,7 @@ from space.node.api.wire import (
 
 __all__ = [
     "BUILD_ID_HEADER",
+    "ERROR_BY_CODE",
     "FILE_STAT_HEADER",
     "MAX_BUILD_LOG_BYTES",
     "MAX_EGRESS_LOG_EVENTS",

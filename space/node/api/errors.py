@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
+    "ERROR_BY_CODE",
     "Conflict",
     "GuestError",
     "InsufficientCapacity",
@@ -179,3 +180,20 @@ def error_for_code(code: str, message: str, *, sandbox_id: str | None = None) ->
     # The guest's code stays in the message only where the leaf's own code loses it.
     text = message if leaf.code == code else f"{code}: {message}"
     return leaf(text, sandbox_id=sandbox_id)
+
+
+#: The one table of the node's own error codes → node errors (others: NodeError), for
+#: every answer that carries one: the HTTP API's, the root broker's.
+ERROR_BY_CODE: dict[str, type[NodeError]] = {
+    cls.code: cls
+    for cls in (
+        NotFound,
+        Conflict,
+        InvalidArgument,
+        PermissionDenied,
+        ResourceExhausted,
+        Timeout,
+        Unavailable,
+        InsufficientCapacity,
+    )
+}

@@ -177,7 +177,7 @@ class LiveSandbox:
         if not incoming:
             (self.volume / NIC_MARKER).touch()
         if config.netns is not None and has_nic(self.volume):
-            await netns.create(config.netns.name)
+            await netns.create(config.run_dir.parent, config.netns.name)
         else:
             config = replace(config, netns=None)
         self.vm = await QemuVM.launch(config, qemu_binary=qemu_binary)

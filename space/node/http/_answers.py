@@ -17,21 +17,16 @@ import httpx
 from pydantic import ValidationError
 
 from space.node.api import (
+    ERROR_BY_CODE,
     BuildEvent,
     BuildLog,
-    Conflict,
     ExecEvent,
     ExecExited,
     ExecOutput,
     FileStat,
-    InsufficientCapacity,
-    InvalidArgument,
     NodeError,
     NodeInfo,
-    NotFound,
-    PermissionDenied,
     PoolInfo,
-    ResourceExhausted,
     SandboxStatus,
     SnapshotInfo,
     Timeout,
@@ -41,7 +36,6 @@ from space.node.api import (
 )
 
 __all__ = [
-    "ERROR_BY_CODE",
     "MAX_ERROR_BYTES",
     "MAX_LINE_BYTES",
     "RemoteBuildStream",
@@ -60,20 +54,6 @@ __all__ = [
 
 T = TypeVar("T")
 
-#: The one table of the node API's error codes → node errors (others: NodeError).
-ERROR_BY_CODE: dict[str, type[NodeError]] = {
-    cls.code: cls
-    for cls in (
-        NotFound,
-        Conflict,
-        InvalidArgument,
-        PermissionDenied,
-        ResourceExhausted,
-        Timeout,
-        Unavailable,
-        InsufficientCapacity,
-    )
-}
 #: An NDJSON line longer than this ends the stream (a chunk is at most ~1 MiB base64'd).
 MAX_LINE_BYTES = 8 * 1024 * 1024
 MAX_ERROR_BYTES = 64 * 1024

@@ -16,7 +16,7 @@ import asyncio
 import os
 import socket
 
-__all__ = ["MAX_FDS", "FdLineReader", "close_fds", "send_line"]
+__all__ = ["MAX_FDS", "FdLineReader", "close_fds", "send_line", "write_line"]
 
 #: Descriptors one line may carry (an attach needs two: TCP and UDP).
 MAX_FDS = 2
@@ -31,6 +31,25 @@ def send_line(sock: socket.socket, line: bytes, fds: list[int]) -> int:
     if not fds:
         return sock.send(line)
     return socket.send_fds(sock, [line], fds)
+
+
+async def write_line(sock: socket.socket, line: bytes, fds: list[int]) -> None:
+    """Send all of ``line`` with ``fds`` on the non-blocking stream ``sock``, waiting
+    while it is full; the caller serialises writers. Raises OSError."""
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            sent = send_line(sock, line, fds)
+            break
+        except BlockingIOError:
+            writable = loop.create_future()
+            loop.add_writer(sock.fileno(), _settle, writable)
+            try:
+                await writable
+            finally:
+                loop.remove_writer(sock.fileno())
+    if sent < len(line):
+        await loop.sock_sendall(sock, line[sent:])
 
 
 class FdLineReader:

@@ -7,12 +7,12 @@ to the gateway's control socket and adopts it if it runs this very code with thi
 configuration (``fingerprint``), and replaces it otherwise. A gateway that died is
 started again on the next request and told everything the node told the last one.
 
-It runs unprivileged (issue 18): a uid of the VMM jails' range of its own
-(``jail.take_uid``), no capabilities, no supplementary groups, ``no_new_privs``
-(``setpriv``), its working directory ``data_dir`` (entered while root: the data dir
-above it is root's alone), which with its audit logs and mitmproxy's state is handed to
-its uid. It enters no namespace: the node binds its listeners in each sandbox's and
-sends them over the control socket (space.node.network.fd_lines).
+It runs unprivileged (issue 18), started and stopped by the node's root broker
+(space.node.privileged: a uid of the VMM jails' range of its own, no capabilities, no
+supplementary groups, ``no_new_privs``), its working directory ``data_dir``, which with
+its audit logs and mitmproxy's state is handed to its uid. It enters no namespace: the
+broker binds its listeners in each sandbox's, and the node sends them over the control
+socket (space.node.network.fd_lines).
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ import itertools
 import json
 import logging
 import os
-import shutil
-import signal
 import socket
 import sys
 from collections.abc import Awaitable, Callable
@@ -33,16 +31,22 @@ from pathlib import Path
 
 from space.node.api import (
     InvalidArgument,
+    NodeError,
     PolicyBounds,
     SecretGrant,
     Unavailable,
     encode_grants,
 )
-from space.node.core.environment import child_environment
-from space.node.network.fd_lines import send_line
-from space.node.network.netns import DNS_PORT, GATEWAY_ADDRESS, PROXY_PORT
-from space.node.network.netns_socket import bind_in_netns
-from space.node.vmm import jail
+from space.node.core.environment import python_environment
+from space.node.network.fd_lines import close_fds, send_line
+from space.node.network.gateway_procs import (
+    UPSTREAM_CA_NAME,
+    exited,
+    is_gateway,
+    running_gateways,
+)
+from space.node.privileged import RootBroker
+from space.node.privileged.requests import BindListeners, StartGateway, StopGateways
 from space.node.vmm.qemu import console_tail
 
 __all__ = ["GatewayProcess", "fingerprint", "running_gateways"]
@@ -60,7 +64,7 @@ _MAX_SOCKET_PATH = 107
 #: Of the gateway's log, quoted when it did not start.
 _LOG_TAIL_BYTES = 2048
 #: The gateway's files, relative to its working directory (``data_dir``).
-_SOCKET_NAME, _AUDIT, _MITM, _UPSTREAM_CA = "control.sock", "audit", "mitm", "upstream-ca.pem"
+_SOCKET_NAME, _AUDIT, _MITM = "control.sock", "audit", "mitm"
 #: The code the gateway runs: the space package (its egress modules import across it).
 _SOURCES = Path(__file__).resolve().parents[2]
 
@@ -98,9 +102,12 @@ class GatewayProcess:
         resolvers: list[str],
         upstream_ca: Path | None,
         bounds: PolicyBounds | None = None,
+        *,
+        broker: RootBroker,
     ) -> None:
         # Resolved: it is matched against a gateway's /proc/PID/cwd.
         self._data_dir = data_dir.resolve()
+        self._broker = broker
         self._resolvers, self._upstream_ca = resolvers, upstream_ca
         self._bounds = bounds or PolicyBounds()
         self._socket = data_dir / _SOCKET_NAME
@@ -120,14 +127,17 @@ class GatewayProcess:
         resolvers: list[str],
         upstream_ca: Path | None,
         bounds: PolicyBounds | None = None,
+        *,
+        broker: RootBroker,
     ) -> GatewayProcess:
         """Adopt the gateway of ``data_dir`` if one of this version runs, else start
         one; its audit logs go to ``data_dir/audit``, mitmproxy's state to
         ``data_dir/mitm``, its own log to ``data_dir/gateway.log``; ``data_dir`` must
         not hold anything the gateway may not read (its uid owns it). ``upstream_ca`` is
         the CA bundle upstream servers are verified with (None: the host's); ``bounds``
-        what policies may name (None: the strictest)."""
-        gateway = cls(data_dir, resolvers, upstream_ca, bounds)
+        what policies may name (None: the strictest); ``broker`` the node's root broker,
+        which starts and stops it."""
+        gateway = cls(data_dir, resolvers, upstream_ca, bounds, broker=broker)
         if len(str(gateway._socket)) > _MAX_SOCKET_PATH:
             raise Unavailable(f"the gateway's control socket path is too long: {gateway._socket}")
         async with gateway._lock:
@@ -210,12 +220,11 @@ class GatewayProcess:
         answer = await self._exchange(request)
         if answer.get("attached") is not False:
             return answer
-        listeners = _bind_listeners(netns)
+        _, listeners = await self._broker.call_with_fds(BindListeners(name=netns.name))
         try:
-            return await self._exchange(request, [s.fileno() for s in listeners])
+            return await self._exchange(request, listeners)
         finally:
-            for sock in listeners:
-                sock.close()
+            close_fds(listeners)
 
     async def _exchange(
         self, request: dict[str, object], fds: list[int] | None = None
@@ -284,43 +293,24 @@ class GatewayProcess:
         return False
 
     async def _spawn(self) -> None:
-        """Start a gateway, detached (``setsid --fork``): not the node's child, it is
-        not reaped, signalled or waited for by it, and outlives it like QEMU."""
-        _kill_gateways(self._data_dir, "it does not answer")  # hung, if any
-        uid = jail.take_uid()
-        try:
-            await self._launch(uid)
-        finally:
-            jail.release_uid(uid)  # it runs as uid now, or never will
-
-    async def _launch(self, uid: int) -> None:
-        """Start a gateway as ``uid`` and wait for its first answer. Raises Unavailable."""
-        argv = ["setsid", "--fork", *_unprivileged(uid), *self._command()]
+        """Have the broker start a gateway (detached: not the node's child, it outlives
+        it like QEMU), and wait for its first answer. Raises Unavailable."""
+        await self._kill("it does not answer")  # hung, if any
         log_path = self._data_dir / "gateway.log"
-        try:
-            await asyncio.to_thread(self._hand_over, uid)
-            log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise Unavailable(f"cannot prepare the egress gateway's files: {exc}") from exc
-        try:
-            launcher = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=log_fd,
-                stderr=log_fd,
-                env=_gateway_environment(),
-                cwd=self._data_dir,
+        await self._broker.call(
+            StartGateway(
+                directory=str(self._data_dir),
+                state=[_AUDIT, _MITM],
+                options=self._options(),
+                upstream_ca=str(self._upstream_ca) if self._upstream_ca is not None else None,
+                environment=python_environment(),
             )
-            await launcher.wait()  # setsid returns once the gateway is forked off
-        except OSError as exc:
-            raise Unavailable(f"cannot start the egress gateway: {exc}") from exc
-        finally:
-            os.close(log_fd)
+        )
         try:
             async with asyncio.timeout(_START_TIMEOUT_S):
                 answer = await self._await_start()
         except (OSError, TimeoutError) as exc:
-            _kill_gateways(self._data_dir, "it did not start")
+            await self._kill("it did not start")
             self._disconnect()
             tail = " | ".join(console_tail(log_path, _LOG_TAIL_BYTES).strip().splitlines()[-5:])
             problem = f"{exc or 'timed out'}; gateway log: {tail or '(empty)'}"
@@ -340,35 +330,20 @@ class GatewayProcess:
             await asyncio.sleep(_POLL_S)
         raise AssertionError("unreachable")
 
-    def _command(self) -> list[str]:
-        """The gateway's argv; ``-P``: nothing is imported from its working directory."""
-        argv = [sys.executable, "-P", "-m", "space.node.egress", "--control-socket"]
-        argv += [_SOCKET_NAME, "--version", self._version, "--audit-dir", _AUDIT]
-        argv += ["--confdir", _MITM]
+    def _options(self) -> list[str]:
+        """The gateway's options (its paths relative to its working directory)."""
+        argv = ["--control-socket", _SOCKET_NAME, "--version", self._version]
+        argv += ["--audit-dir", _AUDIT, "--confdir", _MITM]
         if self._upstream_ca is not None:
-            argv += ["--upstream-ca", _UPSTREAM_CA]
+            argv += ["--upstream-ca", UPSTREAM_CA_NAME]
         for resolver in self._resolvers:
             argv += ["--resolver", resolver]
         return argv + _bounds_argv(self._bounds)
 
-    def _hand_over(self, uid: int) -> None:
-        """Give ``uid`` the gateway's directory, audit logs and mitmproxy state (a
-        gateway before it may have had another uid), and a copy of the upstream CA
-        bundle, wherever that is. The sandboxes' CAs (``ca/``) and the log stay root's."""
-        self._data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        for name in (_AUDIT, _MITM):
-            (self._data_dir / name).mkdir(mode=0o700, exist_ok=True)
-        if self._upstream_ca is not None:
-            copy = self._data_dir / _UPSTREAM_CA
-            shutil.copyfile(self._upstream_ca, copy)
-            os.chmod(copy, 0o600)
-            os.chown(copy, uid, uid, follow_symlinks=False)
-        os.chown(self._data_dir, uid, uid)
-        os.chmod(self._data_dir, 0o700)
-        for name in (_AUDIT, _MITM):
-            for root, dirs, files in os.walk(self._data_dir / name):
-                for entry in (root, *(os.path.join(root, n) for n in dirs + files)):
-                    os.chown(entry, uid, uid, follow_symlinks=False)
+    async def _kill(self, why: str) -> None:
+        if running_gateways(self._data_dir):
+            log.warning("killing the egress gateway: %s", why)
+            await self._broker.call(StopGateways(directory=str(self._data_dir)))
 
     def _disconnect(self) -> None:
         if self._stream is not None:
@@ -381,7 +356,7 @@ class GatewayProcess:
         pid, self._pid = self._pid, None
         self._adopted = False
         # Checked before asking: an exiting process's cmdline reads empty.
-        ours = pid is not None and _is_gateway(pid, self._data_dir)
+        ours = pid is not None and is_gateway(pid, self._data_dir)
         if self._stream is not None:
             with contextlib.suppress(
                 OSError, TimeoutError, ValueError, asyncio.IncompleteReadError
@@ -390,8 +365,11 @@ class GatewayProcess:
             self._disconnect()
         if pid is None or not ours or await _exit_of(pid):
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        try:
+            await self._kill("it did not stop when asked")
+        except NodeError as exc:
+            log.error("cannot kill the egress gateway pid %s: %s", pid, exc)
+            return
         if not await _exit_of(pid):
             log.error("the egress gateway pid %s did not exit", pid)
 
@@ -399,44 +377,10 @@ class GatewayProcess:
 async def _exit_of(pid: int) -> bool:
     """Wait up to _STOP_TIMEOUT_S for ``pid`` to exit; whether it did."""
     for _ in range(int(_STOP_TIMEOUT_S / _POLL_S)):
-        if _exited(pid):
+        if exited(pid):
             return True
         await asyncio.sleep(_POLL_S)
-    return _exited(pid)
-
-
-def _is_gateway(pid: int, data_dir: Path) -> bool:
-    """Whether ``pid`` is still the gateway of ``data_dir``, its working directory (not
-    a reused pid, not a zombie)."""
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        cwd = os.readlink(f"/proc/{pid}/cwd")
-    except OSError:
-        return False
-    return not _exited(pid) and b"space.node.egress" in argv and cwd == str(data_dir)
-
-
-def _exited(pid: int) -> bool:
-    """Gone, or a zombie: its cmdline reads empty while it exits, so only this tells."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state in ("Z", "X")
-
-
-def running_gateways(data_dir: Path) -> list[int]:
-    """The pids of the live gateways of ``data_dir`` (a node's ``data_dir/egress``)."""
-    data_dir = data_dir.resolve()
-    pids = (int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit())
-    return [pid for pid in pids if _is_gateway(pid, data_dir)]
-
-
-def _kill_gateways(data_dir: Path, why: str) -> None:
-    for pid in running_gateways(data_dir):
-        log.warning("killing the egress gateway pid %s: %s", pid, why)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    return exited(pid)
 
 
 def _attach(sandbox_id: str, netns: Path, policy: object, ca: Path) -> dict[str, object]:
@@ -447,33 +391,3 @@ def _attach(sandbox_id: str, netns: Path, policy: object, ca: Path) -> dict[str,
     except (OSError, ValueError) as exc:
         raise Unavailable(f"cannot read the CA of {sandbox_id}: {exc}") from exc
     return {"op": "attach", "sandbox": sandbox_id, "netns": str(netns), "policy": policy, "ca": pem}
-
-
-def _bind_listeners(netns: Path) -> list[socket.socket]:
-    """The gateway's TCP and UDP listeners, bound in ``netns``. Raises Unavailable."""
-    try:
-        tcp = bind_in_netns(netns, socket.SOCK_STREAM, (GATEWAY_ADDRESS, PROXY_PORT))
-    except OSError as exc:
-        raise Unavailable(f"cannot listen in {netns}: {exc}") from exc
-    try:
-        udp = bind_in_netns(netns, socket.SOCK_DGRAM, (GATEWAY_ADDRESS, DNS_PORT))
-    except OSError as exc:
-        tcp.close()
-        raise Unavailable(f"cannot listen in {netns}: {exc}") from exc
-    return [tcp, udp]
-
-
-def _unprivileged(uid: int) -> list[str]:
-    """setpriv's argv running the rest as ``uid`` (gid alike), with no supplementary
-    groups, no capabilities in any set, and ``no_new_privs`` (issue 18)."""
-    ids = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
-    caps = ["--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all"]
-    return ["setpriv", *ids, *caps, "--no-new-privs", "--"]
-
-
-def _gateway_environment() -> dict[str, str]:
-    """The gateway's environment: child_environment() (never the node's: issue 18), and
-    PYTHONPATH naming where this very ``space`` package was imported from, so the
-    gateway runs the node's code even from a source tree or an editable install."""
-    package_root = Path(__file__).resolve().parents[3]
-    return child_environment(PYTHONPATH=str(package_root), PYTHONUNBUFFERED="1")

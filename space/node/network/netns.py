@@ -3,10 +3,12 @@
 Every sandbox VM's QEMU runs inside a namespace that holds only ``lo`` and ``tap0``.
 There is no veth, no route and no address of the host in it, so the guest has no
 path to the host's services, other sandboxes, the control plane or metadata addresses:
-the only sockets it can reach are the egress gateway's, which the gateway opens *inside*
-the namespace (space.node.egress). nftables in the namespace sends every TCP
-connection and DNS query of the guest to those sockets and drops everything else;
-while the sandbox has no egress policy it drops (resets) everything, DNS included.
+the only sockets it can reach are the egress gateway's, bound *inside* the namespace
+(space.node.egress). nftables in the namespace sends every TCP connection and DNS query
+of the guest to those sockets and drops everything else; while the sandbox has no
+egress policy it drops (resets) everything, DNS included. Namespaces are made and
+changed by the node's root broker (space.node.privileged); this module names them,
+writes their ruleset and asks.
 
 All namespaces use the same addresses, IP and MAC on both ends (the guest is always
 192.0.2.2), so a VM's memory image, whose network setup and ARP cache are part of its
@@ -21,18 +23,20 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from pathlib import Path
 
-from space.node.core.run import run
+from space.node.privileged import broker_for
+from space.node.privileged.requests import CreateNetns, DeleteNetns, SetEgress
 
 __all__ = [
+    "DNS_PORT",
     "GATEWAY_ADDRESS",
     "GATEWAY_MAC",
     "GUEST_ADDRESS",
     "GUEST_MAC",
     "KERNEL_ARG",
     "NETNS_DIR",
+    "PREFIX_LEN",
     "PROXY_PORT",
     "TAP",
     "create",
@@ -41,6 +45,7 @@ __all__ = [
     "netns_name",
     "netns_path",
     "node_netns",
+    "ruleset",
     "set_open",
 ]
 
@@ -97,44 +102,22 @@ def node_netns(run_root: Path) -> list[str]:
         return []
 
 
-async def create(name: str) -> None:
-    """Make the namespace with its tap and a closed ruleset; a no-op if it exists.
-
-    Raises Unavailable (the failing command's message) and leaves nothing behind.
-    """
-    if exists(name):
-        return
-    await run("ip", "netns", "add", name)
-    try:
-        for command in (
-            ("link", "set", "lo", "up"),
-            ("tuntap", "add", "dev", TAP, "mode", "tap"),
-            ("link", "set", TAP, "address", GATEWAY_MAC),
-            ("addr", "add", f"{GATEWAY_ADDRESS}/{PREFIX_LEN}", "dev", TAP),
-            ("link", "set", TAP, "up"),
-        ):
-            await run("ip", "-n", name, *command)
-        await _in_netns(name, "sysctl", "-q", "-w", f"net.ipv6.conf.{TAP}.disable_ipv6=1")
-        await set_open(name, False)
-    except BaseException:
-        await delete(name)
-        raise
+async def create(run_root: Path, name: str) -> None:
+    """Make the namespace with its tap and a closed ruleset (asked of the root broker
+    of the node of ``run_root``); a no-op if it exists. Raises Unavailable and leaves
+    nothing behind."""
+    await broker_for(run_root).call(CreateNetns(name=name))
 
 
-async def delete(name: str) -> None:
+async def delete(run_root: Path, name: str) -> None:
     """Remove the namespace (its tap and rules go with it); idempotent."""
-    if exists(name):
-        await run("ip", "netns", "delete", name, check=False)
-    if exists(name):  # a bind mount left by a failed ``ip netns add``
-        os.unlink(netns_path(name))
+    await broker_for(run_root).call(DeleteNetns(name=name))
 
 
-async def set_open(name: str, is_open: bool) -> None:
+async def set_open(run_root: Path, name: str, is_open: bool) -> None:
     """Send the guest's TCP and DNS to the gateway (open), or reset everything (closed).
-
-    Atomic: nft applies the whole ruleset in one transaction.
-    """
-    await _in_netns(name, "nft", "-f", "-", stdin=ruleset(is_open))
+    Atomic: nft applies the whole ruleset in one transaction."""
+    await broker_for(run_root).call(SetEgress(name=name, open=is_open))
 
 
 def ruleset(is_open: bool) -> str:
@@ -178,7 +161,3 @@ table inet {_TABLE} {{
   }}
 }}
 """
-
-
-async def _in_netns(name: str, *argv: str, stdin: str | None = None) -> None:
-    await run("nsenter", f"--net={netns_path(name)}", "--", *argv, stdin=stdin)

@@ -23,7 +23,9 @@ whatever else refers to the same extents. A write past the limit fails with EDQU
 sized to its disk, gets ENOSPC from its own filesystem first.
 
 Every method raises space.node.api.errors leaves (Unavailable for a failed command,
-InvalidArgument for a bad name). Commands run through ``btrfs``, ``mount``, ``losetup``.
+InvalidArgument for a bad name). What btrfs lets a subvolume's owner do (make one,
+snapshot it, make it read-only) is done here; the rest (the loop mount, quotas and
+limits, sizes, deletion) is asked of the node's root broker (space.node.privileged).
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ import contextlib
 import fcntl
 import os
 import re
-import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,12 +42,22 @@ from pathlib import Path
 from space.node.api import InvalidArgument, NotFound, Unavailable
 from space.node.core.data_dir import secure_top_level
 from space.node.core.run import run
+from space.node.privileged import RootBroker
+from space.node.privileged.requests import (
+    DeleteSubvolume,
+    EnableQuotas,
+    ExclusiveBytes,
+    LimitSubvolume,
+    MountPool,
+    ReferencedBytes,
+    Request,
+    UnmountPool,
+)
 from space.node.storage.disks import encrypt_image, grow_disk
 
 __all__ = [
     "BtrfsPool",
     "TemplateVolume",
-    "limit_subvolume",
     "pack_snapshot_args",
     "snapshot_subvolume",
 ]
@@ -94,13 +105,21 @@ class BtrfsPool:
     """A btrfs filesystem the node owns (see the module docstring).
 
     Create with ``await BtrfsPool.open(...)``; ``close(unmount=True)`` unmounts a pool
-    this object loop-mounted (and detaches its loop device).
+    this object loop-mounted (and detaches its loop device). Without a ``broker``
+    nothing that needs root can be done (a pool only read, in tests).
     """
 
     def __init__(
-        self, root: Path, *, image: Path | None, mounted_here: bool, fresh_mount: bool = False
+        self,
+        root: Path,
+        *,
+        image: Path | None,
+        mounted_here: bool,
+        fresh_mount: bool = False,
+        broker: RootBroker | None = None,
     ) -> None:
         self.root = root
+        self._broker = broker
         self._image = image
         self._mounted_here = mounted_here
         #: True if ``open`` mounted it just now (it was not mounted before).
@@ -108,7 +127,13 @@ class BtrfsPool:
 
     @classmethod
     async def open(
-        cls, *, pool_path: Path | None, data_dir: Path, size_gib: int, quotas: bool = True
+        cls,
+        *,
+        pool_path: Path | None,
+        data_dir: Path,
+        size_gib: int,
+        broker: RootBroker,
+        quotas: bool = True,
     ) -> BtrfsPool:
         """Use ``pool_path`` (must be btrfs) or the loop file ``data_dir/pool.img``.
 
@@ -119,9 +144,9 @@ class BtrfsPool:
         """
         if pool_path is not None:
             await _require_btrfs(pool_path)
-            pool = cls(pool_path, image=None, mounted_here=False)
+            pool = cls(pool_path, image=None, mounted_here=False, broker=broker)
         else:
-            pool = await cls._open_loop(data_dir, size_gib)
+            pool = await cls._open_loop(data_dir, size_gib, broker)
         if quotas:
             await pool.enable_quotas()
         for sub in ("templates", "sandboxes", "snapshots", "layers"):
@@ -136,40 +161,38 @@ class BtrfsPool:
         On a pool that had them off, the kernel scans what exists (seconds for a few
         GiB); a pool that has them on returns at once. Raises Unavailable if it fails.
         """
-        await run("btrfs", "quota", "enable", str(self.root))
-        await run("btrfs", "quota", "rescan", "-W", str(self.root), timeout_s=600.0)
+        await self._ask(EnableQuotas(root=str(self.root)))
 
     async def referenced_bytes(self, path: Path) -> int:
         """Bytes the subvolume ``path`` refers to, as its quota group counts them
         (committed figures: call after a sync). Raises Unavailable without quotas."""
-        out = await run("btrfs", "qgroup", "show", "-rf", "--raw", str(path))
-        try:
-            return int(out.strip().splitlines()[-1].split()[1])
-        except (IndexError, ValueError) as exc:
-            raise Unavailable(f"cannot parse btrfs qgroup show output: {out[-200:]!r}") from exc
+        return _as_int(await self._ask(ReferencedBytes(path=str(path))))
+
+    async def limit(self, path: Path, max_referenced: int) -> None:
+        """Limit the quota group of subvolume ``path`` to reference ``max_referenced``
+        bytes. Needs quotas on (``enable_quotas``); raises Unavailable (with the errno's
+        message) if it fails. Idempotent: the limit replaces any earlier one."""
+        await self._ask(LimitSubvolume(path=str(path), max_referenced=max_referenced))
 
     @classmethod
-    async def _open_loop(cls, data_dir: Path, size_gib: int) -> BtrfsPool:
+    async def _open_loop(cls, data_dir: Path, size_gib: int, broker: RootBroker) -> BtrfsPool:
         image, mountpoint = data_dir / "pool.img", data_dir / "pool"
         mounted, created = await asyncio.to_thread(_prepare_loop_files, image, size_gib)
         if mounted:
             await _require_btrfs(mountpoint)
-            return cls(mountpoint, image=image, mounted_here=True)
-        if created:
-            await run("mkfs.btrfs", "-q", str(image))
-        await run("mount", "-o", "loop", str(image), str(mountpoint))
-        return cls(mountpoint, image=image, mounted_here=True, fresh_mount=True)
+            return cls(mountpoint, image=image, mounted_here=True, broker=broker)
+        await broker.call(MountPool(image=str(image), mountpoint=str(mountpoint), mkfs=created))
+        return cls(mountpoint, image=image, mounted_here=True, fresh_mount=True, broker=broker)
 
     async def close(self, *, unmount: bool = False) -> None:
         """Forget the pool; with ``unmount`` also unmount a loop pool and free its loop."""
-        if not (unmount and self._mounted_here):
-            return
-        mountpoint = str(self.root)
-        loops = await _loops_for(self._image) if self._image else []
-        if await asyncio.to_thread(os.path.ismount, mountpoint):
-            await run("umount", mountpoint)
-        for loop in loops:
-            await run("losetup", "-d", loop, check=False)
+        if unmount and self._mounted_here and self._image is not None:
+            await self._ask(UnmountPool(image=str(self._image), mountpoint=str(self.root)))
+
+    async def _ask(self, request: Request) -> object:
+        if self._broker is None:
+            raise Unavailable(f"the pool {self.root} has no root broker for {request.op}")
+        return await self._broker.call(request)
 
     # templates
 
@@ -341,7 +364,7 @@ class BtrfsPool:
         await snapshot_subvolume(source, path)
         if limit_mib is not None:
             try:
-                await limit_subvolume(path, limit_mib << 20)
+                await self.limit(path, limit_mib << 20)
             except BaseException:
                 await self._delete_subvolume(path)
                 raise
@@ -378,12 +401,7 @@ class BtrfsPool:
 
         Measured with ``btrfs filesystem du`` (needs no quotas); Unavailable if it fails.
         """
-        out = await run("btrfs", "filesystem", "du", "-s", "--raw", str(path), timeout_s=120.0)
-        lines = out.strip().splitlines()
-        try:
-            return int(lines[-1].split()[1])
-        except (IndexError, ValueError) as exc:
-            raise Unavailable(f"cannot parse btrfs filesystem du output: {out[-200:]!r}") from exc
+        return _as_int(await self._ask(ExclusiveBytes(path=str(path))))
 
     async def delete_sandbox_volume(self, volume: str) -> None:
         """Delete the sandbox volume ``volume``; idempotent."""
@@ -392,11 +410,7 @@ class BtrfsPool:
             await self._delete_subvolume(path)
 
     async def _delete_subvolume(self, path: Path) -> None:
-        if _is_subvolume(path):
-            await run("btrfs", "property", "set", "-ts", str(path), "ro", "false", check=False)
-            await run("btrfs", "subvolume", "delete", str(path))
-        else:
-            await asyncio.to_thread(shutil.rmtree, path, True)
+        await self._ask(DeleteSubvolume(path=str(path)))
 
 
 #: BTRFS_IOC_SNAP_CREATE_V2 = _IOW(0x94, 23, struct btrfs_ioctl_vol_args_v2) (linux/btrfs.h).
@@ -442,36 +456,6 @@ async def snapshot_subvolume(source: Path, dest: Path, *, read_only: bool = Fals
         raise Unavailable(f"snapshot of {source} as {dest} failed: {exc}") from exc
 
 
-#: BTRFS_IOC_QGROUP_LIMIT = _IOR(0x94, 43, struct btrfs_ioctl_qgroup_limit_args) (linux/btrfs.h).
-_QGROUP_LIMIT = 0x8030942B
-_LIMIT_MAX_RFER = 1 << 0
-#: struct btrfs_ioctl_qgroup_limit_args: u64 qgroupid (0: the subvolume of the fd), then
-#: struct btrfs_qgroup_limit: u64 flags, max_rfer, max_excl, rsv_rfer, rsv_excl.
-_QGROUP_LIMIT_ARGS = struct.Struct("=6Q")
-
-
-async def limit_subvolume(path: Path, max_referenced: int) -> None:
-    """Limit the quota group of subvolume ``path`` to reference ``max_referenced`` bytes.
-
-    The ioctl itself (a ``btrfs`` command costs a process per volume). Needs quotas on
-    (``BtrfsPool.enable_quotas``); raises Unavailable (with the errno's message) if it
-    fails. Idempotent: the limit replaces any earlier one.
-    """
-
-    def limit() -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            args = _QGROUP_LIMIT_ARGS.pack(0, _LIMIT_MAX_RFER, max_referenced, 0, 0, 0)
-            fcntl.ioctl(fd, _QGROUP_LIMIT, bytearray(args))
-        finally:
-            os.close(fd)
-
-    try:
-        await asyncio.to_thread(limit)
-    except OSError as exc:
-        raise Unavailable(f"quota limit of {path} failed: {exc}") from exc
-
-
 def _keep_template_files(path: Path, digest: str) -> None:
     for entry in path.iterdir():
         if entry.name not in _TEMPLATE_FILES:
@@ -493,20 +477,13 @@ def _prepare_loop_files(image: Path, size_gib: int) -> tuple[bool, bool]:
     return False, True
 
 
-def _is_subvolume(path: Path) -> bool:
-    # The root directory of every btrfs subvolume has inode number 256.
-    try:
-        return path.stat().st_ino == 256
-    except FileNotFoundError:
-        return False
-
-
 async def _require_btrfs(path: Path) -> None:
     fstype = (await run("stat", "-f", "-c", "%T", str(path))).strip()
     if fstype != "btrfs":
         raise Unavailable(f"{path} is not a btrfs filesystem (it is {fstype})")
 
 
-async def _loops_for(image: Path) -> list[str]:
-    out = await run("losetup", "-l", "-n", "-O", "NAME", "-j", str(image), check=False)
-    return [line.strip() for line in out.splitlines() if line.strip()]
+def _as_int(value: object) -> int:
+    if type(value) is not int:
+        raise Unavailable(f"the root broker answered {value!r}, not a number of bytes")
+    return value

@@ -462,14 +462,14 @@ class QemuVM:
         if await self._wait(grace_s):
             await self.detach()
             return
-        self._signal(signal.SIGTERM)
+        await self._signal(signal.SIGTERM)
         if not await self._wait(grace_s):
             await self.kill()
         await self.detach()
 
     async def kill(self) -> None:
         """SIGKILL and wait for the exit; Unavailable if it survives 10 s."""
-        self._signal(signal.SIGKILL)
+        await self._signal(signal.SIGKILL)
         if not await self._wait(10.0):
             raise Unavailable(f"qemu pid {self.pid} survived SIGKILL", sandbox_id=self.sandbox_id)
         await self.detach()
@@ -519,10 +519,13 @@ class QemuVM:
                 await self.wait_exited()
         return not self.alive
 
-    def _signal(self, sig: signal.Signals) -> None:
+    async def _signal(self, sig: signal.Signals) -> None:
+        # Through the root broker: QEMU's uid is its jail's, not the node's.
         if self.alive and self._pidfd >= 0:
-            with contextlib.suppress(ProcessLookupError, OSError):
-                signal.pidfd_send_signal(self._pidfd, sig)
+            with contextlib.suppress(NodeError):
+                await jail_for(self.config.run_dir.parent).signal(
+                    self._pidfd, self.config.run_dir, sig
+                )
 
     async def _wait_for_qmp_socket(self, timeout_s: float) -> None:
         loop = asyncio.get_running_loop()

@@ -1,12 +1,12 @@
-"""Sockets bound inside another network namespace, made by the node (root).
+"""Sockets bound inside another network namespace, made by the root broker.
 
 A socket belongs to the namespace of the thread that created it and stays there. So a
 short-lived thread enters the sandbox's namespace (setns, which Python 3.11's os module
-lacks, hence ctypes), makes and binds the socket, and ends. The node hands the gateway's
-listeners so made over its control socket (space.node.network.fd_lines), and the
-gateway serves them from the host's namespace: it listens in every sandbox without any
-route between them and the host, and without the privilege to enter a namespace
-(issue 18).
+lacks, hence ctypes), makes and binds the socket, and ends. The broker passes the
+gateway's listeners so made to the node agent, which hands them over the gateway's
+control socket (space.node.network.fd_lines), and the gateway serves them from the
+host's namespace: it listens in every sandbox without any route between them and the
+host, and without the privilege to enter a namespace (issue 18).
 """
 
 from __future__ import annotations

@@ -1,0 +1,303 @@
+"""The root broker's request set: all the node agent may ask of root (issue 18).
+
+Each request is a frozen dataclass; ``encode`` makes its wire line and ``decode``
+rebuilds it, checking every field against its declared type (str, int, bool, their
+optional forms, lists of str, lists of str pairs, str-to-str dicts) and rejecting
+unknown ops, unknown or missing fields and oversized values. What a request may name
+(paths, namespaces, uids) is checked by the broker against its ``Scope``.
+
+The set, by concern: the pool (mount, quotas, limits, sizes, subvolume deletion), each
+sandbox's network namespace (make, remove, open or close egress, the gateway's
+listeners), VMM jails (launch, release, sweep, signal) and the egress gateway (start,
+stop). Answers are ``{"id", "ok": true, "value"}`` or ``{"id", "ok": false, "error":
+{"kind", "message"}}``, ``kind`` a NodeError leaf's name, with descriptors (a
+listener pair) on the answer's line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+__all__ = [
+    "MAX_LINE_BYTES",
+    "BindListeners",
+    "CreateNetns",
+    "DeleteNetns",
+    "DeleteSubvolume",
+    "EnableQuotas",
+    "ExclusiveBytes",
+    "LaunchVm",
+    "LimitSubvolume",
+    "MountPool",
+    "ReferencedBytes",
+    "ReleaseVm",
+    "Request",
+    "RequestError",
+    "Scope",
+    "SetEgress",
+    "SignalVm",
+    "StartGateway",
+    "StopGateways",
+    "SweepVms",
+    "UnmountPool",
+    "decode",
+    "encode",
+]
+
+#: A request line: a launch's argv and binds are the largest, a few KiB.
+MAX_LINE_BYTES = 256 * 1024
+_MAX_TEXT = 16 * 1024
+_MAX_ITEMS = 512
+
+
+class RequestError(ValueError):
+    """A line that is not a well-formed request of the set."""
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """What one broker may touch, fixed when it starts: files under ``roots`` (the
+    node's data dir, pool and run root), namespaces and cgroups of ``run_root``'s node."""
+
+    run_root: Path
+    roots: tuple[Path, ...]
+
+    def to_json(self) -> str:
+        return json.dumps({"run_root": str(self.run_root), "roots": [str(r) for r in self.roots]})
+
+    @classmethod
+    def from_json(cls, text: str) -> Scope:
+        data = json.loads(text)
+        return cls(Path(data["run_root"]), tuple(Path(r) for r in data["roots"]))
+
+
+class Request:
+    """A request of the set (``op`` names it on the wire)."""
+
+    op: ClassVar[str]
+
+
+# the pool
+
+
+@dataclass(frozen=True, slots=True)
+class MountPool(Request):
+    """Loop-mount the btrfs image ``image`` (``mkfs`` first: a new file) on ``mountpoint``."""
+
+    op: ClassVar[str] = "mount_pool"
+    image: str
+    mountpoint: str
+    mkfs: bool
+
+
+@dataclass(frozen=True, slots=True)
+class UnmountPool(Request):
+    """Unmount ``mountpoint`` and detach the loop devices of ``image``."""
+
+    op: ClassVar[str] = "unmount_pool"
+    image: str
+    mountpoint: str
+
+
+@dataclass(frozen=True, slots=True)
+class EnableQuotas(Request):
+    op: ClassVar[str] = "enable_quotas"
+    root: str
+
+
+@dataclass(frozen=True, slots=True)
+class LimitSubvolume(Request):
+    op: ClassVar[str] = "limit_subvolume"
+    path: str
+    max_referenced: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReferencedBytes(Request):
+    op: ClassVar[str] = "referenced_bytes"
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class ExclusiveBytes(Request):
+    op: ClassVar[str] = "exclusive_bytes"
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteSubvolume(Request):
+    op: ClassVar[str] = "delete_subvolume"
+    path: str
+
+
+# network namespaces
+
+
+@dataclass(frozen=True, slots=True)
+class CreateNetns(Request):
+    """Make the namespace ``name`` with its tap and egress closed; a no-op if it exists."""
+
+    op: ClassVar[str] = "create_netns"
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteNetns(Request):
+    op: ClassVar[str] = "delete_netns"
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class SetEgress(Request):
+    op: ClassVar[str] = "set_egress"
+    name: str
+    open: bool
+
+
+@dataclass(frozen=True, slots=True)
+class BindListeners(Request):
+    """The gateway's TCP and UDP listeners in ``name``: two descriptors on the answer."""
+
+    op: ClassVar[str] = "bind_listeners"
+    name: str
+
+
+# VMM jails
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchVm(Request):
+    """Start ``argv`` jailed as the VM ``name`` (its run directory's name); the value
+    is its host pid. ``binds`` are (path, ro|rw) pairs; ``owned`` are handed to the
+    jail's uid first; ``secrets`` become files under the jail's /secrets."""
+
+    op: ClassVar[str] = "launch_vm"
+    name: str
+    argv: list[str]
+    binds: list[tuple[str, str]]
+    owned: list[str]
+    netns: str | None
+    tap: str
+    memory_mib: int
+    cpus: int
+    stderr_log: str
+    pid_file: str
+    secrets: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseVm(Request):
+    """The VM ``name`` has exited: remove its cgroups."""
+
+    op: ClassVar[str] = "release_vm"
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class SweepVms(Request):
+    """Remove the cgroups VMMs that exited while no node watched left."""
+
+    op: ClassVar[str] = "sweep_vms"
+
+
+@dataclass(frozen=True, slots=True)
+class SignalVm(Request):
+    """Send ``signal`` to the jailed VMM serving the run directory ``run_dir``, named by
+    the pidfd on the request's line."""
+
+    op: ClassVar[str] = "signal_vm"
+    run_dir: str
+    signal: int
+
+
+# the egress gateway
+
+
+@dataclass(frozen=True, slots=True)
+class StartGateway(Request):
+    """Start the gateway, unprivileged, in ``directory`` (its uid's, with the trees
+    named in ``state``) with ``options``; copy ``upstream_ca`` in for it. Returns once
+    it is forked off."""
+
+    op: ClassVar[str] = "start_gateway"
+    directory: str
+    state: list[str]
+    options: list[str]
+    upstream_ca: str | None
+    environment: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class StopGateways(Request):
+    """Kill every gateway running in ``directory``."""
+
+    op: ClassVar[str] = "stop_gateways"
+    directory: str
+
+
+_REQUESTS: dict[str, type[Request]] = {
+    cls.op: cls
+    for cls in (
+        MountPool, UnmountPool, EnableQuotas, LimitSubvolume, ReferencedBytes,
+        ExclusiveBytes, DeleteSubvolume, CreateNetns, DeleteNetns, SetEgress,
+        BindListeners, LaunchVm, ReleaseVm, SweepVms, SignalVm, StartGateway, StopGateways,
+    )
+}  # fmt: skip
+
+
+def encode(request_id: int, request: Request) -> bytes:
+    """The request's wire line (newline included)."""
+    body = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)}  # type: ignore[arg-type]
+    return json.dumps({"id": request_id, "op": request.op, "args": body}).encode() + b"\n"
+
+
+def decode(line: bytes) -> tuple[int, Request]:
+    """The id and request of a wire line. Raises RequestError for anything else."""
+    if len(line) > MAX_LINE_BYTES:
+        raise RequestError(f"a request is over {MAX_LINE_BYTES} bytes")
+    try:
+        message = json.loads(line)
+    except ValueError as exc:
+        raise RequestError(f"not JSON: {exc}") from exc
+    if not isinstance(message, dict) or set(message) != {"id", "op", "args"}:
+        raise RequestError("a request is {id, op, args}")
+    request_id, op, args = message["id"], message["op"], message["args"]
+    if type(request_id) is not int or not isinstance(args, dict):
+        raise RequestError("a request's id is an integer and its args an object")
+    cls = _REQUESTS.get(op) if isinstance(op, str) else None
+    if cls is None:
+        raise RequestError(f"unknown request {op!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    if set(args) != fields:
+        raise RequestError(f"{op} takes {sorted(fields)}, got {sorted(args)}")
+    checked = {name: _check(f"{op}.{name}", hints[name], value) for name, value in args.items()}
+    return request_id, cls(**checked)
+
+
+def _check(where: str, kind: object, value: object) -> object:
+    """``value`` as ``kind`` (JSON lists become the declared tuples); RequestError if not."""
+    if isinstance(kind, types.UnionType):  # X | None
+        if value is None:
+            return None
+        (kind,) = [k for k in typing.get_args(kind) if k is not type(None)]
+    origin, params = typing.get_origin(kind), typing.get_args(kind)
+    if kind in (str, int, bool):
+        if type(value) is not kind:
+            raise RequestError(f"{where}: want {kind.__name__}")
+        if isinstance(value, str) and (len(value) > _MAX_TEXT or "\0" in value):
+            raise RequestError(f"{where}: a string over {_MAX_TEXT} characters or with NUL")
+        return value
+    if origin is list and isinstance(value, list) and len(value) <= _MAX_ITEMS:
+        return [_check(f"{where}[]", params[0], item) for item in value]
+    if origin is tuple and isinstance(value, list) and len(value) == len(params):
+        return tuple(_check(f"{where}[]", k, item) for k, item in zip(params, value, strict=True))
+    if origin is dict and isinstance(value, dict) and len(value) <= _MAX_ITEMS:
+        return {_check(where, str, k): _check(f"{where}[]", str, v) for k, v in value.items()}
+    raise RequestError(f"{where}: want {kind}")

@@ -1,0 +1,281 @@
+"""The root broker: the one process of a node that keeps root (issue 18).
+
+Started by the node (``RootBroker.start``) with its ``Scope``, it answers the typed
+requests of ``space.node.privileged.requests`` on a unix socket only the node holds
+(one end of a socket pair), each in a task of its own, and checks what each names
+against the scope: files under the node's roots, namespaces of its own prefix, VMs by
+run directory name. It ends when the node's end closes; the VMs and the gateway it
+started run on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import socket
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from space.node.api import InvalidArgument, NodeError
+from space.node.network.fd_lines import FdLineReader, close_fds, write_line
+from space.node.network.netns import node_prefix
+from space.node.privileged import _gateway, _network, _storage
+from space.node.privileged._jails import Jails, signal_vm
+from space.node.privileged.requests import (
+    MAX_LINE_BYTES,
+    BindListeners,
+    CreateNetns,
+    DeleteNetns,
+    DeleteSubvolume,
+    EnableQuotas,
+    ExclusiveBytes,
+    LaunchVm,
+    LimitSubvolume,
+    MountPool,
+    ReferencedBytes,
+    ReleaseVm,
+    Request,
+    RequestError,
+    Scope,
+    SetEgress,
+    SignalVm,
+    StartGateway,
+    StopGateways,
+    SweepVms,
+    UnmountPool,
+    decode,
+)
+
+__all__ = ["Broker", "main"]
+
+log = logging.getLogger(__name__)
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+_NETNS_TAIL_RE = re.compile(r"^[0-9a-f]{6}$")
+#: The devices a jail may be given besides those every jail has (the broker's own).
+_DEVICES = ("/dev/kvm",)
+#: Requests served at once; more wait to be read (the node serialises little itself).
+_MAX_IN_FLIGHT = 64
+Answer = tuple[object, list[socket.socket]]
+
+
+class Broker:
+    """What one node may ask of root, bounded by ``scope``."""
+
+    def __init__(self, scope: Scope) -> None:
+        self.scope = scope
+        self._roots = [Path(os.path.realpath(r)) for r in scope.roots]
+        self._netns_prefix = node_prefix(scope.run_root)
+        self.jails = Jails(scope.run_root)
+        self._handlers: dict[type[Request], Callable[..., Awaitable[object]]] = {
+            MountPool: self._mount_pool,
+            UnmountPool: self._unmount_pool,
+            EnableQuotas: lambda r: _storage.enable_quotas(self.path(r.root)),
+            LimitSubvolume: self._limit_subvolume,
+            ReferencedBytes: lambda r: _storage.referenced_bytes(self.path(r.path, below=True)),
+            ExclusiveBytes: lambda r: _storage.exclusive_bytes(self.path(r.path, below=True)),
+            DeleteSubvolume: lambda r: _storage.delete_subvolume(self.path(r.path, below=True)),
+            CreateNetns: lambda r: _network.create(self.netns(r.name)),
+            DeleteNetns: lambda r: _network.delete(self.netns(r.name)),
+            SetEgress: lambda r: _network.set_open(self.netns(r.name), r.open),
+            LaunchVm: self._launch_vm,
+            ReleaseVm: self._release_vm,
+            SweepVms: self._sweep_vms,
+            StartGateway: self._start_gateway,
+            StopGateways: self._stop_gateways,
+        }
+
+    async def handle(self, request: Request, fds: list[int]) -> Answer:
+        """The value of ``request`` and the sockets to send with it. Raises NodeError."""
+        if isinstance(request, BindListeners):
+            return None, await _network.bind_listeners(self.netns(request.name))
+        if isinstance(request, SignalVm):
+            if len(fds) != 1:
+                raise InvalidArgument("signal_vm takes one pidfd")
+            run_dir = self.path(request.run_dir, below=True)
+            await asyncio.to_thread(signal_vm, fds[0], run_dir, request.signal)
+            return None, []
+        return await self._handlers[type(request)](request), []
+
+    # what a request may name
+
+    def path(self, text: str, *, below: bool = False) -> Path:
+        """``text`` (relative: to the node's working directory, which is the broker's)
+        as a path under one of the roots (strictly, with ``below``), symlinks resolved
+        to check it. Raises InvalidArgument."""
+        path = Path(os.path.abspath(text))
+        if ".." in Path(text).parts:
+            raise InvalidArgument(f"{text!r} is not a normal path")
+        real = Path(os.path.realpath(path))
+        for root in self._roots:
+            if real.is_relative_to(root) and not (below and real == root):
+                return path
+        raise InvalidArgument(f"{text} is outside this node's directories")
+
+    def netns(self, name: str) -> str:
+        """``name`` if it is one of this node's namespaces. Raises InvalidArgument."""
+        tail = name.removeprefix(self._netns_prefix)
+        if tail == name or not _NETNS_TAIL_RE.match(tail):
+            raise InvalidArgument(f"{name!r} is not a namespace of this node")
+        return name
+
+    def vm_name(self, name: str) -> str:
+        if not _NAME_RE.match(name):
+            raise InvalidArgument(f"{name!r} is not a VM's name")
+        return name
+
+    # handlers
+
+    async def _mount_pool(self, request: MountPool) -> None:
+        image, mountpoint = self.path(request.image), self.path(request.mountpoint)
+        await _storage.mount_pool(image, mountpoint, mkfs=request.mkfs)
+
+    async def _unmount_pool(self, request: UnmountPool) -> None:
+        await _storage.unmount_pool(self.path(request.image), self.path(request.mountpoint))
+
+    async def _limit_subvolume(self, request: LimitSubvolume) -> None:
+        if request.max_referenced <= 0:
+            raise InvalidArgument("a quota limit is a positive number of bytes")
+        await _storage.limit_subvolume(self.path(request.path, below=True), request.max_referenced)
+
+    async def _launch_vm(self, request: LaunchVm) -> int:
+        if request.memory_mib <= 0 or request.cpus <= 0 or not request.argv:
+            raise InvalidArgument("a VM has an argv, memory and CPUs")
+        return await self.jails.launch(
+            self.vm_name(request.name),
+            request.argv,
+            binds=[self._bind(path, mode) for path, mode in request.binds],
+            owned=[self.path(p, below=True) for p in request.owned],
+            netns=self.netns(request.netns) if request.netns is not None else None,
+            tap=request.tap,
+            memory_mib=request.memory_mib,
+            cpus=request.cpus,
+            stderr_log=self.path(request.stderr_log, below=True),
+            pid_file=self.path(request.pid_file, below=True),
+            secrets=request.secrets,
+        )
+
+    def _bind(self, path: str, mode: str) -> tuple[str, str]:
+        if mode == "dev" and path in _DEVICES:
+            return path, mode
+        if mode not in ("ro", "rw"):
+            raise InvalidArgument(f"a bind is ro, rw or one of the devices {_DEVICES}")
+        return str(self.path(path)), mode
+
+    async def _release_vm(self, request: ReleaseVm) -> None:
+        await asyncio.to_thread(self.jails.cgroups.remove, self.vm_name(request.name))
+
+    async def _sweep_vms(self, _request: SweepVms) -> None:
+        await asyncio.to_thread(self.jails.cgroups.sweep)
+
+    async def _start_gateway(self, request: StartGateway) -> None:
+        for name in request.state:
+            self.vm_name(name)  # a plain name in the directory
+        upstream_ca = None
+        if request.upstream_ca is not None:
+            # Root copies it for the gateway: only a file anyone may read anyway, or one
+            # of the node's own.
+            upstream_ca = Path(request.upstream_ca)
+            if not os.stat(upstream_ca).st_mode & 0o004:
+                try:
+                    self.path(request.upstream_ca)
+                except InvalidArgument:
+                    raise InvalidArgument(
+                        f"the upstream CA {upstream_ca} is not world-readable"
+                    ) from None
+        await _gateway.start_gateway(
+            self.path(request.directory, below=True),
+            request.state,
+            request.options,
+            upstream_ca,
+            request.environment,
+        )
+
+    async def _stop_gateways(self, request: StopGateways) -> None:
+        await asyncio.to_thread(_gateway.stop_gateways, self.path(request.directory, below=True))
+
+
+async def serve(broker: Broker, sock: socket.socket) -> None:
+    """Answer requests on ``sock`` until its peer closes it."""
+    reader = FdLineReader(sock, max_line_bytes=MAX_LINE_BYTES, max_fds=1)
+    write_lock = asyncio.Lock()
+    slots = asyncio.Semaphore(_MAX_IN_FLIGHT)
+    async with asyncio.TaskGroup() as tasks:
+        while True:
+            try:
+                line, fds = await reader.readline()
+            except (OSError, ValueError) as exc:
+                log.error("the node's connection failed: %s", exc)
+                break
+            if not line:
+                break
+            await slots.acquire()
+            tasks.create_task(_answer(broker, sock, write_lock, slots, line, fds))
+
+
+async def _answer(
+    broker: Broker,
+    sock: socket.socket,
+    write_lock: asyncio.Lock,
+    slots: asyncio.Semaphore,
+    line: bytes,
+    fds: list[int],
+) -> None:
+    request_id: int | None = None
+    sockets: list[socket.socket] = []
+    try:
+        request_id, request = decode(line)
+        value, sockets = await broker.handle(request, fds)
+        answer: dict[str, object] = {"id": request_id, "ok": True, "value": value}
+    except RequestError as exc:
+        answer = {
+            "id": request_id,
+            "ok": False,
+            "error": {"kind": "invalid_argument", "message": str(exc)},
+        }
+    except NodeError as exc:
+        answer = {"id": request_id, "ok": False, "error": {"kind": exc.code, "message": str(exc)}}
+    except Exception as exc:  # a failed command, a broken file: the node hears of it
+        if not isinstance(exc, OSError):
+            log.exception("request %s failed", request_id)
+        answer = {
+            "id": request_id,
+            "ok": False,
+            "error": {"kind": "unavailable", "message": str(exc)},
+        }
+    finally:
+        close_fds(fds)
+        slots.release()
+    try:
+        async with write_lock:
+            await write_line(
+                sock, json.dumps(answer).encode() + b"\n", [s.fileno() for s in sockets]
+            )
+    except OSError as exc:
+        log.error("cannot answer the node: %s", exc)
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m space.node.privileged")
+    parser.add_argument("--fd", type=int, required=True, help="the node's end of the socket pair")
+    parser.add_argument("--scope", required=True, help="the Scope, as JSON")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="root broker: %(levelname)s %(message)s")
+    os.umask(0o077)
+    broker = Broker(Scope.from_json(args.scope))
+    sock = socket.socket(fileno=args.fd)
+    sock.setblocking(False)
+    try:
+        asyncio.run(serve(broker, sock))
+    finally:
+        with contextlib.suppress(Exception):
+            broker.jails.close()
+        sock.close()

@@ -1,0 +1,205 @@
+"""The root broker: its request set is closed and typed, and nothing outside its scope
+is touched, whatever the node agent asks (a compromised agent asks anything).
+
+The broker runs as it does for a node (its own process, a socket pair); every refusal
+is checked to leave nothing behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from space.node.api import InvalidArgument, NodeError
+from space.node.network import netns
+from space.node.privileged import RootBroker
+from space.node.privileged.requests import (
+    MAX_LINE_BYTES,
+    BindListeners,
+    CreateNetns,
+    DeleteSubvolume,
+    LaunchVm,
+    LimitSubvolume,
+    MountPool,
+    RequestError,
+    SetEgress,
+    StartGateway,
+    StopGateways,
+    decode,
+    encode,
+)
+from tests.root_broker import netns_name_of, root_broker
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[RootBroker]:
+    if os.geteuid() != 0:
+        pytest.fail("the root broker needs root: run the suite as root")
+    with root_broker(tmp_path / "node") as started:
+        yield started
+
+
+def _launch(**changes: object) -> LaunchVm:
+    fields: dict[str, object] = {
+        "name": "vm-1", "argv": ["true"], "binds": [], "owned": [], "netns": None,
+        "tap": "tap0", "memory_mib": 64, "cpus": 1, "stderr_log": "/tmp/x.log",
+        "pid_file": "/tmp/x.pid", "secrets": {},
+    }  # fmt: skip
+    return LaunchVm(**(fields | changes))  # type: ignore[arg-type]
+
+
+def encode_args(request: LaunchVm) -> dict[str, object]:
+    return dict(json.loads(encode(1, request))["args"])
+
+
+def test_a_request_goes_through_the_wire_unchanged() -> None:
+    request = _launch(binds=[("/a", "ro")], secrets={"disk": "k"}, netns="sp000000-000000")
+    assert decode(encode(7, request)) == (7, request)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"id": 1, "op": "run_anything", "args": {}},
+        {"id": 1, "op": "mount_pool", "args": {"image": "/a", "mountpoint": "/b"}},
+        {"id": 1, "op": "mount_pool", "args": {"image": "/a", "mountpoint": "/b", "mkfs": 1}},
+        {"id": 1, "op": "delete_subvolume", "args": {"path": "/a", "extra": "x"}},
+        {"id": 1, "op": "delete_subvolume", "args": {"path": ["/a"]}},
+        {"id": 1, "op": "delete_subvolume", "args": {"path": "/a\0b"}},
+        {"id": "1", "op": "delete_subvolume", "args": {"path": "/a"}},
+        {"id": 1, "op": "limit_subvolume", "args": {"path": "/a", "max_referenced": True}},
+        {"id": 1, "op": "launch_vm", "args": {**encode_args(_launch()), "binds": [["/a"]]}},
+        {"id": 1, "op": "launch_vm", "args": {**encode_args(_launch()), "secrets": {"a": 1}}},
+        {"id": 1, "op": "launch_vm", "args": {**encode_args(_launch()), "argv": ["x"] * 513}},
+        {"op": "sweep_vms", "args": {}},
+        [1, 2],
+    ],
+)
+def test_negative_a_line_outside_the_request_set_is_refused(message: object) -> None:
+    with pytest.raises(RequestError):
+        decode(json.dumps(message).encode())
+
+
+def test_negative_an_oversized_line_is_refused_before_it_is_parsed() -> None:
+    with pytest.raises(RequestError, match="over"):
+        decode(b"x" * (MAX_LINE_BYTES + 1))
+
+
+def _refused(broker: RootBroker, request: object, match: str) -> None:
+    async def ask() -> None:
+        await broker.call(request)  # type: ignore[arg-type]
+
+    with pytest.raises(InvalidArgument, match=match):
+        asyncio.run(ask())
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        DeleteSubvolume(path="/etc"),
+        DeleteSubvolume(path="/"),
+        LimitSubvolume(path="/var", max_referenced=1 << 20),
+        MountPool(image="/etc/shadow", mountpoint="/mnt", mkfs=True),
+        StopGateways(directory="/proc"),
+    ],
+)
+def test_negative_a_path_outside_the_nodes_directories_is_refused(
+    broker: RootBroker, request_: object
+) -> None:
+    _refused(broker, request_, "outside this node's directories")
+    assert Path("/etc/shadow").exists() and Path("/etc").is_dir()
+
+
+def test_negative_a_path_that_escapes_by_dots_or_a_link_is_refused(
+    broker: RootBroker, tmp_path: Path
+) -> None:
+    root = tmp_path / "node"
+    (root / "link").symlink_to("/etc")
+    _refused(broker, DeleteSubvolume(path=f"{root}/../outside"), "not a normal path")
+    _refused(broker, DeleteSubvolume(path=f"{root}/link"), "outside")
+    _refused(broker, DeleteSubvolume(path=str(root)), "outside")  # the root itself
+    assert Path("/etc/passwd").exists() and root.is_dir()
+
+
+def test_negative_another_nodes_or_the_hosts_namespace_is_refused(broker: RootBroker) -> None:
+    for name in ("sp000000-abcdef", "default", "init", netns_name_of(broker) + "0", "../x"):
+        _refused(broker, SetEgress(name=name, open=True), "not a namespace of this node")
+        _refused(broker, BindListeners(name=name), "not a namespace of this node")
+    assert not any(netns.exists(n) for n in ("sp000000-abcdef", "default"))
+
+
+def test_negative_a_jail_gets_no_device_and_no_file_of_the_host(
+    broker: RootBroker, tmp_path: Path
+) -> None:
+    log, pid = str(tmp_path / "node/vm.log"), str(tmp_path / "node/vm.pid")
+    for binds, match in (
+        ([("/dev/sda", "dev")], "a bind is ro, rw or one of the devices"),
+        ([("/etc/shadow", "ro")], "outside"),
+        ([("/root", "rw")], "outside"),
+    ):
+        _refused(broker, _launch(binds=binds, stderr_log=log, pid_file=pid), match)
+    _refused(broker, _launch(owned=["/etc/passwd"], stderr_log=log, pid_file=pid), "outside")
+    _refused(broker, _launch(name="../x", stderr_log=log, pid_file=pid), "not a VM's name")
+    assert os.stat("/etc/passwd").st_uid == 0
+    assert not Path(pid).exists()
+
+
+def test_negative_the_gateway_gets_no_secret_file_as_its_upstream_ca(
+    broker: RootBroker, tmp_path: Path
+) -> None:
+    directory = tmp_path / "node" / "egress"
+    request = StartGateway(
+        directory=str(directory), state=[], options=[], upstream_ca="/etc/shadow", environment={}
+    )
+    _refused(broker, request, "not world-readable")
+    assert not directory.exists()
+
+
+def test_the_broker_makes_a_namespace_and_hands_its_listeners_to_the_node(
+    broker: RootBroker,
+) -> None:
+    name = netns_name_of(broker)
+
+    async def scenario() -> list[tuple[str, int]]:
+        await broker.call(CreateNetns(name=name))
+        try:
+            _, fds = await broker.call_with_fds(BindListeners(name=name))
+            sockets = [socket.socket(fileno=fd) for fd in fds]
+            try:
+                return [s.getsockname() for s in sockets]
+            finally:
+                for s in sockets:
+                    s.close()
+        finally:
+            await netns.delete(broker.scope.run_root, name)
+
+    assert asyncio.run(scenario()) == [
+        (netns.GATEWAY_ADDRESS, netns.PROXY_PORT),
+        (netns.GATEWAY_ADDRESS, netns.DNS_PORT),
+    ]
+    assert not netns.exists(name)
+
+
+def test_a_broker_that_died_is_started_again_and_runs_with_the_minimal_environment(
+    broker: RootBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPACE_MASTER_KEY", "never-inherited")
+    first = broker._proc
+    assert first is not None
+    first.kill()
+    first.wait()
+
+    async def scenario() -> None:
+        with pytest.raises(NodeError):
+            await broker.call(SetEgress(name="sp000000-abcdef", open=True))
+
+    asyncio.run(scenario())  # refused by a new broker: it answered
+    assert broker._proc is not None and broker._proc.pid != first.pid
+    environ = Path(f"/proc/{broker._proc.pid}/environ").read_bytes().split(b"\0")
+    assert not any(b"SPACE_MASTER_KEY" in entry for entry in environ)
