@@ -29,6 +29,14 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
 
+# The node agent runs as this user once its root broker runs (issue 18: `space serve`
+# and `space node` started as root drop to it).
+if ! id -u space >/dev/null 2>&1; then
+  say "creating the system user space (the node agent runs as it)"
+  useradd --system --user-group --no-create-home --home-dir /nonexistent \
+    --shell /usr/sbin/nologin space
+fi
+
 # QEMU >= 8.2: a jailed QEMU maps a ready state's RAM file copy-on-write from a
 # read-only descriptor (memory-backend-file rom=off). Debian 12 ships 7.2; its backports
 # suite has a current one. The backports source reuses the mirror the system already has.

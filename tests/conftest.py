@@ -24,6 +24,18 @@ def _vm_tests_need_root(request: pytest.FixtureRequest) -> None:
 
 
 @pytest.fixture(autouse=True)
+def _root_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`space serve`/`space node` run in-process (CliRunner) must not drop the test
+    process's root: a server run in a subprocess does (tests/integration/platform.py)."""
+    from space.node.agent import node_user
+
+    async def keep_root(*_: object) -> None:
+        return None
+
+    monkeypatch.setattr(node_user, "become_node_user", keep_root)
+
+
+@pytest.fixture(autouse=True)
 def _umask_restored() -> Generator[None]:
     """A test that runs `space serve`/`space node` in-process sets umask 077 (issue 18);
     it must not change the modes every later test's files get."""

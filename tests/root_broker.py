@@ -18,7 +18,14 @@ def root_broker(directory: Path, *more_roots: Path) -> Iterator[RootBroker]:
     ``directory/run``; usable from any event loop, ended after."""
     run_root = directory / "run"
     run_root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    broker = asyncio.run(start_broker(Scope(run_root, (directory, *more_roots))))
+    with root_broker_of(Scope(run_root, (directory, *more_roots))) as broker:
+        yield broker
+
+
+@contextlib.contextmanager
+def root_broker_of(scope: Scope) -> Iterator[RootBroker]:
+    """A broker of ``scope``, usable from any event loop, ended after."""
+    broker = asyncio.run(start_broker(scope))
     try:
         yield broker
     finally:

@@ -32,6 +32,7 @@ from space.sdk.errors import SpaceError
 
 if TYPE_CHECKING:
     from space.control.server import TlsFiles
+    from space.node.core.config import NodeConfig
 
 __all__ = ["DATA_DIR_OPTION", "capacity_options", "keys", "node", "serve", "server_errors"]
 
@@ -97,6 +98,15 @@ def capacity_options(command: Callable[..., Any]) -> Callable[..., Any]:
     return command
 
 
+USER_OPTION = click.option(
+    "--user",
+    default="space",
+    show_default=True,
+    help=(
+        "The user the node agent runs as once its root broker runs (when started as "
+        "root; setup makes it). 'root' keeps root: for debugging only."
+    ),
+)
 EGRESS_CA_OPTION = click.option(
     "--egress-upstream-ca",
     type=click.Path(dir_okay=False, exists=True, path_type=Path),
@@ -150,6 +160,7 @@ def egress_bounds_options(command: Callable[..., Any]) -> Callable[..., Any]:
 @EGRESS_RESOLVER_OPTION
 @EGRESS_CA_OPTION
 @egress_bounds_options
+@USER_OPTION
 def serve(
     data_dir: Path,
     host: str,
@@ -166,6 +177,7 @@ def serve(
     egress_upstream_ca: Path | None,
     egress_operator_ranges: tuple[str, ...],
     egress_allow_wide_any_port: bool,
+    user: str,
     **capacity: Any,
 ) -> None:
     """Run the control plane and one node in this process (the embedded default)."""
@@ -203,6 +215,7 @@ def serve(
             egress_allow_wide_any_port=egress_allow_wide_any_port,
             **capacity,
         )
+        await _become_user(config, user, progress, () if tls is None else (tls.cert, tls.key))
         local = await Node.start(config, progress=progress)
         try:
             scheme = "http" if tls is None else "https"
@@ -232,6 +245,7 @@ def serve(
 @EGRESS_RESOLVER_OPTION
 @EGRESS_CA_OPTION
 @egress_bounds_options
+@USER_OPTION
 def node(
     control_url: str,
     token_file: Path,
@@ -244,6 +258,7 @@ def node(
     egress_upstream_ca: Path | None,
     egress_operator_ranges: tuple[str, ...],
     egress_allow_wide_any_port: bool,
+    user: str,
     **capacity: Any,
 ) -> None:
     """Run a node agent alone and register it with a control plane."""
@@ -271,6 +286,7 @@ def node(
             **capacity,
         )
         _owner_only(data_dir)  # the options are known good: before the first write
+        await _become_user(config, user, progress)
         local = await Node.start(config, progress=progress)
         try:
             app = create_node_app(local, token)
@@ -361,6 +377,24 @@ def server_errors() -> Iterator[None]:
         if isinstance(exc, SecretStoreError):
             fail(f"secret store: {exc}")
         raise
+
+
+async def _become_user(
+    config: NodeConfig, user: str, say: Callable[[str], None], read_later: tuple[Path, ...] = ()
+) -> None:
+    """Started as root: start the root broker and go on as ``user`` (issue 18), who
+    must be able to read ``read_later`` (the TLS files the API server loads)."""
+    import os
+
+    from space.node.agent import node_user
+
+    if user == "root" or os.geteuid() != 0:
+        return  # not root: Node.start finds no broker it may start, and says so
+    ids = node_user.node_user(user)
+    for path in read_later:
+        node_user.check_readable(path, ids)
+    await node_user.become_node_user(config, ids, say)
+    say(f"root broker started; the node agent goes on as {user} (uid {ids[0]})")
 
 
 def _owner_only(data_dir: Path) -> None:

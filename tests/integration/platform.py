@@ -43,6 +43,7 @@ class Platform:
 
     def start(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        let_through(self.data_dir.parent)
         with (self.data_dir / "serve.log").open("ab") as log:
             self.process = subprocess.Popen(
                 [
@@ -92,6 +93,16 @@ class Platform:
     def log_tail(self, lines: int = 40) -> str:
         path = self.data_dir / "serve.log"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def let_through(directory: Path) -> None:
+    """Let every user search (not list) ``directory`` and the directories above it:
+    the server's node agent runs as its own user (issue 18), and pytest's temporary
+    directories are root's alone."""
+    for path in (directory, *directory.parents):
+        mode = path.stat().st_mode
+        if not mode & 0o001:
+            path.chmod(mode & 0o7777 | 0o001)
 
 
 def qemu_pids(data_dir: Path) -> list[int]:

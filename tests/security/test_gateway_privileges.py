@@ -150,7 +150,7 @@ def _check_files(pid: int, data_dir: Path, sandbox_ca: Path) -> None:
     found = errnos_as(uid, gid, forbidden + own, cwd=egress)
     assert {path: found[path] for path in forbidden} == dict.fromkeys(forbidden, 13)  # EACCES
     assert {path: found[path] for path in own} == dict.fromkeys(own, 0)
-    assert (egress / "control.sock").stat().st_mode & 0o777 == 0o600
+    assert (egress / "control.sock").stat().st_mode & 0o777 == 0o660  # the agent's group
 
 
 def test_a_gateway_that_died_is_started_again_with_new_listeners(

@@ -1,5 +1,6 @@
 """Hostile local user (issue 18): an unprivileged uid on the node reads nothing of the
-data dir, and no process of the platform but the server holds the master key.
+data dir, no process of the platform but the server holds the master key, and the
+server itself runs as its own unprivileged user, root kept by its broker alone.
 
 One `space serve` with SPACE_MASTER_KEY in its environment; a sandbox that was
 snapshotted and hibernated (so a snapshot and a saved memory image exist on disk) and
@@ -13,6 +14,7 @@ import base64
 import contextlib
 import errno
 import os
+import pwd
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -22,6 +24,7 @@ import pytest
 
 from space import Sandbox
 from space.node.core.config import NodeConfig
+from space.node.vmm.jail import JAIL_UIDS
 from tests.integration.platform import Platform, gateway_pids, qemu_pids, running_platform
 from tests.security.access_probe import errnos_as
 
@@ -115,3 +118,43 @@ def test_no_process_of_the_platform_but_the_server_holds_the_master_key(
     for pid in [*qemus, *gateways]:
         assert b"SPACE_MASTER_KEY" not in Path(f"/proc/{pid}/environ").read_bytes(), pid
     assert _holding(MASTER_KEY) == {platform.process.pid}
+
+
+def _status(pid: int) -> dict[str, str]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
+
+
+def test_the_node_agent_runs_as_its_own_user_and_only_its_broker_keeps_root(
+    platform: Platform, sandboxes: tuple[Sandbox, Sandbox]
+) -> None:
+    assert platform.process is not None
+    server = platform.process.pid
+    space = pwd.getpwnam("space")
+    status = _status(server)
+    assert status["Uid"].split() == [str(space.pw_uid)] * 4
+    assert status["Gid"].split() == [str(space.pw_gid)] * 4
+    assert status["Groups"] == ""
+    for caps in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert int(status[caps], 16) == 0, caps
+    assert status["NoNewPrivs"] == "1"
+    # Its one root child is the broker; the VMs and the gateway are jailed uids.
+    children = [
+        int(p.name) for p in Path("/proc").iterdir()
+        if p.name.isdigit() and _ppid(int(p.name)) == server
+    ]  # fmt: skip
+    rooted = [pid for pid in children if _status(pid)["Uid"].split()[0] == "0"]
+    assert len(rooted) == 1
+    assert b"space.node.privileged" in Path(f"/proc/{rooted[0]}/cmdline").read_bytes()
+    for pid in [*qemu_pids(platform.data_dir), *gateway_pids(platform.data_dir)]:
+        assert int(_status(pid)["Uid"].split()[0]) in JAIL_UIDS, pid
+    # What the agent keeps is its own: the data dir, its keys and database.
+    for name in ("", "node.key", "space.db", "node-token"):
+        path = platform.data_dir / name
+        assert (path.stat().st_uid, path.stat().st_mode & 0o077) == (space.pw_uid, 0), name
+
+
+def _ppid(pid: int) -> int | None:
+    with contextlib.suppress(OSError, KeyError, ValueError):
+        return int(_status(pid)["PPid"])
+    return None

@@ -22,14 +22,16 @@ from space.node.agent._recovery import _limit_volumes
 from space.node.api import InvalidArgument, NotFound, SandboxSpec, Unavailable
 from space.node.core.capacity import volume_limit_mib
 from space.node.core.sandbox import MEMORY_FILE
-from space.node.privileged import broker_for
+from space.node.privileged import Scope, broker_for
+from space.node.privileged.requests import AdoptPool
 from space.node.storage.btrfs import (
     BtrfsPool,
     pack_snapshot_args,
     snapshot_subvolume,
 )
 from space.node.storage.disks import disk_bytes, disk_format
-from tests.root_broker import root_broker
+from space.node.vmm.jail import JAIL_UIDS
+from tests.root_broker import root_broker, root_broker_of
 
 IMAGE_MIB = 64
 
@@ -383,3 +385,26 @@ def test_a_restarted_node_limits_the_volumes_made_before_its_pool_had_quotas(
         assert int(limits.split()[3]) == volume_limit_mib(1024, 128) << 20
     finally:
         runner.run(bare.close(unmount=True))
+
+
+def test_a_pool_a_root_node_made_becomes_the_unprivileged_agents_with_its_snapshots(
+    pool: BtrfsPool, runner: asyncio.Runner, image_files: dict[str, Any], data_dir: Path
+) -> None:
+    agent, jail = (4242, 4343), JAIL_UIDS[3]
+    vol = runner.run(pool.import_template("base", "d1", **image_files))
+    sandbox = runner.run(
+        pool.create_sandbox_volume("sb-1", vol, disk_mib=IMAGE_MIB, limit_mib=None)
+    )
+    os.chown(sandbox / "rootfs.img", jail, jail)  # what a jail was handed
+    snapshot = runner.run(pool.snapshot_volume("sb-1", "snap-1"))
+    scope = Scope(data_dir / "agent-run", (data_dir,), agent)
+    with root_broker_of(scope) as broker:
+        asyncio.run(broker.call(AdoptPool(root=str(pool.root))))
+    for path in (pool.root, vol.path, vol.kernel, sandbox, snapshot, snapshot / "kernel"):
+        assert (path.stat().st_uid, path.stat().st_gid) == agent, path
+    for disk in (sandbox / "rootfs.img", snapshot / "rootfs.img"):
+        info = disk.stat()
+        assert (info.st_uid, info.st_gid, info.st_mode & 0o060) == (jail, agent[1], 0o060)
+    for read_only in (vol.path, snapshot):  # still read-only
+        assert "ro=true" in _btrfs("property", "get", "-ts", str(read_only), "ro")
+    assert pool.root.stat().st_mode & 0o777 == 0o700

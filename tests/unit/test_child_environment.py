@@ -4,6 +4,7 @@ child_environment(), never the server's own, so SPACE_MASTER_KEY stays in the se
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -84,14 +85,18 @@ def test_the_egress_gateway_starts_without_the_servers_environment(
     asyncio.run(scenario())
 
 
-def test_the_gateway_control_socket_is_its_owners_only(egress_dir: Path) -> None:
+def test_the_gateway_control_socket_is_its_owners_and_the_node_agents_only(
+    egress_dir: Path,
+) -> None:
     async def scenario() -> None:
         gateway = await GatewayProcess.start(
             egress_dir, ["127.0.0.1:53"], None, broker=gateway_broker(egress_dir)
         )
         try:
-            mode = (egress_dir / "control.sock").stat().st_mode & 0o777
-            assert mode == 0o600
+            sock, directory = os.stat(egress_dir / "control.sock"), os.stat(egress_dir)
+            assert (sock.st_mode & 0o777, sock.st_gid) == (0o660, os.getegid())
+            # The agent's group, set-group-id: what the gateway makes stays in it.
+            assert (directory.st_mode & 0o7777, directory.st_gid) == (0o2770, os.getegid())
         finally:
             await gateway.close()
 

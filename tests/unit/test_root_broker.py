@@ -19,6 +19,7 @@ import pytest
 from space.node.api import InvalidArgument, NodeError
 from space.node.network import netns
 from space.node.privileged import RootBroker
+from space.node.privileged._jails import share
 from space.node.privileged.requests import (
     MAX_LINE_BYTES,
     BindListeners,
@@ -34,6 +35,7 @@ from space.node.privileged.requests import (
     decode,
     encode,
 )
+from space.node.vmm.jail import JAIL_UIDS
 from tests.root_broker import netns_name_of, root_broker
 
 
@@ -203,3 +205,26 @@ def test_a_broker_that_died_is_started_again_and_runs_with_the_minimal_environme
     assert broker._proc is not None and broker._proc.pid != first.pid
     environ = Path(f"/proc/{broker._proc.pid}/environ").read_bytes().split(b"\0")
     assert not any(b"SPACE_MASTER_KEY" in entry for entry in environ)
+
+
+def test_a_file_handed_to_a_jail_stays_in_the_agents_group_and_a_link_gets_nothing(
+    tmp_path: Path,
+) -> None:
+    uid, group = JAIL_UIDS[7], 4343
+    disk, run_dir = tmp_path / "disk", tmp_path / "run"
+    disk.write_bytes(b"x")
+    disk.chmod(0o600)
+    run_dir.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to("/etc/passwd")
+    for path in (disk, run_dir):
+        share(path, uid, group)
+    assert (disk.stat().st_uid, disk.stat().st_gid, disk.stat().st_mode & 0o7777) == (
+        uid,
+        group,
+        0o660,
+    )
+    assert run_dir.stat().st_mode & 0o7777 == 0o2770  # sockets made in it join the group
+    with pytest.raises(OSError):
+        share(tmp_path / "link", uid, group)
+    passwd = os.stat("/etc/passwd")
+    assert (passwd.st_uid, passwd.st_gid, passwd.st_mode & 0o777) == (0, 0, 0o644)

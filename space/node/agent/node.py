@@ -17,6 +17,7 @@ Every method raises space.node.api.errors leaves only.
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 from collections.abc import AsyncIterable, Callable
 
@@ -329,8 +330,10 @@ class Node:
         await self.templates.delete_template(ref)
 
 
-def broker_scope(config: NodeConfig) -> Scope:
+def broker_scope(config: NodeConfig, owner: tuple[int, int] | None = None) -> Scope:
     """What the node's root broker may touch: the data dir, the pool and the VMs' run
-    directories, and the namespaces and cgroups of this node (by its run root)."""
+    directories, and the namespaces and cgroups of this node (by its run root), for the
+    agent running as ``owner`` (uid, gid; None: this process's)."""
     run_root = config.effective_run_dir
-    return Scope(run_root, (config.data_dir, config.effective_pool_path, run_root))
+    roots = (config.data_dir.resolve(), config.effective_pool_path.resolve(), run_root)
+    return Scope(run_root, roots, owner or (os.geteuid(), os.getegid()))

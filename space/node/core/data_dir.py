@@ -44,7 +44,9 @@ def secure_top_level(directory: Path) -> None:
 
     Symbolic links, sockets and devices are left alone: a link could point anywhere
     (entries are opened O_NOFOLLOW, so one swapped in meanwhile is not followed either),
-    and a socket's mode is its server's to set. An entry that vanishes is skipped.
+    and a socket's mode is its server's to set. An entry that vanishes is skipped. An
+    entry of another uid (the egress gateway's directory, shared with the node agent's
+    group) only loses what others may do.
     """
     os.chmod(directory, DIR_MODE)  # the operator may have made it a link to elsewhere
     with os.scandir(directory) as entries:
@@ -62,7 +64,11 @@ def _chmod(path: str, mode: int) -> None:
     except FileNotFoundError:
         return
     try:
-        if stat.S_IMODE(os.fstat(fd).st_mode) != mode:
+        info = os.fstat(fd)
+        current = stat.S_IMODE(info.st_mode)
+        if info.st_uid != os.geteuid():
+            mode = current & ~0o007
+        if current != mode:
             os.fchmod(fd, mode)
     finally:
         os.close(fd)

@@ -41,6 +41,7 @@ _MAX_LINE = 1 << 20
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m space.node.egress")
+    parser.add_argument("--home", type=Path, required=True, help="its working directory")
     parser.add_argument("--control-socket", type=Path, required=True)
     parser.add_argument("--version", required=True)
     parser.add_argument("--audit-dir", type=Path, required=True)
@@ -52,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allow-wide-any-port", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s egress %(levelname)s %(message)s")
+    if Path.cwd() != args.home:  # it names the gateway in /proc/PID/cmdline: keep it true
+        parser.error(f"--home {args.home} is not the working directory {Path.cwd()}")
+    # What it writes (audit logs, its socket) its own uid and the node agent's group
+    # (that of its directory, set-group-id) may use, nobody else (issue 18).
+    os.umask(0o007)
     args.control_socket.unlink(missing_ok=True)  # the node saw no gateway answer there
     try:
         asyncio.run(_serve(args))
@@ -99,13 +105,14 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def _listen(path: Path) -> socket.socket:
-    """The control socket at ``path``, 0600: only the gateway's uid and root may
-    connect (issue 18); umask 077 closes the window between bind and chmod."""
+    """The control socket at ``path``, 0660: only the gateway's uid and the node
+    agent's group (its directory's) may connect (issue 18); umask 117 closes the
+    window between bind and chmod."""
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    old_umask = os.umask(0o077)
+    old_umask = os.umask(0o117)
     try:
         server.bind(str(path))
-        os.chmod(path, 0o600)
+        os.chmod(path, 0o660)
     finally:
         os.umask(old_umask)
     server.listen(8)

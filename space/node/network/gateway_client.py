@@ -332,7 +332,8 @@ class GatewayProcess:
 
     def _options(self) -> list[str]:
         """The gateway's options (its paths relative to its working directory)."""
-        argv = ["--control-socket", _SOCKET_NAME, "--version", self._version]
+        argv = ["--home", str(self._data_dir), "--control-socket", _SOCKET_NAME]
+        argv += ["--version", self._version]
         argv += ["--audit-dir", _AUDIT, "--confdir", _MITM]
         if self._upstream_ca is not None:
             argv += ["--upstream-ca", UPSTREAM_CA_NAME]
@@ -341,9 +342,9 @@ class GatewayProcess:
         return argv + _bounds_argv(self._bounds)
 
     async def _kill(self, why: str) -> None:
-        if running_gateways(self._data_dir):
-            log.warning("killing the egress gateway: %s", why)
-            await self._broker.call(StopGateways(directory=str(self._data_dir)))
+        """Have the broker kill every gateway of the directory (it can see them all)."""
+        log.info("ending any egress gateway left in %s: %s", self._data_dir, why)
+        await self._broker.call(StopGateways(directory=str(self._data_dir)))
 
     def _disconnect(self) -> None:
         if self._stream is not None:

@@ -17,14 +17,22 @@ UPSTREAM_CA_NAME = "upstream-ca.pem"
 
 
 def is_gateway(pid: int, data_dir: Path) -> bool:
-    """Whether ``pid`` is still the gateway of ``data_dir``, its working directory (not
-    a reused pid, not a zombie)."""
+    """Whether ``pid`` is still the gateway of ``data_dir`` (not a reused pid, not a
+    zombie). By its command line, which any uid may read (its working directory only
+    its own uid and root): ``--home`` names its directory, which it checks is its
+    working directory."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        cwd = os.readlink(f"/proc/{pid}/cwd")
     except OSError:
         return False
-    return not exited(pid) and b"space.node.egress" in argv and cwd == str(data_dir)
+    home = str(data_dir).encode()
+    named = any(argv[i] == b"--home" and argv[i + 1] == home for i in range(len(argv) - 1))
+    if not named:  # a gateway from before --home: by its working directory (root's view)
+        try:
+            named = os.readlink(f"/proc/{pid}/cwd") == str(data_dir)
+        except OSError:
+            return False
+    return named and b"space.node.egress" in argv and not exited(pid)
 
 
 def exited(pid: int) -> bool:

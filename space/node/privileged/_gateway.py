@@ -14,12 +14,13 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import sys
 from pathlib import Path
 
 from space.node.api import Unavailable
 from space.node.network.gateway_procs import UPSTREAM_CA_NAME, running_gateways
-from space.node.privileged._jails import release_uid, take_uid
+from space.node.privileged._jails import release_uid, share, take_uid
 
 __all__ = ["start_gateway", "stop_gateways"]
 
@@ -34,16 +35,19 @@ async def start_gateway(
     options: list[str],
     upstream_ca: Path | None,
     environment: dict[str, str],
+    owner: tuple[int, int],
 ) -> None:
     """Fork off a gateway (``python -P -m space.node.egress options``) in ``directory``;
-    returns once it is forked, not once it answers. Raises Unavailable."""
+    returns once it is forked, not once it answers. Its files are shared with the node
+    agent's group (``owner``'s gid), its log is the agent's. Raises Unavailable."""
     uid = take_uid()
     try:
         try:
-            await asyncio.to_thread(_hand_over, directory, state, upstream_ca, uid)
+            await asyncio.to_thread(_hand_over, directory, state, upstream_ca, uid, owner[1])
             log_fd = os.open(
                 directory / _LOG_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600
             )
+            os.fchown(log_fd, *owner)
         except OSError as exc:
             raise Unavailable(f"cannot prepare the egress gateway's files: {exc}") from exc
         argv = ["setsid", "--fork", *_unprivileged(uid), sys.executable, "-P", "-m"]
@@ -74,10 +78,14 @@ def stop_gateways(directory: Path) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def _hand_over(directory: Path, state: list[str], upstream_ca: Path | None, uid: int) -> None:
+def _hand_over(
+    directory: Path, state: list[str], upstream_ca: Path | None, uid: int, group: int
+) -> None:
     """Give ``uid`` the directory and its ``state`` trees (a gateway before it may have
-    had another uid), and a copy of the upstream CA bundle, wherever that is. Anything
-    else in the directory (the sandboxes' CAs, the log) stays root's."""
+    had another uid), and a copy of the upstream CA bundle, wherever that is; their
+    group is the node agent's (``group``), directories set-group-id so that what the
+    gateway makes stays in it. Anything else in the directory (the sandboxes' CAs, the
+    log) stays the agent's own."""
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     for name in state:
         (directory / name).mkdir(mode=0o700, exist_ok=True)
@@ -85,13 +93,14 @@ def _hand_over(directory: Path, state: list[str], upstream_ca: Path | None, uid:
         copy = directory / UPSTREAM_CA_NAME
         shutil.copyfile(upstream_ca, copy)
         os.chmod(copy, 0o600)
-        os.chown(copy, uid, uid, follow_symlinks=False)
-    os.chown(directory, uid, uid)
-    os.chmod(directory, 0o700)
+        os.chown(copy, uid, group, follow_symlinks=False)
+    share(directory, uid, group)
     for name in state:
         for root, dirs, files in os.walk(directory / name):
             for entry in (root, *(os.path.join(root, n) for n in dirs + files)):
-                os.chown(entry, uid, uid, follow_symlinks=False)
+                mode = os.lstat(entry).st_mode
+                if stat.S_ISREG(mode) or stat.S_ISDIR(mode):  # never a link's target
+                    share(Path(entry), uid, group)
 
 
 def _unprivileged(uid: int) -> list[str]:

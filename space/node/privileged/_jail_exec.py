@@ -271,7 +271,9 @@ def _child(spec: dict[str, object], errors: int) -> None:
         if spec.get("sched_batch"):
             os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
         _drop_privileges(int(spec["uid"]), int(spec["gid"]), int(last_cap))  # type: ignore[call-overload]
-        os.umask(0o077)  # what QEMU makes (its sockets) is its uid's alone
+        # What QEMU makes (its sockets, in its run directory, whose group is the node
+        # agent's and set-group-id) its uid and the agent may use, nobody else.
+        os.umask(0o007)
         _install_seccomp()
         argv = [str(a) for a in spec["argv"]]  # type: ignore[attr-defined]
         os.execve(argv[0], argv, {str(k): str(v) for k, v in spec["env"].items()})  # type: ignore[attr-defined]

@@ -16,6 +16,7 @@ import os
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -29,7 +30,7 @@ from space.node.network.netns import netns_path
 from space.node.privileged.cgroups import CgroupLimits, VmCgroups
 from space.node.vmm.jail import JAIL_SECRETS, JAIL_UIDS, TAP_FD
 
-__all__ = ["Jails", "jailed_uid_in_use", "release_uid", "take_uid"]
+__all__ = ["Jails", "jailed_uid_in_use", "release_uid", "share", "take_uid"]
 
 #: Threads a QEMU may have: its main loop, RCU and vCPU threads, and a block I/O pool
 #: of up to 64 workers. A fork bomb in the jail stops here.
@@ -51,8 +52,9 @@ _launching: set[int] = set()
 class Jails:
     """The jails of the node whose VMs' run directories are under ``run_root``."""
 
-    def __init__(self, run_root: Path) -> None:
+    def __init__(self, run_root: Path, owner: tuple[int, int]) -> None:
         self.cgroups = VmCgroups(run_root.name)
+        self._owner = owner
         self._launcher = _Launcher()
 
     async def launch(
@@ -86,7 +88,10 @@ class Jails:
                 pids=_PIDS_MAX,
             )
             procs = await asyncio.to_thread(self.cgroups.create, name, limits)
-            await asyncio.to_thread(hand_over, owned, uid)
+            await asyncio.to_thread(_hand_over, owned, uid, self._owner[1])
+            for path, mode in binds:
+                if mode == "ro" and Path(path) not in owned:
+                    await asyncio.to_thread(_readable, Path(path))
             spec = {
                 "argv": [binary, *argv[1:]],
                 "env": child_environment(),
@@ -105,6 +110,7 @@ class Jails:
                 "secrets_dir": str(JAIL_SECRETS),
             }
             await asyncio.to_thread(self._launcher.launch, spec, pid_file)
+            os.chown(pid_file, *self._owner)
             return _read_pid(pid_file)
         except (OSError, ValueError) as exc:
             self.cgroups.remove(name)
@@ -176,10 +182,41 @@ def jailed_uid_in_use() -> set[int]:
     return found
 
 
-def hand_over(paths: Iterable[Path], uid: int) -> None:
-    """Give ``paths`` to ``uid`` (gid alike)."""
+def _hand_over(paths: Iterable[Path], uid: int, group: int) -> None:
     for path in paths:
-        os.chown(path, uid, uid, follow_symlinks=False)
+        share(path, uid, group)
+
+
+def _readable(path: Path) -> None:
+    """Let every jail read the regular file ``path`` it is bound read-only and does not
+    own (a ready state's RAM image, mapped by every sandbox of its template): the data
+    dir's modes keep it from anyone else on the host."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISREG(info.st_mode) and info.st_mode & 0o044 != 0o044:
+            os.fchmod(fd, stat.S_IMODE(info.st_mode) | 0o044)
+    finally:
+        os.close(fd)
+
+
+def share(path: Path, uid: int, group: int) -> None:
+    """Give ``path`` to ``uid``, its group the node agent's (``group``), which may read
+    and write it too (a directory also set-group-id: what is made in it stays in the
+    group): the agent reads a VM's console log and disk header and connects to its
+    sockets, nobody else can. A jailed uid has no supplementary group."""
+    # By descriptor, opened without following a link: a link put in the path's place
+    # after the broker checked it gives nothing of what it points to.
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise OSError(f"{path} is neither a file nor a directory")
+        os.fchown(fd, uid, group)
+        extra = 0o070 | stat.S_ISGID if stat.S_ISDIR(mode) else 0o060
+        os.fchmod(fd, stat.S_IMODE(mode) | extra)
+    finally:
+        os.close(fd)
 
 
 def _jail_root() -> Path:

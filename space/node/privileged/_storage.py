@@ -14,9 +14,12 @@ import struct
 from pathlib import Path
 
 from space.node.api import Unavailable
+from space.node.core.ownership import adopt_tree
 from space.node.core.run import run
+from space.node.vmm.jail import JAIL_UIDS
 
 __all__ = [
+    "adopt_pool",
     "delete_subvolume",
     "enable_quotas",
     "exclusive_bytes",
@@ -34,11 +37,36 @@ _LIMIT_MAX_RFER = 1 << 0
 _QGROUP_LIMIT_ARGS = struct.Struct("=6Q")
 
 
-async def mount_pool(image: Path, mountpoint: Path, *, mkfs: bool) -> None:
-    """Loop-mount ``image`` on ``mountpoint``, formatting it first with ``mkfs``."""
+async def mount_pool(image: Path, mountpoint: Path, *, mkfs: bool, owner: tuple[int, int]) -> None:
+    """Loop-mount ``image`` on ``mountpoint``, formatting it first with ``mkfs``; the
+    pool's root directory is ``owner``'s (the node agent's), 0700."""
     if mkfs:
         await run("mkfs.btrfs", "-q", str(image))
     await run("mount", "-o", "loop", str(image), str(mountpoint))
+    await adopt_pool(mountpoint, owner)
+
+
+async def adopt_pool(root: Path, owner: tuple[int, int]) -> None:
+    """Make the pool at ``root`` ``owner``'s (see requests.AdoptPool); a no-op once its
+    root directory is theirs. The root is 0700."""
+    if os.stat(root).st_uid != owner[0]:
+        for subvolume in await asyncio.to_thread(_read_only_subvolumes, root):
+            await run("btrfs", "property", "set", "-ts", str(subvolume), "ro", "false")
+            try:
+                await asyncio.to_thread(adopt_tree, subvolume, owner, JAIL_UIDS)
+            finally:
+                await run("btrfs", "property", "set", "-ts", str(subvolume), "ro", "true")
+        await asyncio.to_thread(adopt_tree, root, owner, JAIL_UIDS)
+    os.chmod(root, 0o700)
+
+
+def _read_only_subvolumes(root: Path) -> list[Path]:
+    found = []
+    for kind in ("templates", "snapshots", "layers"):
+        for path in (root / kind).glob("*/*" if kind == "templates" else "*"):
+            if _is_subvolume(path) and not os.access(path, os.W_OK):
+                found.append(path)
+    return found
 
 
 async def unmount_pool(image: Path, mountpoint: Path) -> None:

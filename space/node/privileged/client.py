@@ -3,9 +3,10 @@
 The agent starts its broker (as root, while it still is) with the scope it will
 keep, and from then on asks it for everything that needs root. Requests go out as
 lines on one end of a socket pair, several at once; each answer comes back by id.
-A broker that died is started again on the next request with the same scope (so is
-one started in another event loop, whose pipes are that loop's); the requests it had
-not answered fail with Unavailable.
+A broker that died is started again on the next request with the same scope, while
+the agent is root (a node that dropped root must be restarted); the requests it had
+not answered fail with Unavailable. Any event loop may ask (a server starts its broker
+before its loop runs; tests run several loops).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import asyncio
 import itertools
 import json
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -84,10 +86,12 @@ class RootBroker:
 
     async def _running(self) -> socket.socket:
         loop = asyncio.get_running_loop()
-        if self._loop is not loop:  # its socket's reader and locks are another loop's
-            await self._end()
+        if self._loop is not loop:  # the reader and locks belong to the loop they run in
             self._loop = loop
             self._write_lock, self._start_lock = asyncio.Lock(), asyncio.Lock()
+            self._stop_reader()
+            if self._sock is not None:
+                self._reader_task = loop.create_task(self._read(self._sock))
         async with self._start_lock:
             if self._sock is None or self._proc is None or self._proc.poll() is not None:
                 await self._spawn()
@@ -96,6 +100,8 @@ class RootBroker:
 
     async def _spawn(self) -> None:
         self._disconnect()
+        if os.geteuid() != 0:  # a node that dropped root cannot start it again
+            raise Unavailable("the root broker is not running and only root can start it")
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             argv = [sys.executable, "-P", "-m", "space.node.privileged"]
@@ -145,12 +151,19 @@ class RootBroker:
             return
         future.set_result((answer, fds))
 
+    def _stop_reader(self) -> asyncio.Task[None] | None:
+        """Cancel the reader task if its loop still runs; the task, if it is not done."""
+        task, self._reader_task = self._reader_task, None
+        if task is None or task.done() or task.get_loop().is_closed():
+            return None
+        task.cancel()
+        return task
+
     def _disconnect(self) -> None:
         sock, self._sock = self._sock, None
-        task, self._reader_task = self._reader_task, None
-        if task is not None and not task.done() and not task.get_loop().is_closed() and sock:
-            task.cancel()  # the socket closes once the reader has let go of it
-            task.add_done_callback(lambda _: sock.close())
+        task = self._stop_reader()
+        if task is not None and sock is not None:
+            task.add_done_callback(lambda _: sock.close())  # once the reader let go of it
         elif sock is not None:
             sock.close()
 

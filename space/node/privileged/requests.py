@@ -26,6 +26,7 @@ from typing import ClassVar
 
 __all__ = [
     "MAX_LINE_BYTES",
+    "AdoptPool",
     "BindListeners",
     "CreateNetns",
     "DeleteNetns",
@@ -63,18 +64,30 @@ class RequestError(ValueError):
 @dataclass(frozen=True, slots=True)
 class Scope:
     """What one broker may touch, fixed when it starts: files under ``roots`` (the
-    node's data dir, pool and run root), namespaces and cgroups of ``run_root``'s node."""
+    node's data dir, pool and run root), namespaces and cgroups of ``run_root``'s node;
+    ``owner`` is the node agent's (uid, gid): what the broker makes for the agent is
+    theirs, and what it hands to a jail or the gateway stays in the agent's group."""
 
     run_root: Path
     roots: tuple[Path, ...]
+    owner: tuple[int, int] = (0, 0)
 
     def to_json(self) -> str:
-        return json.dumps({"run_root": str(self.run_root), "roots": [str(r) for r in self.roots]})
+        return json.dumps(
+            {
+                "run_root": str(self.run_root),
+                "roots": [str(r) for r in self.roots],
+                "owner": self.owner,
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str) -> Scope:
         data = json.loads(text)
-        return cls(Path(data["run_root"]), tuple(Path(r) for r in data["roots"]))
+        uid, gid = data["owner"]
+        return cls(
+            Path(data["run_root"]), tuple(Path(r) for r in data["roots"]), (int(uid), int(gid))
+        )
 
 
 class Request:
@@ -103,6 +116,16 @@ class UnmountPool(Request):
     op: ClassVar[str] = "unmount_pool"
     image: str
     mountpoint: str
+
+
+@dataclass(frozen=True, slots=True)
+class AdoptPool(Request):
+    """Make the pool at ``root`` the node agent's: what root owns becomes the agent's,
+    what a jail was handed joins the agent's group (a pool made while the agent ran
+    as root); read-only subvolumes are changed too. Idempotent."""
+
+    op: ClassVar[str] = "adopt_pool"
+    root: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,7 +267,7 @@ class StopGateways(Request):
 _REQUESTS: dict[str, type[Request]] = {
     cls.op: cls
     for cls in (
-        MountPool, UnmountPool, EnableQuotas, LimitSubvolume, ReferencedBytes,
+        MountPool, UnmountPool, AdoptPool, EnableQuotas, LimitSubvolume, ReferencedBytes,
         ExclusiveBytes, DeleteSubvolume, CreateNetns, DeleteNetns, SetEgress,
         BindListeners, LaunchVm, ReleaseVm, SweepVms, SignalVm, StartGateway, StopGateways,
     )

@@ -28,6 +28,7 @@ from space.node.privileged import _gateway, _network, _storage
 from space.node.privileged._jails import Jails, signal_vm
 from space.node.privileged.requests import (
     MAX_LINE_BYTES,
+    AdoptPool,
     BindListeners,
     CreateNetns,
     DeleteNetns,
@@ -71,10 +72,13 @@ class Broker:
         self.scope = scope
         self._roots = [Path(os.path.realpath(r)) for r in scope.roots]
         self._netns_prefix = node_prefix(scope.run_root)
-        self.jails = Jails(scope.run_root)
+        self.jails = Jails(scope.run_root, scope.owner)
         self._handlers: dict[type[Request], Callable[..., Awaitable[object]]] = {
             MountPool: self._mount_pool,
             UnmountPool: self._unmount_pool,
+            AdoptPool: lambda r: _storage.adopt_pool(
+                self.path(r.root, below=True), self.scope.owner
+            ),
             EnableQuotas: lambda r: _storage.enable_quotas(self.path(r.root)),
             LimitSubvolume: self._limit_subvolume,
             ReferencedBytes: lambda r: _storage.referenced_bytes(self.path(r.path, below=True)),
@@ -133,7 +137,7 @@ class Broker:
 
     async def _mount_pool(self, request: MountPool) -> None:
         image, mountpoint = self.path(request.image), self.path(request.mountpoint)
-        await _storage.mount_pool(image, mountpoint, mkfs=request.mkfs)
+        await _storage.mount_pool(image, mountpoint, mkfs=request.mkfs, owner=self.scope.owner)
 
     async def _unmount_pool(self, request: UnmountPool) -> None:
         await _storage.unmount_pool(self.path(request.image), self.path(request.mountpoint))
@@ -194,6 +198,7 @@ class Broker:
             request.options,
             upstream_ca,
             request.environment,
+            self.scope.owner,
         )
 
     async def _stop_gateways(self, request: StopGateways) -> None:
@@ -278,4 +283,6 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         with contextlib.suppress(Exception):
             broker.jails.close()
+        with contextlib.suppress(OSError):  # only once empty: VMs left running keep theirs
+            broker.scope.run_root.rmdir()  # its parent is root's: the agent cannot
         sock.close()

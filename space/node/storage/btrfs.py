@@ -44,6 +44,7 @@ from space.node.core.data_dir import secure_top_level
 from space.node.core.run import run
 from space.node.privileged import RootBroker
 from space.node.privileged.requests import (
+    AdoptPool,
     DeleteSubvolume,
     EnableQuotas,
     ExclusiveBytes,
@@ -144,6 +145,8 @@ class BtrfsPool:
         """
         if pool_path is not None:
             await _require_btrfs(pool_path)
+            if (await asyncio.to_thread(pool_path.stat)).st_uid != os.geteuid():  # the agent's
+                await broker.call(AdoptPool(root=str(pool_path)))
             pool = cls(pool_path, image=None, mounted_here=False, broker=broker)
         else:
             pool = await cls._open_loop(data_dir, size_gib, broker)
@@ -180,6 +183,8 @@ class BtrfsPool:
         mounted, created = await asyncio.to_thread(_prepare_loop_files, image, size_gib)
         if mounted:
             await _require_btrfs(mountpoint)
+            if (await asyncio.to_thread(mountpoint.stat)).st_uid != os.geteuid():  # made by root
+                await broker.call(AdoptPool(root=str(mountpoint)))
             return cls(mountpoint, image=image, mounted_here=True, broker=broker)
         await broker.call(MountPool(image=str(image), mountpoint=str(mountpoint), mkfs=created))
         return cls(mountpoint, image=image, mounted_here=True, fresh_mount=True, broker=broker)

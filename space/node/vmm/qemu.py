@@ -558,16 +558,12 @@ def _secrets(cfg: VmConfig) -> dict[str, bytes]:
 
 
 def _prepare_files(cfg: VmConfig) -> None:
-    """Make the files the jail binds exist, and a RAM file mapped private readable by
-    every jailed uid (it is the ready state's image all its sandboxes share; the data
-    dir's own modes keep it from anyone else)."""
+    """Make the files the jail binds exist (a RAM file mapped private is made readable
+    by its jail's uid by the broker: it is the ready state's image all its sandboxes
+    share, and another jail's uid may own it)."""
     for path in (cfg.console_log, cfg.memory_file):
         if path is not None and not path.exists():
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
-    if cfg.memory_file is not None and not cfg.memory_shared:
-        mode = cfg.memory_file.stat().st_mode
-        if mode & 0o044 != 0o044:
-            os.chmod(cfg.memory_file, mode | 0o044)
 
 
 def console_tail(console_log: Path, max_bytes: int = 4096) -> str:
