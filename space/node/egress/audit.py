@@ -60,6 +60,10 @@ _MAX_IDLE_BUDGETS = 1024
 #: Most events one read returns.
 MAX_READ_LIMIT = 10_000
 _BLOCK_BYTES = 64 * 1024
+#: The most an audit file or directory may be: the writer's umask takes the rest. The
+#: gateway (umask 007) shares its logs with the node agent's group, which reads them
+#: (issue 18: its directory is set-group-id, the agent's group); the agent's own 077.
+_FILE_MODE, _DIR_MODE = 0o660, 0o770
 _OPEN_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
 _FIELDS = frozenset(field.name for field in dataclasses.fields(EgressEvent))
 
@@ -185,7 +189,7 @@ class AuditLog:
         self._dropped[sandbox_id] = total = total + count
         staging = path.with_name(path.name + ".new")
         staging.unlink(missing_ok=True)
-        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, _FILE_MODE)
         try:
             os.write(fd, f"{total}\n".encode())
         finally:
@@ -240,14 +244,14 @@ class AuditLog:
         return self._root / f"{check_id(sandbox_id)}.dropped"
 
     def _append(self, path: Path, line: bytes) -> None:
-        self._root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._root.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
         try:
             size = path.stat().st_size
         except FileNotFoundError:
             size = 0
         if size and size + len(line) > self._max_bytes:
             os.replace(path, _rotated(path))
-        fd = os.open(path, _OPEN_APPEND, 0o600)
+        fd = os.open(path, _OPEN_APPEND, _FILE_MODE)
         try:
             # One write of an O_APPEND file: a line is never interleaved with another.
             os.write(fd, line)
