@@ -117,11 +117,12 @@ class VmCgroups:
     def remove(self, vm: str) -> None:
         """Remove ``vm``'s cgroups (their processes must have exited); logs, never raises."""
         for base in self.bases:
-            with contextlib.suppress(FileNotFoundError):
-                try:
-                    (base / vm).rmdir()
-                except OSError as exc:
-                    log.warning("cannot remove cgroup %s: %s", base / vm, exc)
+            try:
+                (base / vm).rmdir()
+            except FileNotFoundError:
+                pass  # gone already, or never made
+            except OSError as exc:
+                log.warning("cannot remove cgroup %s: %s", base / vm, exc)
 
     def sweep(self) -> None:
         """Remove the node's VM cgroups that hold no process (their VMMs exited while no
