@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from space.node.vmm.accel import HostFacts, choose_accelerator, host_facts, probe_kvm_boot
+from tests.root_broker import root_broker
 
 
 class _Probe:
@@ -105,36 +108,73 @@ def test_host_facts_without_pvm_module_report_a_plain_host(tmp_path: Path) -> No
     assert not facts.pvm_host
 
 
-def test_negative_probe_boot_of_a_hanging_vmm_is_killed_at_its_deadline(tmp_path: Path) -> None:
+#: A hung VMM, its argv kept (the broker signals a VMM whose argv names its run dir).
+_HANG = "while :; do sleep 1; done\n"
+
+
+@pytest.fixture
+def jailed(tmp_path: Path) -> Iterator[Path]:
+    """The run root of a node whose broker runs (the probe runs jailed), with the
+    kernel and initrd files the probe binds."""
+    for name in ("k", "i"):
+        (tmp_path / name).write_bytes(b"")
+    with root_broker(tmp_path):
+        yield tmp_path / "run"
+    assert not (tmp_path / "run" / "accel-probe").exists()
+
+
+def _fake_qemu(tmp_path: Path, script: str) -> str:
+    fake = tmp_path / "fake-qemu"
+    fake.write_text("#!/bin/sh\n" + script)
+    fake.chmod(0o755)
+    return str(fake)
+
+
+def _probe(fake: str, tmp_path: Path, run_root: Path, timeout_s: float) -> bool:
+    return asyncio.run(
+        probe_kvm_boot(fake, tmp_path / "k", tmp_path / "i", run_root=run_root, timeout_s=timeout_s)
+    )
+
+
+def test_negative_probe_boot_of_a_hanging_vmm_is_killed_at_its_deadline(
+    tmp_path: Path, jailed: Path
+) -> None:
     # A fake "qemu" that never prints the initramfs marker stands in for a hung guest.
-    fake = tmp_path / "fake-qemu"
-    fake.write_text("#!/bin/sh\necho 'Linux version 6.1'\nexec sleep 60\n")
-    fake.chmod(0o755)
-
-    async def run() -> tuple[bool, float]:
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        ok = await probe_kvm_boot(str(fake), tmp_path / "k", tmp_path / "i", timeout_s=0.5)
-        return ok, loop.time() - start
-
-    ok, elapsed = asyncio.run(run())
-    assert not ok
-    assert elapsed < 5
+    fake = _fake_qemu(tmp_path, "echo 'Linux version 6.1'\n" + _HANG)
+    start = time.monotonic()
+    assert not _probe(fake, tmp_path, jailed, 0.5)
+    assert time.monotonic() - start < 5
+    assert not _processes_running(fake)
 
 
-def test_probe_boot_succeeds_once_the_kernel_runs_init(tmp_path: Path) -> None:
-    fake = tmp_path / "fake-qemu"
-    fake.write_text(
-        "#!/bin/sh\necho 'Freeing unused kernel image'\n"
-        "echo 'Run /init as init process'\nexec sleep 60\n"
+def test_probe_boot_succeeds_once_the_kernel_runs_init_in_a_jail_that_can_open_kvm(
+    tmp_path: Path, jailed: Path
+) -> None:
+    """The probe QEMU runs as a jailed VM does: a jail uid, and /dev/kvm a node of the
+    jail's own it can open, whatever the host's node allows (here 0600 root)."""
+    fake = _fake_qemu(
+        tmp_path,
+        '[ "$(id -u)" -ge 1500000000 ] || exit 1\n'
+        "exec 3<>/dev/kvm || exit 1\n"
+        "echo 'Freeing unused kernel image'\necho 'Run /init as init process'\n" + _HANG,
     )
-    fake.chmod(0o755)
-    ok = asyncio.run(probe_kvm_boot(str(fake), tmp_path / "k", tmp_path / "i", timeout_s=5))
-    assert ok
+    assert _probe(fake, tmp_path, jailed, 10)
+    assert not _processes_running(fake)
 
 
-def test_negative_probe_boot_with_a_missing_qemu_binary_fails_fast(tmp_path: Path) -> None:
-    ok = asyncio.run(
-        probe_kvm_boot(str(tmp_path / "nope"), tmp_path / "k", tmp_path / "i", timeout_s=5)
-    )
-    assert not ok
+def test_negative_probe_boot_with_a_missing_qemu_binary_fails_fast(
+    tmp_path: Path, jailed: Path
+) -> None:
+    start = time.monotonic()
+    assert not _probe(str(tmp_path / "nope"), tmp_path, jailed, 5)
+    assert time.monotonic() - start < 5
+
+
+def _processes_running(program: str) -> bool:
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and program.encode() in (entry / "cmdline").read_bytes():
+                return True
+        except OSError:
+            continue
+    return False

@@ -117,6 +117,21 @@ def test_pool_on_a_loop_file_is_mounted_and_reused_when_opened_again(
     again = runner.run(_open(data_dir))
     assert again.root == pool.root
     assert len(loops_of(data_dir / "pool.img")) == 1
+    # What a crafted image could hold (a set-user-id file, a device) is of no use.
+    options = next(
+        line.split()[5].split(",")
+        for line in Path("/proc/self/mountinfo").read_text().splitlines()
+        if line.split()[4] == str(pool.root)
+    )
+    assert "nosuid" in options and "nodev" in options
+
+
+def test_an_unmounted_pool_leaves_no_loop_device(data_dir: Path, runner: asyncio.Runner) -> None:
+    pool = runner.run(_open(data_dir))
+    assert len(loops_of(data_dir / "pool.img")) == 1
+    runner.run(pool.close(unmount=True))
+    assert not os.path.ismount(pool.root)
+    assert loops_of(data_dir / "pool.img") == []
 
 
 def test_template_import_is_read_only_and_idempotent(

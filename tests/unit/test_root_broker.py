@@ -19,7 +19,8 @@ import pytest
 from space.node.api import InvalidArgument, NodeError
 from space.node.network import netns
 from space.node.privileged import RootBroker
-from space.node.privileged._jails import share
+from space.node.privileged._jails import share, share_held
+from space.node.privileged.pinned import pin, pin_parent
 from space.node.privileged.requests import (
     MAX_LINE_BYTES,
     BindListeners,
@@ -121,12 +122,48 @@ def test_negative_a_path_outside_the_nodes_directories_is_refused(
 def test_negative_a_path_that_escapes_by_dots_or_a_link_is_refused(
     broker: RootBroker, tmp_path: Path
 ) -> None:
-    root = tmp_path / "node"
-    (root / "link").symlink_to("/etc")
+    root, outside = tmp_path / "node", tmp_path / "outside"
+    (outside / "sub").mkdir(parents=True)
+    (outside / "sub" / "kept").write_text("x")
+    (root / "link").symlink_to(outside)
     _refused(broker, DeleteSubvolume(path=f"{root}/../outside"), "not a normal path")
-    _refused(broker, DeleteSubvolume(path=f"{root}/link"), "outside")
+    _refused(broker, DeleteSubvolume(path=f"{root}/link"), "is a link")
+    _refused(broker, DeleteSubvolume(path=f"{root}/link/sub"), "link is a link")
+    _refused(broker, LimitSubvolume(path=f"{root}/link/sub", max_referenced=1 << 20), "a link")
     _refused(broker, DeleteSubvolume(path=str(root)), "outside")  # the root itself
-    assert Path("/etc/passwd").exists() and root.is_dir()
+    assert (outside / "sub" / "kept").exists() and root.is_dir()
+
+
+def test_negative_a_link_put_in_a_checked_paths_place_leads_root_nowhere(tmp_path: Path) -> None:
+    """What root acts on is what was checked: a directory of the path swapped for a
+    link to a root-owned tree after the check leaves that tree untouched."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "secret").write_text("root's")
+    os.chmod(victim / "secret", 0o600)
+    run_dir = tmp_path / "node" / "vm"
+    run_dir.mkdir(parents=True)
+    (run_dir / "disk").write_text("the VM's")
+    disk = pin(str(run_dir / "disk"))
+    pid_file = pin_parent(str(run_dir / "vm.pid"))
+    try:
+        run_dir.rename(tmp_path / "node" / "moved")
+        run_dir.symlink_to(victim)
+        (tmp_path / "node" / "moved" / "vm.pid").symlink_to(victim / "secret")
+        share_held(disk.fd, JAIL_UIDS[3], 4343)
+        os.chown(pid_file.path, 4343, 4343, follow_symlinks=False)  # as a launch does
+        with pytest.raises(OSError):
+            os.open(pid_file.path, os.O_RDONLY | os.O_NOFOLLOW)
+    finally:
+        disk.close()
+        pid_file.close()
+    moved = tmp_path / "node" / "moved" / "disk"
+    assert (moved.stat().st_uid, moved.stat().st_gid) == (JAIL_UIDS[3], 4343)
+    secret = (victim / "secret").stat()
+    assert (secret.st_uid, secret.st_gid, secret.st_mode & 0o777) == (0, 0, 0o600)
+    assert (victim / "secret").read_text() == "root's"
+    with pytest.raises(InvalidArgument, match="is a link"):
+        pin(str(run_dir / "disk"))  # asked anew, the link is seen
 
 
 def test_negative_another_nodes_or_the_hosts_namespace_is_refused(broker: RootBroker) -> None:

@@ -137,6 +137,7 @@ class Node:
             accel = await detect_accelerator(
                 config.accel,
                 data_dir=config.data_dir,
+                run_root=config.effective_run_dir,
                 kernel=template.volume.kernel,
                 initrd=template.volume.initrd,
                 kernel_digest=template.digest,

@@ -18,26 +18,45 @@ __all__ = ["adopt_tree", "mount_points"]
 
 
 def adopt_tree(
-    root: Path, owner: tuple[int, int], jail_uids: range, *, skip: Iterable[Path] = ()
+    root: Path,
+    owner: tuple[int, int],
+    jail_uids: range,
+    *,
+    skip: Iterable[Path] = (),
+    dir_fd: int | None = None,
 ) -> None:
     """Walk ``root`` (neither across mounts nor into ``skip``; links are left alone)
-    and hand what root or a jail (``jail_uids``) owns to ``owner`` (uid, gid)."""
-    uid, gid = owner
+    and hand what root or a jail (``jail_uids``) owns to ``owner`` (uid, gid). With
+    ``dir_fd``, the walk starts at the directory that descriptor holds, which ``root``
+    names.
+
+    By descriptor throughout: a directory handed over early in the walk is the
+    agent's, and a link it puts in place of an entry must give it nothing."""
     mounts, skipped = mount_points(), {str(p) for p in skip}
-    for directory, dirs, files in os.walk(root):
-        dirs[:] = [
-            d for d in dirs if os.path.join(directory, d) not in mounts | skipped
-        ]  # fmt: skip
-        for path in (directory, *(os.path.join(directory, n) for n in dirs + files)):
-            info = os.lstat(path)
-            if stat.S_ISLNK(info.st_mode):
-                continue
-            if info.st_uid == 0:
-                os.chown(path, uid, gid, follow_symlinks=False)
-            elif info.st_uid in jail_uids and info.st_gid != gid:
-                os.chown(path, info.st_uid, gid, follow_symlinks=False)
-                group = 0o070 | stat.S_ISGID if stat.S_ISDIR(info.st_mode) else 0o060
-                os.chmod(path, stat.S_IMODE(info.st_mode) | group)
+    top = "." if dir_fd is not None else str(root)
+    for directory, dirs, files, fd in os.fwalk(top, dir_fd=dir_fd):
+        here = os.path.normpath(os.path.join(root, os.path.relpath(directory, top)))
+        dirs[:] = [d for d in dirs if os.path.join(here, d) not in mounts | skipped]
+        for name in (".", *dirs, *files) if directory == top else (*dirs, *files):
+            _adopt(name, fd, owner, jail_uids)
+
+
+def _adopt(name: str, dir_fd: int, owner: tuple[int, int], jail_uids: range) -> None:
+    uid, gid = owner
+    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        info = os.fstat(fd)
+        held = f"/proc/self/fd/{fd}"  # leads to exactly the file opened, never a link's target
+        if stat.S_ISLNK(info.st_mode):
+            return
+        if info.st_uid == 0:
+            os.chown(held, uid, gid)
+        elif info.st_uid in jail_uids and info.st_gid != gid:
+            os.chown(held, info.st_uid, gid)
+            group = 0o070 | stat.S_ISGID if stat.S_ISDIR(info.st_mode) else 0o060
+            os.chmod(held, stat.S_IMODE(info.st_mode) | group)
+    finally:
+        os.close(fd)
 
 
 def mount_points() -> set[str]:

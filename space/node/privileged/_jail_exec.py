@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import stat
 import sys
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
@@ -199,24 +200,32 @@ def _open_tap(netns: str, tap: str) -> int:
     return fd
 
 
-def _build_root(root: str, binds: list[tuple[str, str]], spec: dict[str, object]) -> None:
-    """A tmpfs at ``root`` with each bind at its own path (``mode`` is ro, rw or dev)
-    and each of the spec's secrets a file in its secrets_dir only its uid can read."""
+def _build_root(root: str, binds: list[tuple[str, str, str]], spec: dict[str, object]) -> None:
+    """A tmpfs at ``root`` with each bind's source at its path (``mode`` ro or rw; dev: a
+    device node of the jail's own) and each of the spec's secrets a file in its
+    secrets_dir only its uid can read."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     _mount("jail", root, "tmpfs", MS_NOSUID, "size=1m,mode=0755")
     secrets = {str(k): str(v) for k, v in dict(spec.get("secrets") or {}).items()}  # type: ignore[call-overload]
     if secrets:
         _write_secrets(root + str(spec["secrets_dir"]), secrets, int(spec["uid"]))  # type: ignore[call-overload]
-    for source, mode in binds:
-        target = root + source
-        os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
-        if os.path.isdir(source):
-            os.makedirs(target, mode=0o755, exist_ok=True)
-        else:
-            os.close(os.open(target, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o600))
-        _mount(source, target, None, MS_BIND)
+    _make_devices(root, [path for _, path, mode in binds if mode == "dev"], int(spec["uid"]))  # type: ignore[call-overload]
+    for source, path, mode in binds:
+        if mode == "dev":
+            continue
+        target = root + path
+        held = _held_here(source, path)
+        try:
+            os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
+            if stat.S_ISDIR(os.fstat(held).st_mode):
+                os.makedirs(target, mode=0o755, exist_ok=True)
+            else:
+                os.close(os.open(target, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o600))
+            _mount(f"/proc/self/fd/{held}", target, None, MS_BIND)
+        finally:
+            os.close(held)
         flags = MS_BIND | MS_REMOUNT | MS_NOSUID
-        flags |= {"ro": MS_RDONLY | MS_NODEV, "rw": MS_NODEV | MS_NOEXEC, "dev": MS_NOEXEC}[mode]
+        flags |= {"ro": MS_RDONLY | MS_NODEV, "rw": MS_NODEV | MS_NOEXEC}[mode]
         _mount(None, target, None, flags)
     for link, to in (
         ("bin", "usr/bin"),
@@ -233,6 +242,48 @@ def _build_root(root: str, binds: list[tuple[str, str]], spec: dict[str, object]
     _check(_libc.umount2(b"/.old", MNT_DETACH), "detaching the host's root")
     os.rmdir("/.old")
     _mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def _make_devices(root: str, devices: list[str], uid: int) -> None:
+    """Each of ``devices`` (host paths under /dev) a node of the jail's own, on a
+    read-only tmpfs of its own, its uid's alone (0600), as Firecracker's jailer makes
+    them: the jail can open /dev/kvm whatever the host's node allows (often 0660 to a
+    ``kvm`` group a jailed uid is not in), and the host's nodes are not shared."""
+    if not devices:
+        return
+    dev = root + "/dev"
+    os.mkdir(dev, 0o755)
+    _mount("jail-dev", dev, "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,mode=0755")
+    for path in devices:
+        info = os.stat(path)
+        if not path.startswith("/dev/") or not stat.S_ISCHR(info.st_mode):
+            raise JailError(f"{path} is not a character device under /dev")
+        target = root + path
+        os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
+        os.mknod(target, stat.S_IFCHR | 0o600, info.st_rdev)
+        os.chown(target, uid, uid)
+    _mount(None, dev, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
+
+
+def _held_here(source: str, path: str) -> int:
+    """An O_PATH descriptor of the file at ``path`` in this mount namespace, reached
+    without following a link, if it is the very file ``source`` leads to (the broker's
+    held descriptor of what it checked; a mount can only be bound from this namespace's
+    own mounts, so that one cannot be used itself)."""
+    want = os.stat(source)
+    fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in filter(None, path.split("/")):
+            step = os.open(part, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = step
+        got = os.fstat(fd)
+        if (got.st_dev, got.st_ino) != (want.st_dev, want.st_ino):
+            raise JailError(f"{path} is not the file that was checked")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _write_secrets(directory: str, secrets: dict[str, str], uid: int) -> None:
@@ -262,7 +313,7 @@ def _drop_privileges(uid: int, gid: int, last_cap: int) -> None:
 def _child(spec: dict[str, object], errors: int) -> None:
     """The jailed program's process: never returns."""
     try:
-        binds = [(str(s), str(m)) for s, m in spec["binds"]]  # type: ignore[attr-defined]
+        binds = [(str(s), str(p), str(m)) for s, p, m in spec["binds"]]  # type: ignore[attr-defined]
         with open("/proc/sys/kernel/cap_last_cap") as f:  # before the host's /proc is gone
             last_cap = f.read()
         os.umask(0o022)  # the jail's own directories: every jailed uid walks them
@@ -291,6 +342,11 @@ def main(spec: dict[str, object]) -> int:
             os.dup2(tap, tap_fd)
             os.close(tap)
         os.set_inheritable(tap_fd, True)  # Python opens every descriptor close-on-exec
+    # The pid file's directory held now (after the tap took its number): the jail's
+    # pivot (this process shares its mount namespace with the child) leaves only
+    # what the jail sees by path.
+    run_dir, pid_name = os.path.split(str(spec["pid_file"]))
+    held_dir = os.open(run_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     _check(
         _libc.unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS),
         "unshare",
@@ -306,16 +362,18 @@ def main(spec: dict[str, object]) -> int:
     if failure:
         os.waitpid(pid, 0)
         raise JailError(failure.decode(errors="replace"))
-    pid_file = str(spec["pid_file"])
-    with open(pid_file + ".tmp", "w") as f:
+    # Its directory is the node's: never through a link.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+    with open(os.open(pid_name + ".tmp", flags, 0o600, dir_fd=held_dir), "w") as f:
         f.write(f"{pid}\n")
-    os.replace(pid_file + ".tmp", pid_file)
+    os.replace(pid_name + ".tmp", pid_name, src_dir_fd=held_dir, dst_dir_fd=held_dir)
+    os.close(held_dir)
     return 0
 
 
 def _launch(spec: dict[str, object]) -> int:
     """One launch, in a process of its own: its output goes to the spec's log."""
-    log = os.open(str(spec["log"]), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    log = os.open(str(spec["log"]), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
     null = os.open("/dev/null", os.O_RDONLY)
     os.dup2(null, 0)  # never the broker's request pipe: the program would keep it
     os.dup2(log, 1)

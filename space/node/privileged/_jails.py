@@ -28,9 +28,10 @@ from space.node.core.capacity import VM_OVERHEAD_MIB
 from space.node.core.environment import child_environment
 from space.node.network.netns import netns_path
 from space.node.privileged.cgroups import CgroupLimits, VmCgroups
+from space.node.privileged.pinned import Pinned
 from space.node.vmm.jail import JAIL_SECRETS, JAIL_UIDS, TAP_FD
 
-__all__ = ["Jails", "jailed_uid_in_use", "release_uid", "share", "take_uid"]
+__all__ = ["Jails", "jailed_uid_in_use", "release_uid", "share", "share_held", "take_uid"]
 
 #: Threads a QEMU may have: its main loop, RCU and vCPU threads, and a block I/O pool
 #: of up to 64 workers. A fork bomb in the jail stops here.
@@ -62,17 +63,20 @@ class Jails:
         name: str,
         argv: list[str],
         *,
-        binds: list[tuple[str, str]],
-        owned: list[Path],
+        binds: list[tuple[Pinned, str]],
+        devices: list[str],
+        owned: list[Pinned],
         netns: str | None,
         tap: str,
         memory_mib: int,
         cpus: int,
-        stderr_log: Path,
-        pid_file: Path,
+        stderr_log: Pinned,
+        pid_file: Pinned,
         secrets: dict[str, str],
     ) -> int:
         """Start ``argv`` jailed as VM ``name``; returns its host pid once it runs.
+        ``binds`` are (file, ro|rw) and ``devices`` host devices, each at its own path
+        in the jail; ``stderr_log`` and ``pid_file`` are names in held directories.
 
         Raises Unavailable if any step fails (the jail's own message is in
         ``stderr_log``); nothing is left running or in a cgroup then.
@@ -89,29 +93,37 @@ class Jails:
             )
             procs = await asyncio.to_thread(self.cgroups.create, name, limits)
             await asyncio.to_thread(_hand_over, owned, uid, self._owner[1])
-            for path, mode in binds:
-                if mode == "ro" and Path(path) not in owned:
-                    await asyncio.to_thread(_readable, Path(path))
+            for pinned, mode in binds:
+                if mode == "ro" and pinned.text not in {p.text for p in owned}:
+                    await asyncio.to_thread(_readable, pinned.fd)
             spec = {
                 "argv": [binary, *argv[1:]],
                 "env": child_environment(),
                 "uid": uid,
                 "gid": uid,
                 "root": str(_jail_root()),
-                "binds": [*_host_binds(binary), *binds],
+                "binds": [
+                    *_host_binds(binary),
+                    *((str(p.path), p.text, mode) for p, mode in binds),
+                    *((d, d, "dev") for d in devices),
+                ],
                 "cgroups": [str(p) for p in procs],
                 "netns": str(netns_path(netns)) if netns is not None else None,
                 "tap": tap,
                 "tap_fd": TAP_FD,
-                "pid_file": str(pid_file),
-                "log": str(stderr_log),
+                "pid_file": str(pid_file.path),
+                "log": str(stderr_log.path),
                 "sched_batch": True,
                 "secrets": secrets,
                 "secrets_dir": str(JAIL_SECRETS),
             }
-            await asyncio.to_thread(self._launcher.launch, spec, pid_file)
-            os.chown(pid_file, *self._owner)
-            return _read_pid(pid_file)
+            try:
+                await asyncio.to_thread(self._launcher.launch, spec, pid_file.path)
+            finally:  # the jail's own message is for the node agent to read
+                with contextlib.suppress(FileNotFoundError):
+                    os.chown(stderr_log.path, *self._owner, follow_symlinks=False)
+            os.chown(pid_file.path, *self._owner, follow_symlinks=False)
+            return _read_pid(pid_file.path)
         except (OSError, ValueError) as exc:
             self.cgroups.remove(name)
             raise Unavailable(f"cannot start the jailed VMM: {exc}") from exc
@@ -182,41 +194,44 @@ def jailed_uid_in_use() -> set[int]:
     return found
 
 
-def _hand_over(paths: Iterable[Path], uid: int, group: int) -> None:
-    for path in paths:
-        share(path, uid, group)
+def _hand_over(files: Iterable[Pinned], uid: int, group: int) -> None:
+    for pinned in files:
+        share_held(pinned.fd, uid, group)
 
 
-def _readable(path: Path) -> None:
-    """Let every jail read the regular file ``path`` it is bound read-only and does not
-    own (a ready state's RAM image, mapped by every sandbox of its template): the data
-    dir's modes keep it from anyone else on the host."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+def _readable(fd: int) -> None:
+    """Let every jail read the regular file held by ``fd`` that it is bound read-only
+    and does not own (a ready state's RAM image, mapped by every sandbox of its
+    template): the data dir's modes keep it from anyone else on the host."""
+    info = os.fstat(fd)
+    if stat.S_ISREG(info.st_mode) and info.st_mode & 0o044 != 0o044:
+        os.chmod(f"/proc/self/fd/{fd}", stat.S_IMODE(info.st_mode) | 0o044)
+
+
+def share(path: Path | str, uid: int, group: int, *, dir_fd: int | None = None) -> None:
+    """``share_held`` of ``path`` (in ``dir_fd``), opened without following a link: a
+    link put in its place after the broker checked it gives nothing of what it
+    points to. Raises OSError for a link or anything but a file or directory."""
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
-        info = os.fstat(fd)
-        if stat.S_ISREG(info.st_mode) and info.st_mode & 0o044 != 0o044:
-            os.fchmod(fd, stat.S_IMODE(info.st_mode) | 0o044)
+        share_held(fd, uid, group)
     finally:
         os.close(fd)
 
 
-def share(path: Path, uid: int, group: int) -> None:
-    """Give ``path`` to ``uid``, its group the node agent's (``group``), which may read
-    and write it too (a directory also set-group-id: what is made in it stays in the
-    group): the agent reads a VM's console log and disk header and connects to its
-    sockets, nobody else can. A jailed uid has no supplementary group."""
-    # By descriptor, opened without following a link: a link put in the path's place
-    # after the broker checked it gives nothing of what it points to.
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        mode = os.fstat(fd).st_mode
-        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-            raise OSError(f"{path} is neither a file nor a directory")
-        os.fchown(fd, uid, group)
-        extra = 0o070 | stat.S_ISGID if stat.S_ISDIR(mode) else 0o060
-        os.fchmod(fd, stat.S_IMODE(mode) | extra)
-    finally:
-        os.close(fd)
+def share_held(fd: int, uid: int, group: int) -> None:
+    """Give the file or directory ``fd`` holds to ``uid``, its group the node agent's
+    (``group``), which may read and write it too (a directory also set-group-id: what
+    is made in it stays in the group): the agent reads a VM's console log and disk
+    header and connects to its sockets, nobody else can. A jailed uid has no
+    supplementary group. Raises OSError for anything but a file or directory."""
+    mode = os.fstat(fd).st_mode
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise OSError(f"{os.readlink(f'/proc/self/fd/{fd}')} is neither a file nor a directory")
+    held = f"/proc/self/fd/{fd}"  # leads to exactly the file held, even an O_PATH one
+    os.chown(held, uid, group)
+    extra = 0o070 | stat.S_ISGID if stat.S_ISDIR(mode) else 0o060
+    os.chmod(held, stat.S_IMODE(mode) | extra)
 
 
 def _jail_root() -> Path:
@@ -226,11 +241,12 @@ def _jail_root() -> Path:
     return _JAIL_ROOT
 
 
-def _host_binds(binary: str) -> list[tuple[str, str]]:
-    binds = [(p, "ro") for p in _HOST_FILES if os.path.exists(p)]
+def _host_binds(binary: str) -> list[tuple[str, str, str]]:
+    """(source, path in the jail, mode) of what every jail has of the host's."""
+    binds = [(p, p, "ro") for p in _HOST_FILES if os.path.exists(p)]
     if not binary.startswith("/usr/"):
-        binds.append((binary, "ro"))
-    return binds + [(d, "dev") for d in _DEVICES]
+        binds.append((binary, binary, "ro"))
+    return binds + [(d, d, "dev") for d in _DEVICES]
 
 
 class _Launcher:
@@ -292,5 +308,6 @@ class _Launcher:
 
 
 def _read_pid(pid_file: Path) -> int:
-    with open(pid_file) as f:
-        return int(f.read())
+    fd = os.open(pid_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with open(fd) as f:
+        return int(f.read(32))

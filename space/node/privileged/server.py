@@ -13,11 +13,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
 import os
 import re
 import socket
+import stat
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from space.node.network.fd_lines import FdLineReader, close_fds, write_line
 from space.node.network.netns import node_prefix
 from space.node.privileged import _gateway, _network, _storage
 from space.node.privileged._jails import Jails, signal_vm
+from space.node.privileged.pinned import Pinned, pin, pin_parent, reopen
 from space.node.privileged.requests import (
     MAX_LINE_BYTES,
     AdoptPool,
@@ -63,6 +66,8 @@ _DEVICES = ("/dev/kvm",)
 #: Requests served at once; more wait to be read (the node serialises little itself).
 _MAX_IN_FLIGHT = 64
 Answer = tuple[object, list[socket.socket]]
+#: The paths the request being handled holds open (see pinned.py), closed when it ends.
+_held: contextvars.ContextVar[list[Pinned]] = contextvars.ContextVar("held")
 
 
 class Broker:
@@ -70,7 +75,8 @@ class Broker:
 
     def __init__(self, scope: Scope) -> None:
         self.scope = scope
-        self._roots = [Path(os.path.realpath(r)) for r in scope.roots]
+        # Each root as the node names it and as it is (its real path has no link).
+        self._roots = [(Path(os.path.abspath(r)), Path(os.path.realpath(r))) for r in scope.roots]
         self._netns_prefix = node_prefix(scope.run_root)
         self.jails = Jails(scope.run_root, scope.owner)
         self._handlers: dict[type[Request], Callable[..., Awaitable[object]]] = {
@@ -83,7 +89,7 @@ class Broker:
             LimitSubvolume: self._limit_subvolume,
             ReferencedBytes: lambda r: _storage.referenced_bytes(self.path(r.path, below=True)),
             ExclusiveBytes: lambda r: _storage.exclusive_bytes(self.path(r.path, below=True)),
-            DeleteSubvolume: lambda r: _storage.delete_subvolume(self.path(r.path, below=True)),
+            DeleteSubvolume: self._delete_subvolume,
             CreateNetns: lambda r: _network.create(self.netns(r.name)),
             DeleteNetns: lambda r: _network.delete(self.netns(r.name)),
             SetEgress: lambda r: _network.set_open(self.netns(r.name), r.open),
@@ -96,29 +102,43 @@ class Broker:
 
     async def handle(self, request: Request, fds: list[int]) -> Answer:
         """The value of ``request`` and the sockets to send with it. Raises NodeError."""
-        if isinstance(request, BindListeners):
-            return None, await _network.bind_listeners(self.netns(request.name))
-        if isinstance(request, SignalVm):
-            if len(fds) != 1:
-                raise InvalidArgument("signal_vm takes one pidfd")
-            run_dir = self.path(request.run_dir, below=True)
-            await asyncio.to_thread(signal_vm, fds[0], run_dir, request.signal)
-            return None, []
-        return await self._handlers[type(request)](request), []
+        held: list[Pinned] = []
+        token = _held.set(held)
+        try:
+            if isinstance(request, BindListeners):
+                return None, await _network.bind_listeners(self.netns(request.name))
+            if isinstance(request, SignalVm):
+                if len(fds) != 1:
+                    raise InvalidArgument("signal_vm takes one pidfd")
+                run_dir = Path(self.path(request.run_dir, below=True).text)
+                await asyncio.to_thread(signal_vm, fds[0], run_dir, request.signal)
+                return None, []
+            return await self._handlers[type(request)](request), []
+        finally:
+            _held.reset(token)
+            for pinned in held:
+                pinned.close()
 
     # what a request may name
 
-    def path(self, text: str, *, below: bool = False) -> Path:
-        """``text`` (relative: to the node's working directory, which is the broker's)
-        as a path under one of the roots (strictly, with ``below``), symlinks resolved
-        to check it. Raises InvalidArgument."""
-        path = Path(os.path.abspath(text))
+    def path(
+        self, text: str, *, below: bool = False, parent: bool = False, create: bool = False
+    ) -> Pinned:
+        """``text`` (relative: to the node's working directory, which is the broker's),
+        a path under one of the roots (strictly, with ``below``) with no link in it,
+        held open until the request ends (with ``parent``: its parent directory; with
+        ``create``: missing directories made). Raises InvalidArgument; OSError if it is
+        missing."""
         if ".." in Path(text).parts:
             raise InvalidArgument(f"{text!r} is not a normal path")
-        real = Path(os.path.realpath(path))
-        for root in self._roots:
-            if real.is_relative_to(root) and not (below and real == root):
-                return path
+        path = Path(os.path.abspath(text))
+        for named, real in self._roots:
+            for root in (named, real):
+                if path.is_relative_to(root) and not (below and path == root):
+                    checked = str(real / path.relative_to(root))
+                    pinned = pin_parent(checked) if parent else pin(checked, create=create)
+                    _held.get().append(pinned)
+                    return pinned
         raise InvalidArgument(f"{text} is outside this node's directories")
 
     def netns(self, name: str) -> str:
@@ -137,39 +157,51 @@ class Broker:
 
     async def _mount_pool(self, request: MountPool) -> None:
         image, mountpoint = self.path(request.image), self.path(request.mountpoint)
-        await _storage.mount_pool(image, mountpoint, mkfs=request.mkfs, owner=self.scope.owner)
+        await _storage.mount_pool(image, mountpoint, mkfs=request.mkfs)
+        # Held again: what the path leads to now is the pool's root, not what it covers.
+        await _storage.adopt_pool(self.path(request.mountpoint), self.scope.owner)
 
     async def _unmount_pool(self, request: UnmountPool) -> None:
-        await _storage.unmount_pool(self.path(request.image), self.path(request.mountpoint))
+        mountpoint = self.path(request.mountpoint, parent=True)
+        await _storage.unmount_pool(self.path(request.image), mountpoint)
 
     async def _limit_subvolume(self, request: LimitSubvolume) -> None:
         if request.max_referenced <= 0:
             raise InvalidArgument("a quota limit is a positive number of bytes")
         await _storage.limit_subvolume(self.path(request.path, below=True), request.max_referenced)
 
+    async def _delete_subvolume(self, request: DeleteSubvolume) -> None:
+        try:
+            target = self.path(request.path, below=True, parent=True)
+        except FileNotFoundError:
+            return  # gone with its parent: deleting is idempotent
+        await _storage.delete_subvolume(target)
+
     async def _launch_vm(self, request: LaunchVm) -> int:
         if request.memory_mib <= 0 or request.cpus <= 0 or not request.argv:
             raise InvalidArgument("a VM has an argv, memory and CPUs")
+        binds, devices = [], []
+        for path, mode in request.binds:
+            if mode == "dev" and path in _DEVICES:
+                devices.append(path)
+            elif mode in ("ro", "rw"):
+                binds.append((self.path(path), mode))
+            else:
+                raise InvalidArgument(f"a bind is ro, rw or one of the devices {_DEVICES}")
         return await self.jails.launch(
             self.vm_name(request.name),
             request.argv,
-            binds=[self._bind(path, mode) for path, mode in request.binds],
+            binds=binds,
+            devices=devices,
             owned=[self.path(p, below=True) for p in request.owned],
             netns=self.netns(request.netns) if request.netns is not None else None,
             tap=request.tap,
             memory_mib=request.memory_mib,
             cpus=request.cpus,
-            stderr_log=self.path(request.stderr_log, below=True),
-            pid_file=self.path(request.pid_file, below=True),
+            stderr_log=self.path(request.stderr_log, below=True, parent=True),
+            pid_file=self.path(request.pid_file, below=True, parent=True),
             secrets=request.secrets,
         )
-
-    def _bind(self, path: str, mode: str) -> tuple[str, str]:
-        if mode == "dev" and path in _DEVICES:
-            return path, mode
-        if mode not in ("ro", "rw"):
-            raise InvalidArgument(f"a bind is ro, rw or one of the devices {_DEVICES}")
-        return str(self.path(path)), mode
 
     async def _release_vm(self, request: ReleaseVm) -> None:
         await asyncio.to_thread(self.jails.cgroups.remove, self.vm_name(request.name))
@@ -180,29 +212,43 @@ class Broker:
     async def _start_gateway(self, request: StartGateway) -> None:
         for name in request.state:
             self.vm_name(name)  # a plain name in the directory
-        upstream_ca = None
-        if request.upstream_ca is not None:
-            # Root copies it for the gateway: only a file anyone may read anyway, or one
-            # of the node's own.
-            upstream_ca = Path(request.upstream_ca)
-            if not os.stat(upstream_ca).st_mode & 0o004:
-                try:
-                    self.path(request.upstream_ca)
-                except InvalidArgument:
-                    raise InvalidArgument(
-                        f"the upstream CA {upstream_ca} is not world-readable"
-                    ) from None
-        await _gateway.start_gateway(
-            self.path(request.directory, below=True),
-            request.state,
-            request.options,
-            upstream_ca,
-            request.environment,
-            self.scope.owner,
+        # The CA first: a refused request makes no directory.
+        upstream_ca = (
+            None if request.upstream_ca is None else self._upstream_ca(request.upstream_ca)
         )
+        try:
+            await _gateway.start_gateway(
+                self.path(request.directory, below=True, create=True),
+                request.state,
+                request.options,
+                upstream_ca,
+                request.environment,
+                self.scope.owner,
+            )
+        finally:
+            if upstream_ca is not None:
+                os.close(upstream_ca)
+
+    def _upstream_ca(self, text: str) -> int:
+        """The upstream CA bundle ``text``, open, for root to copy to the gateway: a
+        file anyone may read anyway, or one of the node's own."""
+        fd = os.open(text, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        info = os.fstat(fd)
+        if stat.S_ISREG(info.st_mode) and info.st_mode & 0o004:
+            return fd  # checked as opened: a link swapped in later changes nothing
+        os.close(fd)
+        try:
+            pinned = self.path(text)
+        except InvalidArgument:
+            raise InvalidArgument(f"the upstream CA {text} is not world-readable") from None
+        return reopen(pinned, os.O_RDONLY | os.O_NONBLOCK)
 
     async def _stop_gateways(self, request: StopGateways) -> None:
-        await asyncio.to_thread(_gateway.stop_gateways, self.path(request.directory, below=True))
+        try:
+            directory = self.path(request.directory, below=True)
+        except FileNotFoundError:
+            return  # never made: no gateway ran there
+        await asyncio.to_thread(_gateway.stop_gateways, directory.path)
 
 
 async def serve(broker: Broker, sock: socket.socket) -> None:

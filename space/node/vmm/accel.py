@@ -4,8 +4,8 @@
 
 1. no /dev/kvm                                          -> tcg
 2. the host is itself a PVM guest (module ``kvm_pvm``)   -> tcg (stock kernels hang there)
-3. a probe boot of the guest kernel under ``-accel kvm`` reaches the initramfs within a
-   hard deadline                                        -> kvm, else tcg
+3. a probe boot of the guest kernel under ``-accel kvm``, jailed as a VM is, reaches
+   the initramfs within a hard deadline                 -> kvm, else tcg
 
 The probe result is cached in ``data_dir/accel.json`` keyed by the guest kernel's digest
 and the host kernel release, so it runs once per (kernel, host). Detection never hangs:
@@ -19,13 +19,17 @@ import contextlib
 import json
 import logging
 import os
+import select
+import shutil
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from space.node.core.environment import child_environment
+from space.node.api import NodeError
+from space.node.vmm.jail import Bind, Jail, jail_for
 
 __all__ = [
     "Accelerator",
@@ -44,6 +48,10 @@ ProbeBoot = Callable[[], Awaitable[bool]]
 #: Kernel messages printed once the kernel hands over to the initramfs.
 _INITRAMFS_MARKERS = (b"Run /init as init process", b"Freeing unused kernel image")
 _PROBE_TAIL_BYTES = 4096
+_PROBE_NAME = "accel-probe"
+_PROBE_POLL_S = 0.05
+_PROBE_KILL_WAIT_S = 5.0
+_DEV_KVM = Path("/dev/kvm")
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +112,7 @@ async def detect_accelerator(
     mode: Literal["auto", "kvm", "tcg"],
     *,
     data_dir: Path,
+    run_root: Path,
     kernel: Path,
     initrd: Path,
     kernel_digest: str,
@@ -113,7 +122,9 @@ async def detect_accelerator(
     """``choose_accelerator`` with this host's facts and a real probe boot."""
 
     async def probe() -> bool:
-        return await probe_kvm_boot(qemu_binary, kernel, initrd, timeout_s=probe_timeout_s)
+        return await probe_kvm_boot(
+            qemu_binary, kernel, initrd, run_root=run_root, timeout_s=probe_timeout_s
+        )
 
     return await choose_accelerator(
         mode,
@@ -124,10 +135,14 @@ async def detect_accelerator(
     )
 
 
-async def probe_kvm_boot(qemu_binary: str, kernel: Path, initrd: Path, *, timeout_s: float) -> bool:
+async def probe_kvm_boot(
+    qemu_binary: str, kernel: Path, initrd: Path, *, run_root: Path, timeout_s: float
+) -> bool:
     """Boot ``kernel`` under KVM; True iff it reaches the initramfs within ``timeout_s``.
 
-    The probe QEMU is always killed (its whole process group) before this returns.
+    The probe runs jailed as every VM does (``run_root``'s jail), so it finds out what
+    a VM will get: the node agent itself may not open /dev/kvm, a jail has a node of
+    its own. The probe QEMU is always killed and its jail released before this returns.
     """
     argv = [
         qemu_binary, "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
@@ -136,38 +151,81 @@ async def probe_kvm_boot(qemu_binary: str, kernel: Path, initrd: Path, *, timeou
         "-append", "console=ttyS0 loglevel=7 panic=-1",
         "-serial", "stdio",
     ]  # fmt: skip
+    run_dir = run_root / _PROBE_NAME
+    # Its run directory in its argv: what the broker checks before it signals a VMM.
+    argv += ["-D", str(run_dir / "debug.log")]
+    output = run_dir / "qemu.log"  # the jail's stdout: the guest's serial console
+    await asyncio.to_thread(shutil.rmtree, run_dir, True)
+    run_dir.mkdir(mode=0o700, parents=True)
+    binds = [Bind(kernel, "ro"), Bind(initrd, "ro"), Bind(run_dir, "rw")]
+    if await asyncio.to_thread(_DEV_KVM.exists):
+        binds.append(Bind(_DEV_KVM, "dev"))
+    jail = jail_for(run_root)
     try:
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL,
-            start_new_session=True,
-            env=child_environment(),
-        )
-    except OSError as exc:
-        log.warning("accelerator probe could not start %s: %s", qemu_binary, exc)
-        return False
-    try:
-        async with asyncio.timeout(timeout_s):
-            return await _wait_for_marker(proc.stdout)
-    except TimeoutError:
-        return False
+        try:
+            pid = await jail.spawn(
+                _PROBE_NAME,
+                argv,
+                binds=binds,
+                owned=[run_dir],
+                netns=None,
+                tap="",
+                memory_mib=256,
+                cpus=1,
+                stderr_log=output,
+                pid_file=run_dir / "qemu.pid",
+            )
+            pidfd = os.pidfd_open(pid)
+        except (NodeError, OSError) as exc:
+            log.warning("accelerator probe could not start %s: %s", qemu_binary, exc)
+            return False
+        try:
+            return await _wait_for_marker(output, pidfd, timeout_s)
+        finally:
+            await _kill(jail, pidfd, pid, run_dir)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        await proc.wait()
+        await asyncio.to_thread(shutil.rmtree, run_dir, True)
 
 
-async def _wait_for_marker(stream: asyncio.StreamReader | None) -> bool:
-    if stream is None:
-        return False
-    tail = b""
-    while chunk := await stream.read(4096):
-        tail = (tail + chunk)[-_PROBE_TAIL_BYTES:]
+async def _wait_for_marker(output: Path, pidfd: int, timeout_s: float) -> bool:
+    """True once ``output`` shows a marker; False at the deadline or when the process
+    of ``pidfd`` has exited without one."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        exited = select.select([pidfd], [], [], 0)[0]
+        tail = await asyncio.to_thread(_tail, output)
         if any(marker in tail for marker in _INITRAMFS_MARKERS):
             return True
-    return False
+        if exited or time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(_PROBE_POLL_S)
+
+
+async def _kill(jail: Jail, pidfd: int, pid: int, run_dir: Path) -> None:
+    try:
+        with contextlib.suppress(NodeError):
+            await jail.signal(pidfd, run_dir, signal.SIGKILL)
+        await asyncio.to_thread(_reap, pidfd, pid)
+    finally:
+        os.close(pidfd)
+        jail.release(_PROBE_NAME)
+
+
+def _tail(output: Path) -> bytes:
+    try:
+        with open(output, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - _PROBE_TAIL_BYTES))
+            return f.read(_PROBE_TAIL_BYTES)
+    except OSError:
+        return b""
+
+
+def _reap(pidfd: int, pid: int) -> None:
+    """Wait for the process to end, and reap it: the node is its jailed VMMs' reaper
+    (``jail_for``)."""
+    select.select([pidfd], [], [], _PROBE_KILL_WAIT_S)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
 
 
 def _read_cache(cache_file: Path | None, key: str) -> Accelerator | None:

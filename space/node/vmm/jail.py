@@ -68,7 +68,7 @@ _RELEASES: set[asyncio.Task[object]] = set()
 @dataclass(frozen=True, slots=True)
 class Bind:
     """A host path the jail sees at the same path: ``ro``, ``rw`` or ``dev`` (a
-    device: the broker binds /dev/kvm only)."""
+    device: the jail gets a node of its own, /dev/kvm only)."""
 
     path: Path
     mode: Literal["ro", "rw", "dev"]
