@@ -20,6 +20,7 @@ from space.control import broker, egress, lifecycle, quota_checks
 from space.control.deps import ControlContext
 from space.control.errors import ApiError
 from space.control.lifecycle import LIVE, check_state, new_sandbox_id, record_status
+from space.control.store import quotas as quota_store
 from space.control.store import repo
 from space.control.store import snapshots as snaps
 from space.control.store.repo import SandboxRecord
@@ -102,6 +103,9 @@ async def _claim_name(ctx: ControlContext, pending: SnapshotRecord) -> None:
     or its tenant's ``snapshots`` are all used (429; nothing inserted)."""
 
     def claim(session: Session) -> SnapshotRecord | None:
+        # Locked before the name is looked up: two claims of one name (through two
+        # replicas, too) cannot both find it free.
+        quota_store.lock_tenant(session, pending.tenant_id)
         existing = snaps.find_live_by_name(session, pending.sandbox_id, pending.name)
         if existing is None:
             quota_checks.insert_snapshot(session, ctx.settings.quotas, pending)
