@@ -18,8 +18,9 @@ from space.control.reconcile import reap_expired
 from space.control.scheduler import rank_nodes
 from space.control.store import Database
 from space.control.store.db import alembic_config
-from space.control.store.models import ApiKeyRow, Base
+from space.control.store.models import ApiKeyRow, Base, TenantRow
 from space.node.api import SandboxSpec
+from tests.ports import free_port
 from tests.unit.fakes import FakeClock, FakeNode, control_app, wait_for
 
 # DB-level: each test runs on SQLite and on PostgreSQL (issue 19).
@@ -214,3 +215,41 @@ async def test_startup_reconciles_the_database_with_the_node(tmp_path: Path) -> 
         assert (await h.client.get(f"/v1/sandboxes/{kept}", headers=headers)).json()[
             "state"
         ] == "running"
+
+
+def test_negative_a_write_a_constraint_refuses_is_our_conflict_not_the_drivers(
+    on_both_databases: str,
+) -> None:
+    db = Database(on_both_databases)
+    try:
+        db.upgrade()
+        db.call(lambda s: s.add(TenantRow(id="acme", created_at=1.0)))
+        with pytest.raises(ApiError) as refused:
+            db.call(lambda s: s.add(TenantRow(id="acme", created_at=2.0)))
+        assert refused.value.code == "conflict" and "INSERT" not in refused.value.message
+        kept = db.call(lambda s: s.get(TenantRow, "acme"))
+        assert kept is not None and kept.created_at == 1.0
+    finally:
+        db.dispose()
+
+
+@pytest.mark.parametrize(
+    "url", ["mysql://u@h/db", "postgres-ish://x", "not a url", "oracle+cx://u:pw@h/db"]
+)
+def test_negative_a_database_url_of_another_scheme_is_invalid_argument(url: str) -> None:
+    with pytest.raises(ApiError) as refused:
+        Database(url)
+    assert refused.value.code == "invalid_argument"
+    assert "sqlite:///" in refused.value.message and "pw" not in refused.value.message
+
+
+async def test_negative_an_unreachable_database_is_unavailable_without_its_password() -> None:
+    db = Database(f"postgresql://space:hunter2@127.0.0.1:{free_port()}/space")
+    try:
+        with pytest.raises(ApiError) as down:
+            await db.run(lambda s: s.get(TenantRow, "acme"))
+        assert down.value.code == "unavailable" and "hunter2" not in down.value.message
+        with pytest.raises(ApiError, match="unavailable"):
+            db.upgrade()
+    finally:
+        db.dispose()

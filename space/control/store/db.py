@@ -108,7 +108,8 @@ def make_engine(url: str) -> Engine:
 
 @contextlib.contextmanager
 def _driver_errors(url: URL) -> Iterator[None]:
-    """The driver's errors as ours: unreachable → unavailable, a constraint → conflict."""
+    """The driver's errors as ours: unreachable or no free connection → unavailable, a
+    constraint → conflict."""
     try:
         yield
     except exc.IntegrityError as error:
@@ -117,6 +118,9 @@ def _driver_errors(url: URL) -> Iterator[None]:
         raise ApiError(
             "unavailable", f"database {shown(url)} unavailable: {_first_line(error)}"
         ) from error
+    except exc.TimeoutError as error:
+        # Every pooled connection stayed busy for the pool's timeout (30 s).
+        raise ApiError("unavailable", f"database {shown(url)} busy: {error}") from error
 
 
 def _first_line(error: exc.DBAPIError) -> str:
