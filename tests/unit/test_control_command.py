@@ -116,3 +116,13 @@ def test_negative_an_unreachable_database_is_one_clear_line_without_the_password
     (line,) = result.stderr.splitlines()
     assert line.startswith("error: unavailable: database ") and "refused" in line
     assert "hunter2" not in result.output + result.stderr
+
+
+def test_negative_without_postgresql_installed_the_fixture_fails_saying_to_run_setup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests import postgres as fixture
+
+    monkeypatch.setattr(fixture, "_ROOT", tmp_path)  # no <version>/bin/initdb here
+    with pytest.raises(pytest.fail.Exception, match=r"run scripts/setup\.sh"):
+        fixture.postgres_bin()
