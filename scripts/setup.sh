@@ -18,12 +18,17 @@ debian_packages=(
   debootstrap busybox-static e2fsprogs cpio zstd xz-utils kmod dpkg-dev
   btrfs-progs util-linux
   nftables iproute2
+  postgresql
 )
 missing=()
 for p in "${debian_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
 done
 if [ ${#missing[@]} -gt 0 ]; then
+  # PostgreSQL is for the control plane's shared database and the tests' own throwaway
+  # servers (issue 19): the package must not make and start a cluster of its own.
+  mkdir -p /etc/postgresql-common/createcluster.d
+  echo 'create_main_cluster = false' > /etc/postgresql-common/createcluster.d/space.conf
   say "installing Debian packages: ${missing[*]}"
   apt-get update -q
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"

@@ -19,6 +19,8 @@ __all__ = [
     "DEFAULT_POOL_SIZE_GIB",
     "DISK_MIB",
     "ENV",
+    "IDEMPOTENCY_KEY_CHARS",
+    "IDEMPOTENCY_KEY_TTL_S",
     "MAX_COMMAND_TIMEOUT_S",
     "MAX_EGRESS_LOG_EVENTS",
     "MAX_FORK_CHILDREN",
@@ -138,6 +140,10 @@ DEFAULT_DISK_MIB: Final = 2048
 
 #: Most children one fork makes (each is a VM: the node's capacity bounds it too).
 MAX_FORK_CHILDREN: Final = 16
+#: An ``Idempotency-Key`` of a create or fork (issue 19): 1 to 255 printable ASCII
+#: characters (Stripe's bound), remembered for a day after the request that made it.
+IDEMPOTENCY_KEY_CHARS: Final = Range(1, 255)
+IDEMPOTENCY_KEY_TTL_S: Final = 24 * 3600
 #: Most secrets one sandbox may use.
 MAX_SANDBOX_SECRETS: Final = 64
 #: Most egress decisions one read of a sandbox's audit log returns.

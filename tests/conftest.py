@@ -1,15 +1,22 @@
 """Suite-wide rules: tests that boot VMs need root, and fail loudly instead of skipping;
-a failed VM test's report carries the tails of its node's and platform's logs."""
+a failed VM test's report carries the tails of its node's and platform's logs. And the
+databases the control plane runs on (issue 19): a real PostgreSQL server for the
+session (tests/postgres.py), and ``database_url``, a fresh database of each backend."""
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
+from pathlib import Path
 
 import pytest
 
 from tests import logs
+from tests.postgres import PostgresCluster
+
+#: The control plane's database backends; ``database_url`` runs a test on each.
+BACKENDS = ("sqlite", "postgresql")
 
 #: When the test began (its setup), so only logs it may have written are shown.
 _STARTED = pytest.StashKey[float]()
@@ -60,3 +67,28 @@ def pytest_runtest_makereport(
         since = item.stash.get(_STARTED, 0.0)
         report.sections.extend(logs.failure_sections(since))
     return report
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresCluster]:
+    """A PostgreSQL server of the whole session, started on first use; stopped and its
+    directory removed at the end, whatever the tests did. Fails (never skips) where
+    PostgreSQL is not installed."""
+    cluster = PostgresCluster()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(params=BACKENDS)
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh, empty database of each backend in turn: SQLite in the test's directory,
+    then a new database on the session's PostgreSQL server (dropped afterwards)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'db' / 'space.db'}"
+        return
+    cluster: PostgresCluster = request.getfixturevalue("postgres")
+    with cluster.database() as url:
+        yield url

@@ -12,6 +12,7 @@ from __future__ import annotations
 import click
 
 from space.cli._common import CliContext
+from space.cli._control import control
 from space.cli._demo import demo
 from space.cli._egress import egress
 from space.cli._lifecycle import fork, hibernate, restore, snapshot, timeouts
@@ -34,7 +35,7 @@ def main(ctx: click.Context) -> None:
 
 
 for _command in (
-    *(serve, node, keys, quota, template, create, ls, rm, pause, hibernate, resume),
+    *(serve, control, node, keys, quota, template, create, ls, rm, pause, hibernate, resume),
     *(snapshot, restore, fork, timeouts, exec_, cp, egress, secret, pools, demo),
 ):
     main.add_command(_command)

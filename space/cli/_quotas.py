@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from space.cli._common import echo_table, fail
-from space.cli._server import DATA_DIR_OPTION, server_errors
+from space.cli._server import DATA_DIR_OPTION, DATABASE_OPTION, server_errors
 from space.limits import QUOTAS
 
 if TYPE_CHECKING:
@@ -68,7 +68,10 @@ def quota() -> None:
 @_quota_options
 @click.option("--reset", is_flag=True, help="Put every quota not given back to the default.")
 @DATA_DIR_OPTION
-def quota_set(tenant: str, reset: bool, data_dir: Path, **limits: int | str | None) -> None:
+@DATABASE_OPTION
+def quota_set(
+    tenant: str, reset: bool, data_dir: Path, database_url: str, **limits: int | str | None
+) -> None:
     """Give TENANT its own limits, then show its quotas."""
     # An option not given (None) leaves its quota alone; 'default' (None below) resets it.
     given = {
@@ -82,14 +85,16 @@ def quota_set(tenant: str, reset: bool, data_dir: Path, **limits: int | str | No
         from space.control.quota_admin import set_quotas
         from space.control.settings import ControlSettings
 
-        lines = set_quotas(ControlSettings(data_dir=data_dir), tenant, given, reset=reset)
+        settings = ControlSettings(data_dir=data_dir, database_url=database_url)
+        lines = set_quotas(settings, tenant, given, reset=reset)
     _show(lines)
 
 
 @quota.command(name="show")
 @click.option("--tenant", required=True, help="The tenant to show.")
 @DATA_DIR_OPTION
-def quota_show(tenant: str, data_dir: Path) -> None:
+@DATABASE_OPTION
+def quota_show(tenant: str, data_dir: Path, database_url: str) -> None:
     """Show TENANT's limits (its own or the default) and what it uses of each.
 
     Templates and builds in use are known only to the running server (GET /v1/quota).
@@ -98,7 +103,7 @@ def quota_show(tenant: str, data_dir: Path) -> None:
         from space.control.quota_admin import show_quotas
         from space.control.settings import ControlSettings
 
-        lines = show_quotas(ControlSettings(data_dir=data_dir), tenant)
+        lines = show_quotas(ControlSettings(data_dir=data_dir, database_url=database_url), tenant)
     _show(lines)
 
 

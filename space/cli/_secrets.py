@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from space.cli._common import api_options, connection, echo_table, fail, reports_errors
-from space.cli._server import DATA_DIR_OPTION, server_errors
+from space.cli._server import DATA_DIR_OPTION, DATABASE_OPTION, server_errors
 from space.sdk import SecretInfo, Secrets
 
 __all__ = ["MAX_VALUE_BYTES", "secret"]
@@ -149,13 +149,14 @@ def secret_rm(names: tuple[str, ...], api_url: str | None, api_key: str | None) 
 
 @secret.command(name="rotate-master")
 @DATA_DIR_OPTION
+@DATABASE_OPTION
 @click.option(
     "--master-key-file",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
     help="[default: DATA_DIR/master.key; unused with $SPACE_MASTER_KEY]",
 )
-def secret_rotate_master(data_dir: Path, master_key_file: Path | None) -> None:
+def secret_rotate_master(data_dir: Path, database_url: str, master_key_file: Path | None) -> None:
     """Re-wrap every secret's data key under the current master key (server command).
 
     Put the new key first (in the key file, or $SPACE_MASTER_KEY with the old ones in
@@ -166,6 +167,8 @@ def secret_rotate_master(data_dir: Path, master_key_file: Path | None) -> None:
         from space.control.secrets import rotate_master
         from space.control.settings import ControlSettings
 
-        settings = ControlSettings(data_dir=data_dir, master_key_file=master_key_file)
+        settings = ControlSettings(
+            data_dir=data_dir, database_url=database_url, master_key_file=master_key_file
+        )
         count, key_id = rotate_master(settings)
     click.echo(f"re-wrapped {count} data keys under master key {key_id}")

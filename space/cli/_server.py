@@ -1,4 +1,4 @@
-"""Server-side commands: serve, node, keys.
+"""Server-side commands: serve, node, keys (and what ``space control`` shares with them).
 
 The node and control-plane packages are imported inside the command functions, so
 ``space --help`` stays fast and an SDK-only use of the CLI never imports them.
@@ -32,9 +32,19 @@ from space.sdk.errors import SpaceError
 
 if TYPE_CHECKING:
     from space.control.server import TlsFiles
+    from space.control.settings import ControlSettings
     from space.node.core.config import NodeConfig
 
-__all__ = ["DATA_DIR_OPTION", "capacity_options", "keys", "node", "serve", "server_errors"]
+__all__ = [
+    "DATABASE_OPTION",
+    "DATA_DIR_OPTION",
+    "capacity_options",
+    "keys",
+    "node",
+    "open_database",
+    "serve",
+    "server_errors",
+]
 
 DEFAULT_DATA_DIR = Path("/var/lib/space")
 
@@ -43,6 +53,19 @@ DATA_DIR_OPTION = click.option(
     type=click.Path(file_okay=False, path_type=Path),
     default=DEFAULT_DATA_DIR,
     show_default=True,
+)
+
+#: The control plane's database (issue 19), passed as ``database_url``: from the
+#: environment too, so that a password need not show in the process list.
+DATABASE_OPTION = click.option(
+    "--database",
+    "database_url",
+    envvar="SPACE_DATABASE_URL",
+    default="",
+    metavar="URL",
+    help="The control plane's database: sqlite:///PATH or postgresql://USER[:PASSWORD]@HOST"
+    "[:PORT]/DB, shared by every replica (default: SQLite in the data dir; env"
+    " SPACE_DATABASE_URL).",
 )
 
 
@@ -131,6 +154,7 @@ def egress_bounds_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
 @click.command()
 @DATA_DIR_OPTION
+@DATABASE_OPTION
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8080, show_default=True, type=int)
 @click.option("--accel", type=click.Choice(["auto", "kvm", "tcg"]), default="auto")
@@ -163,6 +187,7 @@ def egress_bounds_options(command: Callable[..., Any]) -> Callable[..., Any]:
 @USER_OPTION
 def serve(
     data_dir: Path,
+    database_url: str,
     host: str,
     port: int,
     accel: str,
@@ -193,12 +218,14 @@ def serve(
         tls = _tls_files(tls_cert, tls_key)  # before anything is written or started
         settings = ControlSettings(
             data_dir=data_dir,
+            database_url=database_url,
             reaper_interval_s=reaper_interval,
             egress_operator_ranges=egress_operator_ranges,
             egress_allow_wide_any_port=egress_allow_wide_any_port,
         )
         _owner_only(data_dir)  # once the options are known good: before the first write
         load_keyring(settings, create=True)  # an unsafe key file stops us before any VM
+        open_database(settings)  # and so does a database we cannot reach
     progress = ProgressPrinter()
 
     async def run() -> None:
@@ -314,14 +341,31 @@ def keys() -> None:
 @keys.command(name="create")
 @click.option("--tenant", required=True, help="The tenant the key belongs to.")
 @DATA_DIR_OPTION
-def keys_create(tenant: str, data_dir: Path) -> None:
+@DATABASE_OPTION
+def keys_create(tenant: str, data_dir: Path, database_url: str) -> None:
     """Create an API key for TENANT and print it (shown only this once)."""
     with server_errors():
         from space.control.keys import create_key
         from space.control.settings import ControlSettings
 
-        key = create_key(ControlSettings(data_dir=data_dir), tenant)
+        key = create_key(ControlSettings(data_dir=data_dir, database_url=database_url), tenant)
     click.echo(key)
+
+
+def open_database(settings: ControlSettings) -> None:
+    """Reach the database and bring its schema up to date, before anything starts: a URL
+    of another scheme exits 2 naming the accepted ones, an unreachable database exits 1
+    with the driver's reason (``error: unavailable: …``). Call inside server_errors."""
+    from space.control.errors import ApiError
+    from space.control.store.db import migrated
+
+    try:
+        with migrated(settings.database_url):
+            pass
+    except ApiError as exc:
+        if exc.code == "invalid_argument":
+            fail(f"--database: {exc.message}", 2)
+        raise
 
 
 class _Terminate(Exception):

@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 from space.control.errors import ApiError
 from space.control.settings import ControlSettings
 from space.control.store.db import migrated
+from space.control.store.dialects import upsert
 from space.control.store.models import ApiKeyRow, TenantRow
 
 __all__ = [
@@ -60,9 +61,8 @@ def add_key(session: Session, tenant: str, now: float) -> str:
     """
     if not _TENANT_RE.fullmatch(tenant):
         raise ApiError("invalid_argument", f"invalid tenant name {tenant!r}", tenant=tenant)
-    if session.get(TenantRow, tenant) is None:
-        session.add(TenantRow(id=tenant, created_at=now))
-        session.flush()
+    # Atomic: two first keys of one tenant (or two replicas) make one tenant.
+    upsert(session, TenantRow, {"id": tenant, "created_at": now}, keys=["id"])
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     session.add(
         ApiKeyRow(

@@ -17,9 +17,10 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from space.control import broker, egress, quota_checks
+from space.control import broker, egress, idempotency, quota_checks
 from space.control.deps import ControlContext
 from space.control.errors import ApiError
+from space.control.idempotency import Idempotency
 from space.control.node_text import scrub
 from space.control.scheduler import rank_nodes
 from space.control.schemas import SandboxCreate
@@ -143,9 +144,17 @@ def _spec(record: SandboxRecord, from_snapshot: str | None = None) -> SandboxSpe
 
 
 async def create_sandbox(
-    ctx: ControlContext, tenant: str, body: SandboxCreate, *, timeout_given: bool
+    ctx: ControlContext,
+    tenant: str,
+    body: SandboxCreate,
+    *,
+    timeout_given: bool,
+    idem: Idempotency | None = None,
 ) -> SandboxRecord:
     """Record, place and start a sandbox (from a snapshot if asked); returns it running.
+
+    Idempotent with ``idem``: a retry gets the sandbox the first request made, as it is
+    now (space.control.idempotency, which also says what else it raises).
 
     A sandbox made from a snapshot goes to the snapshot's node and takes its template
     and resources, and the egress policy and secret bindings its sandbox has now unless
@@ -164,6 +173,21 @@ async def create_sandbox(
     and deletes it on the node. Cancelled mid-way, the row stays ``creating`` until
     reconciliation.
     """
+
+    async def make(claim: Idempotency | None) -> list[SandboxRecord]:
+        return [await _create(ctx, tenant, body, timeout_given, claim)]
+
+    (record,) = await idempotency.once(ctx, idem, make)
+    return record
+
+
+async def _create(
+    ctx: ControlContext,
+    tenant: str,
+    body: SandboxCreate,
+    timeout_given: bool,
+    idem: Idempotency | None,
+) -> SandboxRecord:
     given = (
         None if body.egress is None else egress.canonical(body.egress, ctx.settings.egress_bounds)
     )
@@ -179,7 +203,7 @@ async def create_sandbox(
     inherited = None if parent is None else parent.egress
     policy = given if "egress" in body.model_fields_set else inherited
     record = _new_record(ctx, tenant, nodes[0], body, source, timeout_s, policy, bindings)
-    await quota_checks.insert_sandboxes(ctx, [record], "create")
+    await quota_checks.insert_sandboxes(ctx, [record], "create", idem)
     record = await _start(ctx, record, nodes, body.from_snapshot)
     if record.secrets:
         await _send_grants(ctx, record)

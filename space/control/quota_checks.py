@@ -42,12 +42,14 @@ from space.control.quotas import (
 from space.control.store import quotas as store
 from space.control.store import repo
 from space.control.store import snapshots as snaps
+from space.control.store.idempotency import claim as claim_key
 from space.control.store.repo import SandboxRecord
 from space.control.store.snapshots import SnapshotRecord
 from space.control.template_names import BASE, tenant_name
 
 if TYPE_CHECKING:
     from space.control.deps import ControlContext
+    from space.control.idempotency import Idempotency
 
 __all__ = [
     "check_new_template",
@@ -89,14 +91,22 @@ def _check_counted(
 
 
 async def insert_sandboxes(
-    ctx: ControlContext, records: Sequence[SandboxRecord], operation: str
+    ctx: ControlContext,
+    records: Sequence[SandboxRecord],
+    operation: str,
+    idem: Idempotency | None = None,
 ) -> None:
     """Insert the rows of new sandboxes of one tenant (in ``creating``) if its quotas
-    have room for them all; else raise the refusal and insert none."""
+    have room for them all; else raise the refusal and insert none. With ``idem``, its
+    key is claimed in the same transaction (space.control.idempotency): KeyTaken, and
+    nothing inserted, if another request holds it."""
     tenant = records[0].tenant_id
     demand = _demand(records)
+    now = ctx.clock()
 
     def insert(session: Session) -> None:
+        if idem is not None:
+            claim_key(session, idem.record([r.id for r in records], now), now)
         for record in records:
             repo.insert_sandbox(session, record)
         session.flush()

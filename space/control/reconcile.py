@@ -19,7 +19,7 @@ import functools
 import logging
 from dataclasses import replace
 
-from space.control import broker
+from space.control import broker, idempotency
 from space.control.deps import ControlContext
 from space.control.errors import ApiError
 from space.control.lifecycle import delete_sandbox, hibernate_sandbox
@@ -125,11 +125,12 @@ async def _mark_failed(
 
 async def reap(ctx: ControlContext) -> None:
     """One reaper round: delete expired sandboxes, hibernate idle ones, record failed
-    VMs, then send grants to nodes whose boot id changed."""
+    VMs, send grants to nodes whose boot id changed, forget expired idempotency keys."""
     await reap_expired(ctx)
     await hibernate_idle(ctx)
     await notice_failed_vms(ctx)
     await broker.sync_restarted_nodes(ctx)
+    await idempotency.sweep(ctx)
 
 
 async def reaper_loop(ctx: ControlContext, interval_s: float) -> None:

@@ -16,10 +16,12 @@ from dataclasses import replace
 
 from sqlalchemy.orm import Session
 
-from space.control import broker, egress, lifecycle, quota_checks
+from space.control import broker, egress, idempotency, lifecycle, quota_checks
 from space.control.deps import ControlContext
 from space.control.errors import ApiError
+from space.control.idempotency import Idempotency
 from space.control.lifecycle import LIVE, check_state, new_sandbox_id, record_status
+from space.control.store import quotas as quota_store
 from space.control.store import repo
 from space.control.store import snapshots as snaps
 from space.control.store.repo import SandboxRecord
@@ -102,6 +104,9 @@ async def _claim_name(ctx: ControlContext, pending: SnapshotRecord) -> None:
     or its tenant's ``snapshots`` are all used (429; nothing inserted)."""
 
     def claim(session: Session) -> SnapshotRecord | None:
+        # Locked before the name is looked up: two claims of one name (through two
+        # replicas, too) cannot both find it free.
+        quota_store.lock_tenant(session, pending.tenant_id)
         existing = snaps.find_live_by_name(session, pending.sandbox_id, pending.name)
         if existing is None:
             quota_checks.insert_snapshot(session, ctx.settings.quotas, pending)
@@ -199,7 +204,7 @@ def _child(ctx: ControlContext, parent: SandboxRecord) -> SandboxRecord:
 
 
 async def fork_sandbox(
-    ctx: ControlContext, parent: SandboxRecord, count: int
+    ctx: ControlContext, parent: SandboxRecord, count: int, idem: Idempotency | None = None
 ) -> list[SandboxRecord]:
     """``count`` new running copies of a running, paused or hibernated sandbox.
 
@@ -210,10 +215,18 @@ async def fork_sandbox(
     ApiError(resource_exhausted) if the tenant's quotas have no room for all the
     children (none is made), or the
     node's NodeError (the children's rows are then deleted, on the node too).
+    Idempotent with ``idem``: a retry gets the children the first request made, as
+    they are now (space.control.idempotency).
     """
+    return await idempotency.once(ctx, idem, lambda claim: _fork(ctx, parent, count, claim))
+
+
+async def _fork(
+    ctx: ControlContext, parent: SandboxRecord, count: int, idem: Idempotency | None
+) -> list[SandboxRecord]:
     check_state("fork", parent, LIVE)
     children = [_child(ctx, parent) for _ in range(count)]
-    await quota_checks.insert_sandboxes(ctx, children, "fork")
+    await quota_checks.insert_sandboxes(ctx, children, "fork", idem)
     node = ctx.nodes.get(parent.node_id)
     try:
         statuses = await node.fork_sandbox(parent.id, [child.id for child in children])

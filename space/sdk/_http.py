@@ -118,6 +118,7 @@ class ApiClient:
         json_body: Mapping[str, Any] | None = None,
         params: Mapping[str, str] | None = None,
         timeout_s: float | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> Any:
         """Send a request and return its JSON answer (None for an empty answer).
 
@@ -132,6 +133,7 @@ class ApiClient:
             json_body=json_body,
             params=params,
             timeout_s=timeout_s,
+            headers=headers,
         ) as response:
             body = await read_capped(response, MAX_JSON_BYTES, operation=operation)
         if not body:
@@ -159,13 +161,15 @@ class ApiClient:
         content: AsyncIterator[bytes] | bytes | None = None,
         timeout_s: float | None = None,
         read_timeout_s: float | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[httpx.Response]:
         """Open a request whose successful answer is read by the caller, then closed.
 
         ``timeout_s`` overrides the per-operation timeout; ``read_timeout_s`` (when given)
         the wait for each next chunk of a long stream. Error answers raise before the
         caller sees them. Leaving the block early closes the connection: for an exec,
-        the server then kills a foreground process.
+        the server then kills a foreground process. ``headers`` are added to the
+        connection's own.
         """
         base = timeout_s or self.config.request_timeout_s
         timeout = httpx.Timeout(
@@ -179,7 +183,13 @@ class ApiClient:
             )
         with translate_errors(operation=operation, sandbox_id=sandbox_id):
             request = self._client.build_request(
-                method, path, json=json_body, params=params, content=content, timeout=timeout
+                method,
+                path,
+                json=json_body,
+                params=params,
+                content=content,
+                timeout=timeout,
+                headers=headers,
             )
             response = await self._client.send(request, stream=True)
             try:

@@ -22,6 +22,7 @@ from space.sdk._network import AsyncNetwork
 from space.sdk._sandbox_requests import (
     bounded_map,
     create_body,
+    idempotency_header,
     secret_names,
     segment,
     snapshot_id,
@@ -78,6 +79,7 @@ class AsyncSandboxes:
         metadata: Mapping[str, str] | None = None,
         egress: Mapping[str, Any] | None = None,
         secrets: Sequence[str] | None = None,
+        idempotency_key: str | None = None,
     ) -> AsyncSandbox:
         """Create a sandbox and return once it runs.
 
@@ -99,8 +101,12 @@ class AsyncSandboxes:
         unknown secret, named by the server), NotFound (template or snapshot),
         InsufficientCapacity (no node has room now: nothing was created; its
         ``retry_after_s`` says when to try again), AuthenticationError, Unavailable,
-        Timeout (after 180 s). Not idempotent. A cancellation mid-way may leave a
-        sandbox behind that ``list()`` shows.
+        Timeout (after 180 s). Idempotent with ``idempotency_key`` (1 to 255 printable
+        ASCII characters, kept 24 h by the server): a retry with the same key and
+        arguments returns the sandbox the first call made, as it is now, and never makes
+        a second; the same key with other arguments raises InvalidArgument. Without a
+        key, a cancellation mid-way may leave a sandbox behind that ``list()`` shows,
+        and a retry makes another.
         """
         body = create_body(template, cpus, memory_mib, disk_mib, from_snapshot)
         body.update(
@@ -120,6 +126,7 @@ class AsyncSandboxes:
             operation="sandbox.create",
             json_body=body,
             timeout_s=CREATE_TIMEOUT_S,
+            headers=idempotency_header(idempotency_key, "sandbox.create"),
         )
         return self._sandbox(SandboxInfo.from_wire(json_object(answer)))
 
@@ -210,6 +217,7 @@ class AsyncSandbox:
         metadata: Mapping[str, str] | None = None,
         egress: Mapping[str, Any] | None = None,
         secrets: Sequence[str] | None = None,
+        idempotency_key: str | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
         request_timeout_s: float | None = None,
@@ -220,6 +228,7 @@ class AsyncSandbox:
                 template, cpus=cpus, memory_mib=memory_mib, disk_mib=disk_mib,
                 timeout_s=timeout_s, idle_timeout_s=idle_timeout_s, from_snapshot=from_snapshot,
                 env=env, metadata=metadata, egress=egress, secrets=secrets,
+                idempotency_key=idempotency_key,
             )  # fmt: skip
 
     @classmethod
@@ -396,17 +405,20 @@ class AsyncSandbox:
         self._info = SandboxInfo.from_wire(json_object(answer))
         return self._info
 
-    async def fork(self, n: int = 1) -> builtins.list[AsyncSandbox]:
+    async def fork(
+        self, n: int = 1, *, idempotency_key: str | None = None
+    ) -> builtins.list[AsyncSandbox]:
         """Make ``n`` (1 to space.limits.MAX_FORK_CHILDREN) running copies of this sandbox:
         disk, memory, processes.
 
         Each child has a fresh guest identity and its own connection with this one's
         configuration (close or kill each; children of a sandbox made through an
         ``AsyncSpace`` share that client's connection instead); this sandbox keeps its
-        state after a brief pause. Not idempotent. Raises InvalidArgument (``n`` out of range),
-        InsufficientCapacity (its node has no room for all ``n``: none is made),
-        Conflict, NotFound. A cancellation
-        mid-way may leave children behind that ``list()`` shows.
+        state after a brief pause. Idempotent with ``idempotency_key``, as ``create``:
+        a retry returns the children the first call made. Raises InvalidArgument (``n``
+        out of range, a key used with other arguments), InsufficientCapacity (its node
+        has no room for all ``n``: none is made), Conflict, NotFound. Without a key, a
+        cancellation mid-way may leave children behind that ``list()`` shows.
         """
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_FORK_CHILDREN:
             raise InvalidArgument(
@@ -421,6 +433,7 @@ class AsyncSandbox:
             sandbox_id=self.sandbox_id,
             json_body={"count": n},
             timeout_s=LIFECYCLE_TIMEOUT_S,
+            headers=idempotency_header(idempotency_key, "sandbox.fork", self.sandbox_id),
         )
         children = listed(answer, "sandboxes", operation="sandbox.fork")
         infos = [SandboxInfo.from_wire(json_object(child)) for child in children]

@@ -1,5 +1,6 @@
-"""What the sandbox calls send: the create body, and the ids they put in URL paths,
-checked before anything is sent (InvalidArgument, with nothing on the wire)."""
+"""What the sandbox calls send: the create body, the ids they put in URL paths and the
+Idempotency-Key header, checked before anything is sent (InvalidArgument, with nothing
+on the wire)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from space.limits import RESOURCES, MapLimit
+from space.limits import IDEMPOTENCY_KEY_CHARS, RESOURCES, MapLimit
 from space.sdk._models import SnapshotInfo
 from space.sdk.errors import InvalidArgument
 
-__all__ = ["create_body", "secret_names", "segment", "snapshot_id"]
+__all__ = ["create_body", "idempotency_header", "secret_names", "segment", "snapshot_id"]
 
 #: What the SDK accepts as an id in a URL path: the API's ids (``sb-``/hex...) and no
 #: ``/`` or leading dot, so an id can never name another resource.
@@ -76,3 +77,28 @@ def segment(value: str, what: str) -> str:
     if not isinstance(value, str) or not _ID.match(value):
         raise InvalidArgument(f"not a valid {what}: {value!r}")
     return value
+
+
+def idempotency_header(
+    key: str | None, operation: str, sandbox_id: str | None = None
+) -> dict[str, str] | None:
+    """The ``Idempotency-Key`` header of a create or fork (None without a key).
+
+    Raises InvalidArgument, before anything is sent, for a key the API would refuse:
+    empty, longer than 255 characters or not printable ASCII.
+    """
+    if key is None:
+        return None
+    low, high = IDEMPOTENCY_KEY_CHARS
+    if (
+        not isinstance(key, str)
+        or not low <= len(key) <= high
+        or not key.isprintable()
+        or not key.isascii()
+    ):
+        raise InvalidArgument(
+            f"idempotency_key must be {low} to {high} printable ASCII characters",
+            operation=operation,
+            sandbox_id=sandbox_id,
+        )
+    return {"Idempotency-Key": key}

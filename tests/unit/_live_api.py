@@ -36,6 +36,7 @@ from space.node.api import (
     Unavailable,
 )
 from space.sdk._sync import _LOOP
+from tests.unit import fakes
 from tests.unit.fakes import FakeNode
 
 __all__ = ["API_URL", "TENANT", "LiveApi"]
@@ -55,7 +56,9 @@ class LiveApi:
 
     def __init__(self, data_dir: Path, node: FakeNode | None = None) -> None:
         self.node = node or FakeNode()
-        self.settings = ControlSettings(data_dir=data_dir, reaper_interval_s=3600.0)
+        self.settings = ControlSettings(
+            data_dir=data_dir, reaper_interval_s=3600.0, database_url=fakes.DATABASE_URL
+        )
         registry = NodeRegistry()
         registry.register(self.node.node_id, self.node)
         self.app = create_app(self.settings, registry)

@@ -11,6 +11,7 @@ import pytest
 
 from space.node.network.gateway_client import running_gateways
 from tests.root_broker import root_broker
+from tests.unit import fakes
 from tests.unit._live_api import LiveApi
 
 
@@ -18,6 +19,15 @@ from tests.unit._live_api import LiveApi
 def anyio_backend() -> str:
     """``pytest.mark.anyio`` tests run on asyncio only: the SDK and servers are asyncio."""
     return "asyncio"
+
+
+@pytest.fixture
+def on_both_databases(database_url: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test once per backend (tests/conftest.py ``database_url``): every control
+    app it starts through ``control_app`` or ``LiveApi`` uses that database.
+    Modules of DB-level tests ask for it with ``pytest.mark.usefixtures``."""
+    monkeypatch.setattr(fakes, "DATABASE_URL", database_url)
+    return database_url
 
 
 @pytest.fixture

@@ -459,6 +459,12 @@ def _status_of(spec: SandboxSpec) -> SandboxStatus:
     )
 
 
+#: The database every control app of the running test uses ("": SQLite in its data
+#: dir); the ``on_both_databases`` fixture (tests/unit/conftest.py) points it at a fresh
+#: database of each backend in turn.
+DATABASE_URL = ""
+
+
 class FakeClock:
     def __init__(self, now: float = 1_800_000_000.0) -> None:
         self.now = now
@@ -490,11 +496,13 @@ async def control_app(
     clock: FakeClock | None = None,
     egress_operator_ranges: tuple[str, ...] = (),
 ) -> AsyncIterator[Harness]:
-    """The control plane over a FakeNode (as "local"), lifespan running, with a client."""
+    """The control plane over a FakeNode (as "local"), lifespan running, with a client,
+    on the test's database (``DATABASE_URL``)."""
     node = node or FakeNode()
     clock = clock or FakeClock()
     settings = ControlSettings(
         data_dir=data_dir,
+        database_url=DATABASE_URL,
         reaper_interval_s=reaper_interval_s,
         egress_operator_ranges=egress_operator_ranges,
     )

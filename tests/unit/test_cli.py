@@ -20,9 +20,9 @@ from space.sdk import Sandbox
 from tests.unit._live_api import API_URL, TENANT, LiveApi
 
 COMMANDS = [
-    "cp", "create", "demo", "egress", "exec", "fork", "hibernate", "keys", "ls", "node", "pause",
-    "pools", "quota", "restore", "resume", "rm", "secret", "serve", "snapshot", "template",
-    "timeouts",
+    "control", "cp", "create", "demo", "egress", "exec", "fork", "hibernate", "keys", "ls",
+    "node", "pause", "pools", "quota", "restore", "resume", "rm", "secret", "serve", "snapshot",
+    "template", "timeouts",
 ]  # fmt: skip
 
 

@@ -29,7 +29,8 @@ from space.node.api import (
 )
 from tests.unit.fakes import FakeNode, Harness, control_app
 
-pytestmark = pytest.mark.anyio
+# DB-level: each test runs on SQLite and on PostgreSQL (issue 19).
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("on_both_databases")]
 
 
 def _error(response: httpx.Response) -> dict[str, Any]:

@@ -18,7 +18,8 @@ from space.control.reconcile import notice_failed_vms, reap
 from space.node.api import SandboxState, SandboxStatus, Unavailable
 from tests.unit.fakes import Harness, control_app
 
-pytestmark = pytest.mark.anyio
+# DB-level: each test runs on SQLite and on PostgreSQL (issue 19).
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("on_both_databases")]
 
 
 def _ctx(h: Harness) -> ControlContext:

@@ -12,7 +12,8 @@ from space.node.api import Conflict, ExecRequest, NotFound, SandboxSpec, Sandbox
 from tests.unit.fakes import FakeNode, Harness, control_app
 from tests.unit.test_remote_node import remote
 
-pytestmark = pytest.mark.anyio
+# DB-level: each test runs on SQLite and on PostgreSQL (issue 19).
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("on_both_databases")]
 
 
 async def _sandbox(h: Harness, headers: dict[str, str]) -> str:

@@ -26,7 +26,8 @@ from tests.unit._fake_templates import FakeBuildStream
 from tests.unit.fakes import FakeNode, Harness, control_app, wait_for
 from tests.unit.test_control_templates import archive, lines, spec
 
-pytestmark = pytest.mark.anyio
+# DB-level: each test runs on SQLite and on PostgreSQL (issue 19).
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("on_both_databases")]
 
 
 def _limit(h: Harness, tenant: str, **limits: int | None) -> None:

@@ -8,12 +8,15 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import inspect, text
 
 from space.control.reconcile import reap
+from space.control.store import Database
 from space.node.api import SandboxSpec, SandboxStatus, SecretGrant, Unavailable
 from tests.unit.fakes import FakeNode, Harness, control_app
 
-pytestmark = pytest.mark.anyio
+# DB-level: each test runs on SQLite and on PostgreSQL (issue 19).
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("on_both_databases")]
 
 VALUE = "sk-live-7d1f0a-never-shown"
 NEW_VALUE = "sk-live-2b8e44-rotated-too"
@@ -338,14 +341,29 @@ async def test_negative_the_value_is_in_no_answer_no_log_line_and_not_in_the_dat
         assert all(secret.encode() not in body for body in recording.bodies)
         assert secret not in caplog.text
         assert all(secret not in str(record.args) for record in caplog.records)
-        assert secret.encode() not in _database_bytes(tmp_path)
+        assert secret.encode() not in _database_bytes(h.settings.database_url)
 
 
-def _database_bytes(data_dir: Path) -> bytes:
-    """The SQLite database's files (WAL included), as stored."""
-    files = sorted(data_dir.glob("space.db*"))
-    assert files
-    return b"".join(path.read_bytes() for path in files)
+def _database_bytes(url: str) -> bytes:
+    """What the database holds: SQLite's files (WAL included) as stored; every value of
+    every row of PostgreSQL's tables (bytes as they are, the rest as text)."""
+    if url.startswith("sqlite:///"):
+        files = sorted(Path(url.removeprefix("sqlite:///")).parent.glob("space.db*"))
+        assert files
+        return b"".join(path.read_bytes() for path in files)
+    db = Database(url)
+    try:
+        with db.engine.connect() as connection:
+            values = [
+                value
+                for table in inspect(connection).get_table_names()
+                for row in connection.execute(text(f'SELECT * FROM "{table}"'))
+                for value in row
+            ]
+    finally:
+        db.dispose()
+    assert values
+    return b"".join(v if isinstance(v, bytes) else str(v).encode() for v in values)
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,8 @@ from space.control.store.snapshots import SnapshotRecord
 from space.node.api import SandboxState, Unavailable
 from tests.unit.fakes import FakeNode, Harness, control_app
 
-pytestmark = pytest.mark.anyio
+# DB-level: each test runs on SQLite and on PostgreSQL (issue 19).
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("on_both_databases")]
 
 _SNAPSHOT_FIELDS = {
     "id",

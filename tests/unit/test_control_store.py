@@ -18,15 +18,19 @@ from space.control.reconcile import reap_expired
 from space.control.scheduler import rank_nodes
 from space.control.store import Database
 from space.control.store.db import alembic_config
-from space.control.store.models import ApiKeyRow, Base
+from space.control.store.models import ApiKeyRow, Base, TenantRow
 from space.node.api import SandboxSpec
+from tests.ports import free_port
 from tests.unit.fakes import FakeClock, FakeNode, control_app, wait_for
 
-pytestmark = pytest.mark.anyio
+# DB-level: each test runs on SQLite and on PostgreSQL (issue 19).
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("on_both_databases")]
 
 
-def test_migrations_produce_exactly_the_models_schema(tmp_path: Path) -> None:
-    db = Database(f"sqlite:///{tmp_path / 'm.db'}")
+def test_migrations_produce_exactly_the_models_schema(
+    tmp_path: Path, on_both_databases: str
+) -> None:
+    db = Database(on_both_databases)
     try:
         db.upgrade()
         with db.engine.connect() as connection:
@@ -38,8 +42,8 @@ def test_migrations_produce_exactly_the_models_schema(tmp_path: Path) -> None:
         db.dispose()
 
 
-def test_migrations_are_idempotent(tmp_path: Path) -> None:
-    db = Database(f"sqlite:///{tmp_path / 'm.db'}")
+def test_migrations_are_idempotent(tmp_path: Path, on_both_databases: str) -> None:
+    db = Database(on_both_databases)
     try:
         db.upgrade()
         db.upgrade()
@@ -49,8 +53,10 @@ def test_migrations_are_idempotent(tmp_path: Path) -> None:
         db.dispose()
 
 
-def test_a_key_is_shown_once_and_only_its_hash_is_stored(tmp_path: Path) -> None:
-    settings = ControlSettings(data_dir=tmp_path)
+def test_a_key_is_shown_once_and_only_its_hash_is_stored(
+    tmp_path: Path, on_both_databases: str
+) -> None:
+    settings = ControlSettings(data_dir=tmp_path, database_url=on_both_databases)
     key = create_key(settings, "acme")
     assert key.startswith(KEY_PREFIX) and len(key) >= len(KEY_PREFIX) + 43
     db = Database(settings.database_url)
@@ -60,11 +66,15 @@ def test_a_key_is_shown_once_and_only_its_hash_is_stored(tmp_path: Path) -> None
         db.dispose()
     assert [row.key_hash for row in rows] == [hash_key(key)]
     assert all(key not in (row.prefix, row.key_hash) for row in rows)
-    assert key not in (tmp_path / "space.db").read_bytes().decode("latin-1")
+    if on_both_databases.startswith("sqlite"):
+        stored = Path(on_both_databases.removeprefix("sqlite:///")).read_bytes()
+        assert key.encode() not in stored
 
 
-def test_keys_are_listed_per_tenant_and_revoked_idempotently(tmp_path: Path) -> None:
-    settings = ControlSettings(data_dir=tmp_path)
+def test_keys_are_listed_per_tenant_and_revoked_idempotently(
+    tmp_path: Path, on_both_databases: str
+) -> None:
+    settings = ControlSettings(data_dir=tmp_path, database_url=on_both_databases)
     create_key(settings, "acme")
     create_key(settings, "beta")
     (acme,) = list_keys(settings, "acme")
@@ -75,8 +85,10 @@ def test_keys_are_listed_per_tenant_and_revoked_idempotently(tmp_path: Path) -> 
     assert list_keys(settings, "beta")[0].revoked_at is None
 
 
-def test_negative_bad_tenant_names_and_unknown_key_ids_are_refused(tmp_path: Path) -> None:
-    settings = ControlSettings(data_dir=tmp_path)
+def test_negative_bad_tenant_names_and_unknown_key_ids_are_refused(
+    tmp_path: Path, on_both_databases: str
+) -> None:
+    settings = ControlSettings(data_dir=tmp_path, database_url=on_both_databases)
     with pytest.raises(ApiError) as bad:
         create_key(settings, "no spaces please")
     assert bad.value.code == "invalid_argument"
@@ -165,8 +177,10 @@ async def test_the_reaper_loop_runs_rounds_until_cancelled(tmp_path: Path) -> No
         await wait_for(lambda: short["id"] not in h.node.boxes)
 
 
-def test_migrations_downgrade_to_the_initial_schema_and_back(tmp_path: Path) -> None:
-    db = Database(f"sqlite:///{tmp_path / 'm.db'}")
+def test_migrations_downgrade_to_the_initial_schema_and_back(
+    tmp_path: Path, on_both_databases: str
+) -> None:
+    db = Database(on_both_databases)
     try:
         db.upgrade()
         config = alembic_config()
@@ -201,3 +215,41 @@ async def test_startup_reconciles_the_database_with_the_node(tmp_path: Path) -> 
         assert (await h.client.get(f"/v1/sandboxes/{kept}", headers=headers)).json()[
             "state"
         ] == "running"
+
+
+def test_negative_a_write_a_constraint_refuses_is_our_conflict_not_the_drivers(
+    on_both_databases: str,
+) -> None:
+    db = Database(on_both_databases)
+    try:
+        db.upgrade()
+        db.call(lambda s: s.add(TenantRow(id="acme", created_at=1.0)))
+        with pytest.raises(ApiError) as refused:
+            db.call(lambda s: s.add(TenantRow(id="acme", created_at=2.0)))
+        assert refused.value.code == "conflict" and "INSERT" not in refused.value.message
+        kept = db.call(lambda s: s.get(TenantRow, "acme"))
+        assert kept is not None and kept.created_at == 1.0
+    finally:
+        db.dispose()
+
+
+@pytest.mark.parametrize(
+    "url", ["mysql://u@h/db", "postgres-ish://x", "not a url", "oracle+cx://u:pw@h/db"]
+)
+def test_negative_a_database_url_of_another_scheme_is_invalid_argument(url: str) -> None:
+    with pytest.raises(ApiError) as refused:
+        Database(url)
+    assert refused.value.code == "invalid_argument"
+    assert "sqlite:///" in refused.value.message and "pw" not in refused.value.message
+
+
+async def test_negative_an_unreachable_database_is_unavailable_without_its_password() -> None:
+    db = Database(f"postgresql://space:hunter2@127.0.0.1:{free_port()}/space")
+    try:
+        with pytest.raises(ApiError) as down:
+            await db.run(lambda s: s.get(TenantRow, "acme"))
+        assert down.value.code == "unavailable" and "hunter2" not in down.value.message
+        with pytest.raises(ApiError, match="unavailable"):
+            db.upgrade()
+    finally:
+        db.dispose()

@@ -3,11 +3,14 @@ restore, fork."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Response
 
 from space.control import lifecycle, snapshots
 from space.control.deps import Context, Sandbox, Tenant
 from space.control.errors import ApiError
+from space.control.idempotency import HEADER, idempotency
 from space.control.schemas import (
     ForkBody,
     RestoreBody,
@@ -21,11 +24,26 @@ __all__ = ["router"]
 
 router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
 
+#: The optional ``Idempotency-Key`` of a create or fork (space.control.idempotency).
+IdempotencyKey = Annotated[
+    str | None,
+    Header(
+        alias=HEADER,
+        description="Retries with this key (1-255 printable ASCII characters, kept 24 h)"
+        " answer what the first request made instead of making more.",
+    ),
+]
+
 
 @router.post("", status_code=201)
-async def create_sandbox(body: SandboxCreate, tenant: Tenant, ctx: Context) -> SandboxOut:
+async def create_sandbox(
+    body: SandboxCreate, tenant: Tenant, ctx: Context, idempotency_key: IdempotencyKey = None
+) -> SandboxOut:
+    """Create a sandbox; idempotent with an ``Idempotency-Key``."""
     given = "timeout_s" in body.model_fields_set
-    record = await lifecycle.create_sandbox(ctx, tenant, body, timeout_given=given)
+    asked = body.model_dump(mode="json", exclude_unset=True)
+    idem = idempotency(idempotency_key, tenant, "create", None, asked)
+    record = await lifecycle.create_sandbox(ctx, tenant, body, timeout_given=given, idem=idem)
     return SandboxOut.of(record)
 
 
@@ -93,9 +111,14 @@ async def restore_sandbox(
 
 @router.post("/{sandbox_id}/fork", status_code=201)
 async def fork_sandbox(
-    sandbox: Sandbox, ctx: Context, body: ForkBody | None = None
+    sandbox: Sandbox,
+    ctx: Context,
+    body: ForkBody | None = None,
+    idempotency_key: IdempotencyKey = None,
 ) -> dict[str, list[SandboxOut]]:
-    """``count`` new running copies of the sandbox (the body is optional: one copy)."""
+    """``count`` new running copies of the sandbox (the body is optional: one copy);
+    idempotent with an ``Idempotency-Key``."""
     count = body.count if body is not None else 1
-    children = await snapshots.fork_sandbox(ctx, sandbox, count)
+    idem = idempotency(idempotency_key, sandbox.tenant_id, "fork", sandbox.id, {"count": count})
+    children = await snapshots.fork_sandbox(ctx, sandbox, count, idem)
     return {"sandboxes": [SandboxOut.of(child) for child in children]}

@@ -29,6 +29,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 __all__ = [
     "ApiKeyRow",
     "Base",
+    "IdempotencyKeyRow",
     "NodeRow",
     "SandboxRow",
     "SecretRow",
@@ -194,3 +195,23 @@ class TenantQuotaRow(Base):
     #: 64-bit: a disk limit in MiB may pass 2**31.
     limit: Mapped[int] = mapped_column(BigInteger)
     updated_at: Mapped[float] = mapped_column(Float)
+
+
+class IdempotencyKeyRow(Base):
+    """A create's or fork's ``Idempotency-Key`` (issue 19), inserted in the transaction
+    that inserts the rows of the sandboxes it makes: ``sandbox_ids`` (in the order the
+    answer lists them) and the SHA-256 of the request, which a retry must repeat."""
+
+    __tablename__ = "idempotency_keys"
+    __table_args__ = (
+        PrimaryKeyConstraint("tenant_id", "key"),
+        ForeignKeyConstraint(["tenant_id"], ["tenants.id"]),
+    )
+
+    tenant_id: Mapped[str] = mapped_column(String(64))
+    key: Mapped[str] = mapped_column(String(255))
+    request_hash: Mapped[str] = mapped_column(String(64))
+    sandbox_ids: Mapped[list[str]] = mapped_column(JSON)
+    created_at: Mapped[float] = mapped_column(Float)
+    #: From then on the key is forgotten (swept by the reaper; a new request reuses it).
+    expires_at: Mapped[float] = mapped_column(Float, index=True)

@@ -7,7 +7,7 @@ ones, and both hold disk. Functions take an open Session.
 
 from __future__ import annotations
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
 from space.control.quotas import (
@@ -19,6 +19,7 @@ from space.control.quotas import (
     VCPUS,
 )
 from space.control.store import snapshots as snaps
+from space.control.store.dialects import upsert
 from space.control.store.models import SandboxRow, SnapshotRow, TenantQuotaRow, TenantRow
 from space.node.api import SandboxState
 
@@ -48,13 +49,18 @@ def tenant_exists(session: Session, tenant: str) -> bool:
 
 
 def lock_tenant(session: Session, tenant: str) -> None:
-    """Serialise the quota checks of ``tenant`` until the transaction ends.
+    """Serialise the quota checks (and name claims) of ``tenant`` until the transaction
+    ends, the same on both backends.
 
     On PostgreSQL a row lock on the tenant (``FOR NO KEY UPDATE``, which the foreign-key
     checks of the rows being inserted do not wait for): a second replica's check waits,
-    then counts what the first committed. SQLite has no row locks and needs none: its
-    writers are serialised, and a check writes its row before it counts.
+    then counts what the first committed. SQLite has no row locks: a write that changes
+    nothing takes its database-wide write lock, which a second writer waits for (its
+    busy timeout), so what this transaction reads next no other writer changes.
     """
+    if session.get_bind().dialect.name == "sqlite":
+        session.execute(update(TenantRow).where(TenantRow.id == tenant).values(id=TenantRow.id))
+        return
     session.execute(
         select(TenantRow.id).where(TenantRow.id == tenant).with_for_update(key_share=True)
     )
@@ -68,12 +74,8 @@ def overrides(session: Session, tenant: str) -> dict[str, int]:
 
 def set_limit(session: Session, tenant: str, quota: str, limit: int, now: float) -> None:
     """Give ``tenant`` its own ``limit`` of ``quota`` (replacing any earlier one)."""
-    row = session.get(TenantQuotaRow, (tenant, quota))
-    if row is None:
-        session.add(TenantQuotaRow(tenant_id=tenant, quota=quota, limit=limit, updated_at=now))
-    else:
-        row.limit = limit
-        row.updated_at = now
+    values = {"tenant_id": tenant, "quota": quota, "limit": limit, "updated_at": now}
+    upsert(session, TenantQuotaRow, values, ["tenant_id", "quota"], ["limit", "updated_at"])
 
 
 def reset_limits(session: Session, tenant: str, quotas: frozenset[str] | None = None) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
+from space.control.store.dialects import upsert
 from space.control.store.models import NodeRow, SandboxRow
 from space.node.api import SandboxState
 
@@ -303,12 +304,9 @@ def active_counts(session: Session) -> dict[str, int]:
 
 
 def upsert_node(session: Session, node_id: str, url: str, now: float) -> None:
-    row = session.get(NodeRow, node_id)
-    if row is None:
-        session.add(NodeRow(id=node_id, url=url, last_seen=now))
-    else:
-        row.url = url
-        row.last_seen = now
+    """Record a node (or its new URL) as seen at ``now``; atomic, so two replicas may."""
+    values = {"id": node_id, "url": url, "last_seen": now}
+    upsert(session, NodeRow, values, keys=["id"], update=["url", "last_seen"])
 
 
 def list_nodes(session: Session) -> dict[str, str]:

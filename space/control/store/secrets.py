@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
+from space.control.store.dialects import upsert
 from space.control.store.models import SecretRow
 
 __all__ = [
@@ -71,23 +72,31 @@ def _record(row: SecretRow) -> SecretRecord:
 
 def upsert_secret(session: Session, record: SecretRecord) -> SecretRecord:
     """Create or replace the tenant's secret ``record.name``; a replaced one keeps its
-    ``created_at``. Returns the record as stored."""
-    row = session.get(SecretRow, (record.tenant_id, record.name))
-    if row is None:
-        row = SecretRow(tenant_id=record.tenant_id, name=record.name, created_at=record.created_at)
-        session.add(row)
-    row.hosts = list(record.hosts)
-    row.env = record.env
-    row.injection = record.injection
-    row.header = record.header
-    row.format = record.format
-    row.key_id = record.sealed.key_id
-    row.wrapped_key = record.sealed.wrapped_key
-    row.nonce = record.sealed.nonce
-    row.ciphertext = record.sealed.ciphertext
-    row.updated_at = record.updated_at
-    session.flush()
-    return _record(row)
+    ``created_at``. Atomic (two writers of one name: the last wins). Returns the record
+    as stored."""
+    values = {
+        "tenant_id": record.tenant_id,
+        "name": record.name,
+        "hosts": list(record.hosts),
+        "env": record.env,
+        "injection": record.injection,
+        "header": record.header,
+        "format": record.format,
+        "key_id": record.sealed.key_id,
+        "wrapped_key": record.sealed.wrapped_key,
+        "nonce": record.sealed.nonce,
+        "ciphertext": record.sealed.ciphertext,
+        "created_at": record.created_at,
+        "updated_at": record.updated_at,
+    }
+    keys = ["tenant_id", "name"]
+    upsert(session, SecretRow, values, keys, [c for c in values if c not in (*keys, "created_at")])
+    query = (
+        select(SecretRow)
+        .where(SecretRow.tenant_id == record.tenant_id, SecretRow.name == record.name)
+        .execution_options(populate_existing=True)
+    )
+    return _record(session.scalars(query).one())
 
 
 def find_secret(session: Session, tenant_id: str, name: str) -> SecretRecord | None:
@@ -108,8 +117,10 @@ def find_secrets(
 
 
 def list_secrets(session: Session, tenant_id: str) -> list[SecretRecord]:
-    query = select(SecretRow).where(SecretRow.tenant_id == tenant_id).order_by(SecretRow.name)
-    return [_record(row) for row in session.scalars(query)]
+    """The tenant's secrets by name, in code point order: sorted here, as a database's
+    collation may order ``A_b`` and ``Ab`` either way (PostgreSQL's follows the locale)."""
+    query = select(SecretRow).where(SecretRow.tenant_id == tenant_id)
+    return sorted((_record(row) for row in session.scalars(query)), key=lambda r: r.name)
 
 
 def delete_secret(session: Session, tenant_id: str, name: str) -> bool:
