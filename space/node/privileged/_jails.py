@@ -93,8 +93,9 @@ class Jails:
             )
             procs = await asyncio.to_thread(self.cgroups.create, name, limits)
             await asyncio.to_thread(_hand_over, owned, uid, self._owner[1])
+            owned_texts = {p.text for p in owned}
             for pinned, mode in binds:
-                if mode == "ro" and pinned.text not in {p.text for p in owned}:
+                if mode == "ro" and pinned.text not in owned_texts:
                     await asyncio.to_thread(_readable, pinned.fd)
             spec = {
                 "argv": [binary, *argv[1:]],

@@ -114,20 +114,24 @@ def _adopt_read_only_subvolumes(root: Pinned, owner: tuple[int, int]) -> None:
         ):
             try:
                 for name in os.listdir(parent):
-                    fd = _open_directory(name, parent)
-                    if fd is None:
-                        continue
-                    try:
-                        if os.fstat(fd).st_ino == 256 and _read_only(fd):
-                            _set_read_only(fd, False)
-                            try:
-                                adopt_tree(Path(text, name), owner, JAIL_UIDS, dir_fd=fd)
-                            finally:
-                                _set_read_only(fd, True)
-                    finally:
-                        os.close(fd)
+                    _adopt_if_read_only(name, parent, Path(text, name), owner)
             finally:
                 os.close(parent)
+
+
+def _adopt_if_read_only(name: str, dir_fd: int, text: Path, owner: tuple[int, int]) -> None:
+    fd = _open_directory(name, dir_fd)
+    if fd is None:
+        return
+    try:
+        if os.fstat(fd).st_ino == 256 and _read_only(fd):
+            _set_read_only(fd, False)
+            try:
+                adopt_tree(text, owner, JAIL_UIDS, dir_fd=fd)
+            finally:
+                _set_read_only(fd, True)
+    finally:
+        os.close(fd)
 
 
 def _subdirectories(dir_fd: int, name: str, text: str, *, depth: int) -> list[tuple[int, str]]:
@@ -153,7 +157,7 @@ def _open_directory(name: str, dir_fd: int) -> int | None:
         return os.open(
             name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd
         )
-    except (FileNotFoundError, NotADirectoryError, OSError):
+    except OSError:  # missing, not a directory, or a link
         return None
 
 
