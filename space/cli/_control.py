@@ -21,6 +21,7 @@ from space.cli._server import (
     _run_until_signal,
     _split_listen,
     _tls_files,
+    api_options,
     egress_bounds_options,
     open_database,
     server_errors,
@@ -46,18 +47,7 @@ __all__ = ["control"]
     help="The master keys secrets are sealed under (made if missing; every replica needs"
     " the same) [default: DATA_DIR/master.key; unused with $SPACE_MASTER_KEY].",
 )  # fmt: skip
-@click.option(
-    "--reaper-interval", type=click.FloatRange(min=0.1), default=5.0, show_default=True,
-    help="Seconds between checks for ended lifetimes and idle sandboxes.",
-)  # fmt: skip
-@click.option(
-    "--tls-cert", type=click.Path(dir_okay=False, path_type=Path), default=None,
-    help="PEM certificate chain: serve the API over HTTPS (with --tls-key).",
-)  # fmt: skip
-@click.option(
-    "--tls-key", type=click.Path(dir_okay=False, path_type=Path), default=None,
-    help="PEM private key of --tls-cert (keep it 0600).",
-)  # fmt: skip
+@api_options
 @egress_bounds_options
 def control(
     data_dir: Path,

@@ -138,6 +138,30 @@ EGRESS_CA_OPTION = click.option(
 )
 
 
+def api_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """What every command that serves the API takes: ``reaper_interval``, ``tls_cert``
+    and ``tls_key``."""
+    for option in reversed(
+        (
+            click.option(
+                "--reaper-interval", type=click.FloatRange(min=0.1), default=5.0,
+                show_default=True,
+                help="Seconds between checks for ended lifetimes and idle sandboxes.",
+            ),
+            click.option(
+                "--tls-cert", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                help="PEM certificate chain: serve the API over HTTPS (with --tls-key).",
+            ),
+            click.option(
+                "--tls-key", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                help="PEM private key of --tls-cert (keep it 0600).",
+            ),
+        )
+    ):  # fmt: skip
+        command = option(command)
+    return command
+
+
 def egress_bounds_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """What tenants' egress policies may name (issue 17), passed to NodeConfig (and
     ControlSettings) as ``egress_operator_ranges`` and ``egress_allow_wide_any_port``."""
@@ -168,18 +192,7 @@ def egress_bounds_options(command: Callable[..., Any]) -> Callable[..., Any]:
     "--warm-max", type=click.IntRange(min=0), default=0, show_default=True,
     help="Paused VMs each template's warm pool holds at most (0: no pool).",
 )  # fmt: skip
-@click.option(
-    "--reaper-interval", type=click.FloatRange(min=0.1), default=5.0, show_default=True,
-    help="Seconds between checks for ended lifetimes and idle sandboxes.",
-)  # fmt: skip
-@click.option(
-    "--tls-cert", type=click.Path(dir_okay=False, path_type=Path), default=None,
-    help="PEM certificate chain: serve the API over HTTPS (with --tls-key).",
-)  # fmt: skip
-@click.option(
-    "--tls-key", type=click.Path(dir_okay=False, path_type=Path), default=None,
-    help="PEM private key of --tls-cert (keep it 0600).",
-)  # fmt: skip
+@api_options
 @capacity_options
 @EGRESS_RESOLVER_OPTION
 @EGRESS_CA_OPTION
