@@ -20,10 +20,12 @@ from space.node.api import InvalidArgument, PolicyBounds
 from space.node.core.capacity import Policy
 from space.node.network.resolvers import parse_resolvers, system_resolvers
 
-__all__ = ["Accel", "NodeConfig", "resolve_node_id"]
+__all__ = ["Accel", "ArtifactStoreConfig", "NodeConfig", "resolve_node_id"]
 
 Accel = Literal["auto", "kvm", "tcg"]
 
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")  # S3's bucket naming rules
+_REGION_RE = re.compile(r"^[a-z0-9-]{1,32}$")
 _NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _KEYRING = "/usr/share/keyrings/debian-archive-keyring.gpg"
 #: The Debian release of the guest image (space/node/images/_rootfs.py) and its updates.
@@ -32,6 +34,64 @@ DEFAULT_APT_SOURCES = (
     f"deb [signed-by={_KEYRING}] http://deb.debian.org/debian bookworm-updates main",
     f"deb [signed-by={_KEYRING}] http://deb.debian.org/debian-security bookworm-security main",
 )
+
+
+@dataclass(frozen=True)
+class ArtifactStoreConfig:
+    """Where snapshots and hibernated sandboxes may be kept off the node (issue 19;
+    space.node.artifacts): ``kind`` "fs" takes ``path`` (a directory, e.g. a shared
+    mount), "s3" takes ``s3_bucket`` and optionally ``s3_endpoint_url`` (None: AWS),
+    ``s3_region`` and ``s3_credentials_file`` (an owner-only file of two lines, the
+    access key id then the secret key; None: boto3's own chain, e.g. the environment).
+    Settings of the other kind must stay unset, so a typo is not silently ignored.
+    """
+
+    kind: Literal["fs", "s3"]
+    path: Path | None = None
+    s3_endpoint_url: str | None = None
+    s3_bucket: str | None = None
+    s3_region: str = "us-east-1"
+    s3_credentials_file: Path | None = None
+    #: Multipart upload part size (S3 takes 5 MiB to 5 GiB; 8 MiB is boto3's default).
+    s3_part_mib: int = 8
+    #: The largest object the node stores (a disk stream of a big sandbox fits).
+    max_object_gib: int = 256
+
+    def __post_init__(self) -> None:
+        if self.kind == "fs":
+            self._check_fs()
+        elif self.kind == "s3":
+            self._check_s3()
+        else:
+            raise InvalidArgument(f"artifact store kind must be 'fs' or 's3', got {self.kind!r}")
+        size = self.max_object_gib
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise InvalidArgument(f"artifact store max_object_gib must be >= 1, got {size!r}")
+
+    def _check_fs(self) -> None:
+        if not isinstance(self.path, Path) or not self.path.is_absolute():
+            raise InvalidArgument(
+                f"an 'fs' artifact store needs an absolute path, got {self.path!r}"
+            )
+        if self.s3_endpoint_url or self.s3_bucket or self.s3_credentials_file:
+            raise InvalidArgument("an 'fs' artifact store takes no s3_* settings")
+
+    def _check_s3(self) -> None:
+        if self.path is not None:
+            raise InvalidArgument("an 's3' artifact store takes no path")
+        if not isinstance(self.s3_bucket, str) or not _BUCKET_RE.match(self.s3_bucket):
+            raise InvalidArgument(
+                f"an 's3' artifact store needs a bucket name (3-63 of a-z 0-9 . -),"
+                f" got {self.s3_bucket!r}"
+            )
+        url = self.s3_endpoint_url
+        if url is not None and not re.match(r"^https?://[^/\s]+/?$", url):
+            raise InvalidArgument(f"s3_endpoint_url must be http(s)://host[:port], got {url!r}")
+        if not isinstance(self.s3_region, str) or not _REGION_RE.match(self.s3_region):
+            raise InvalidArgument(f"s3_region must be like us-east-1, got {self.s3_region!r}")
+        part = self.s3_part_mib
+        if not isinstance(part, int) or isinstance(part, bool) or not 5 <= part <= 5120:
+            raise InvalidArgument(f"s3_part_mib must be in 5..5120, got {part!r}")
 
 
 @dataclass(frozen=True)
@@ -98,6 +158,11 @@ class NodeConfig:
     egress_allow_wide_any_port: bool = False
     #: The node key's file (space/node/core/keys.py); None means ``data_dir/node.key``.
     key_file: Path | None = None
+    #: The off-node artifact store (None: none; nothing is wired to it yet, issue 19).
+    artifact_store: ArtifactStoreConfig | None = None
+    #: The artifact store's master key, the same file on every node of a cluster (made
+    #: at first use if absent, then copied to the others); None: ``data_dir/artifact.key``.
+    artifact_key_file: Path | None = None
 
     def __post_init__(self) -> None:
         self._check_counts()
@@ -111,6 +176,9 @@ class NodeConfig:
             parse_resolvers(self.egress_resolvers)
         except ValueError as exc:
             raise InvalidArgument(f"egress_resolvers: {exc}") from exc
+        store = self.artifact_store
+        if store is not None and not isinstance(store, ArtifactStoreConfig):
+            raise InvalidArgument(f"artifact_store must be an ArtifactStoreConfig, got {store!r}")
         if not all(isinstance(line, str) and line.startswith("deb ") for line in self.apt_sources):
             raise InvalidArgument(
                 f"apt_sources must be one-line 'deb ...' sources: {self.apt_sources!r}"
@@ -166,6 +234,12 @@ class NodeConfig:
     @property
     def effective_key_file(self) -> Path:
         return self.key_file if self.key_file is not None else self.data_dir / "node.key"
+
+    @property
+    def effective_artifact_key_file(self) -> Path:
+        if self.artifact_key_file is not None:
+            return self.artifact_key_file
+        return self.data_dir / "artifact.key"
 
     @property
     def effective_upstream_ca(self) -> Path:

@@ -31,14 +31,15 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from space.keyfile import KeyFileProblem, create_key_file, read_key_file
 from space.node.api import InvalidArgument
 
-__all__ = ["KEY_BYTES", "KeyFileError", "NodeKeys"]
+__all__ = ["KEY_BYTES", "KeyFileError", "NodeKeys", "load_key"]
 
 KEY_BYTES = 32
 _MAX_KEY_FILE_BYTES = 4096
 
 
 class KeyFileError(InvalidArgument):
-    """The node key file is missing, malformed or readable by others."""
+    """A key file (the node key's, the artifact store's master key's) is missing,
+    malformed or readable by others."""
 
 
 def _derive(key: bytes, purpose: bytes) -> bytes:
@@ -63,22 +64,27 @@ class NodeKeys:
     @classmethod
     def load(cls, path: Path, *, create: bool = False) -> NodeKeys:
         """The keys of the key file at ``path``; with ``create``, made first if absent."""
-        if create:
-            create_key_file(path, base64.b64encode(os.urandom(KEY_BYTES)).decode() + "\n")
-        return cls.from_node_key(_read_key_file(path))
+        return cls.from_node_key(load_key(path, what="node key", create=create))
 
 
-def _read_key_file(path: Path) -> bytes:
+def load_key(path: Path, *, what: str, create: bool = False) -> bytes:
+    """The 32-byte key kept base64 in the owner-only file ``path`` (``what`` names it in
+    errors: "node key"); with ``create``, a random one is made there first if absent.
+
+    Raises KeyFileError for a missing, malformed or group/world-readable file.
+    """
+    if create:
+        create_key_file(path, base64.b64encode(os.urandom(KEY_BYTES)).decode() + "\n")
     try:
-        data = read_key_file(path, what="the node key file", max_bytes=_MAX_KEY_FILE_BYTES)
+        data = read_key_file(path, what=f"the {what} file", max_bytes=_MAX_KEY_FILE_BYTES)
     except FileNotFoundError:
-        raise KeyFileError(f"cannot open the node key file {path}: it is missing") from None
+        raise KeyFileError(f"cannot open the {what} file {path}: it is missing") from None
     except KeyFileProblem as exc:
         raise KeyFileError(str(exc)) from None
     try:
         key = base64.b64decode(data.strip(), validate=True)
     except (binascii.Error, ValueError):
-        raise KeyFileError(f"the node key file {path} is not one base64 key") from None
+        raise KeyFileError(f"the {what} file {path} is not one base64 key") from None
     if len(key) != KEY_BYTES:
-        raise KeyFileError(f"the node key in {path} is {len(key)} bytes, not {KEY_BYTES}")
+        raise KeyFileError(f"the {what} in {path} is {len(key)} bytes, not {KEY_BYTES}")
     return key

@@ -38,6 +38,7 @@ __all__ = [
     "MAGIC",
     "MAX_CHUNK_BYTES",
     "NotAuthentic",
+    "Opener",
     "Sealer",
     "is_sealed",
     "open_chunks",
@@ -130,6 +131,74 @@ class Sealer:
         self._index += 1
 
 
+class Opener:
+    """Opens a sealed stream fed in pieces of any size (no I/O of its own), so a thread
+    reading a file and a coroutine reading a network stream share one reader.
+
+    ``feed`` returns the plaintext of every chunk known to be complete and not the last
+    one (a full chunk followed by at least one more byte), each verified; ``finish``
+    opens what is left as the last chunk. Raises NotAuthentic at the first thing that
+    does not authenticate (the header included, checked before anything of its chunk
+    size is held). Holds at most one sealed chunk plus the piece being fed.
+    """
+
+    def __init__(self, key: bytes) -> None:
+        self._aead = AESGCM(key)
+        self._buffer = bytearray()
+        self._header = b""
+        self._sealed_bytes = 0
+        self._prefix = b""
+        self._index = 0
+        self._finished = False
+
+    @property
+    def wanted(self) -> int:
+        """How many more bytes make the next step possible (at least 1): a reader that
+        reads this much at a time never holds more than a chunk."""
+        if not self._header:
+            return max(1, HEADER_BYTES - len(self._buffer))
+        return max(1, self._sealed_bytes + 1 - len(self._buffer))
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """Take the next ``data``; the verified plaintext of the chunks it completes."""
+        if self._finished:
+            raise ValueError("the stream is finished")
+        self._buffer += data
+        if not self._header:
+            if len(self._buffer) < HEADER_BYTES:
+                return []
+            header = bytes(self._buffer[:HEADER_BYTES])
+            chunk_bytes, self._prefix = _parse_header(header)
+            self._header, self._sealed_bytes = header, chunk_bytes + TAG_BYTES
+            del self._buffer[:HEADER_BYTES]
+        out: list[bytes] = []
+        while len(self._buffer) > self._sealed_bytes:  # a full chunk and more: not the last
+            out.append(self._open(bytes(self._buffer[: self._sealed_bytes]), last=False))
+            del self._buffer[: self._sealed_bytes]
+        return out
+
+    def finish(self) -> bytes:
+        """The verified plaintext of the last chunk (empty for an empty stream). Raises
+        NotAuthentic for a stream cut short or one that went on after its last chunk."""
+        if self._finished:
+            raise ValueError("the stream is finished")
+        self._finished = True
+        if not self._header:
+            raise NotAuthentic("no sealed-state header")
+        last = bytes(self._buffer)
+        self._buffer = bytearray()
+        return self._open(last, last=True)
+
+    def _open(self, sealed: bytes, *, last: bool) -> bytes:
+        nonce = _nonce(self._prefix, self._index, last)
+        try:
+            plaintext = self._aead.decrypt(nonce, sealed, self._header)
+        except InvalidTag:
+            raise NotAuthentic(_what_failed(self._index, last, len(sealed))) from None
+        self._index += 1
+        return plaintext
+
+
 def open_chunks(key: bytes, read: Read) -> Iterator[bytes]:
     """Yield the plaintext of the sealed stream ``read`` gives, one verified chunk at a
     time (the last may be empty).
@@ -139,23 +208,10 @@ def open_chunks(key: bytes, read: Read) -> Iterator[bytes]:
     (the header included) and for a stream that ends without its last chunk or goes on
     after it. Stopping the iteration early is safe: nothing is buffered but a chunk.
     """
-    header = _read_exact(read, HEADER_BYTES)
-    chunk_bytes, prefix = _parse_header(header)
-    aead = AESGCM(key)
-    sealed_bytes = chunk_bytes + TAG_BYTES
-    current = _read_exact(read, sealed_bytes)
-    for index in range(_MAX_CHUNKS):
-        # A full chunk is the last one iff nothing follows it: read one byte ahead.
-        ahead = _read_exact(read, 1) if len(current) == sealed_bytes else b""
-        last = not ahead
-        try:
-            yield aead.decrypt(_nonce(prefix, index, last), current, header)
-        except InvalidTag:
-            raise NotAuthentic(_what_failed(index, last, len(current))) from None
-        if last:
-            return
-        current = ahead + _read_exact(read, sealed_bytes - 1)
-    raise NotAuthentic(f"over {_MAX_CHUNKS} chunks")
+    opener = Opener(key)
+    while piece := read(opener.wanted):
+        yield from opener.feed(piece)
+    yield opener.finish()
 
 
 def _parse_header(header: bytes) -> tuple[int, bytes]:
@@ -175,16 +231,3 @@ def _what_failed(index: int, last: bool, length: int) -> str:
         return f"chunk {index} is cut short ({length} bytes)"
     where = "the last chunk" if last else "a chunk followed by more"
     return f"chunk {index} ({where}, {length} bytes) fails its tag"
-
-
-def _read_exact(read: Read, n: int) -> bytes:
-    """Up to ``n`` bytes from ``read``, fewer only at the end of the stream."""
-    parts: list[bytes] = []
-    left = n
-    while left > 0:
-        part = read(left)
-        if not part:
-            break
-        parts.append(part)
-        left -= len(part)
-    return b"".join(parts)
