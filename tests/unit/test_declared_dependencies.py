@@ -147,3 +147,12 @@ def test_the_server_extra_names_psycopg_3() -> None:
     (requirement,) = [r for r in server if r.name == "psycopg"]
     assert (requirement.name, requirement.extras) == ("psycopg", {"binary"})
     assert not requirement.specifier.contains("2.9") and requirement.specifier.contains("3.3.9")
+
+
+def test_the_artifact_store_s_s3_client_and_test_server_are_declared() -> None:
+    # boto3 is imported lazily (only a node with an S3 store loads it), and moto runs as
+    # a server process the tests start: name both outright (issue 19).
+    extras = PROJECT["optional-dependencies"]
+    assert {"boto3", "botocore"} <= declared("server")
+    (moto,) = [Requirement(spec) for spec in extras["dev"] if Requirement(spec).name == "moto"]
+    assert moto.extras == {"server"} and moto.specifier.contains("5.2.5")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import space
 import space.node.api
+import space.node.artifacts
 import space.sdk
 import space.sdk.errors
 
@@ -77,3 +78,21 @@ def test_every_sdk_error_derives_from_space_error() -> None:
 def test_the_node_contract_exports_exactly_the_pinned_names() -> None:
     assert set(space.node.api.__all__) == NODE_API_NAMES
     assert all(hasattr(space.node.api, name) for name in NODE_API_NAMES)
+
+
+#: The artifact store (issue 19): the node layer's, not the control plane's.
+ARTIFACT_NAMES = {
+    "MAX_NAME_BYTES", "MAX_PARTS", "ArtifactStore", "Bundle", "BundleIncomplete",
+    "ChecksumMismatch", "FilesystemStore", "InvalidName", "Manifest", "MasterKey",
+    "NotAuthentic", "ObjectInfo", "ObjectTooLarge", "PartInfo", "S3Settings", "S3Store",
+    "SealedStore", "StoreUnavailable", "WrongMasterKey", "bundle_complete", "check_name",
+    "delete_bundle", "get_bundle", "open_artifact_store", "put_bundle", "read_manifest",
+}  # fmt: skip
+
+
+def test_the_artifact_store_exports_exactly_the_pinned_names_all_errors_node_errors() -> None:
+    artifacts = space.node.artifacts
+    assert set(artifacts.__all__) == ARTIFACT_NAMES
+    errors = [getattr(artifacts, n) for n in ARTIFACT_NAMES]
+    for error in [e for e in errors if isinstance(e, type) and issubclass(e, Exception)]:
+        assert issubclass(error, space.node.api.NodeError), error

@@ -16,6 +16,7 @@ from space.node.vmm.sealed_state import (
     MAX_CHUNK_BYTES,
     TAG_BYTES,
     NotAuthentic,
+    Opener,
     Sealer,
     is_sealed,
     open_chunks,
@@ -185,3 +186,29 @@ def test_a_qemu_stream_is_not_taken_for_a_sealed_one() -> None:
     assert not is_sealed(b"QEVM\x00\x00\x00\x03")  # QEMU's own migration stream magic
     assert not is_sealed(b"")
     assert is_sealed(seal(b""))
+
+
+@pytest.mark.parametrize("piece", [1, 13, CHUNK + TAG_BYTES, 1000])
+def test_an_opener_fed_in_any_pieces_gives_the_chunks_as_they_complete(piece: int) -> None:
+    data = os.urandom(3 * CHUNK + 5)
+    blob = seal(data)
+    opener = Opener(KEY)
+    out: list[bytes] = []
+    for start in range(0, len(blob), piece):
+        out.extend(opener.feed(blob[start : start + piece]))
+    assert b"".join(out) == data[: 3 * CHUNK]  # the last is not known as such yet
+    assert out and all(len(chunk) == CHUNK for chunk in out)
+    assert opener.finish() == data[3 * CHUNK :]
+    with pytest.raises(ValueError):
+        opener.feed(b"late")
+
+
+def test_negative_an_opener_refuses_a_cut_stream_at_its_finish() -> None:
+    data = os.urandom(2 * CHUNK)
+    blob = seal(data)
+    opener = Opener(KEY)
+    assert opener.feed(blob[:-3]) == [data[:CHUNK]]  # the first, followed by more
+    with pytest.raises(NotAuthentic, match="chunk 1"):
+        opener.finish()  # the last chunk, cut short
+    with pytest.raises(NotAuthentic, match="no sealed-state header"):
+        Opener(KEY).finish()
