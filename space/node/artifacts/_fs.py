@@ -5,7 +5,9 @@ starts with ``.``), fsyncs it, renames it over the name and fsyncs the directory
 reader sees either no object, the old one or the whole new one, and a crash leaves at
 most a temporary file (skipped by ``list``, swept by ``sweep_temporaries``). The
 directory and everything under it is owner-only (0700 directories, 0600 files). The
-final component is opened without following a link.
+final component is opened without following a link. Unlike S3, a name cannot be both
+an object and a directory of others ("a" and "a/b"): the second put fails
+(StoreUnavailable); bundles never do that.
 """
 
 from __future__ import annotations
