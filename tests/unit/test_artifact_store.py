@@ -3,8 +3,12 @@ the filesystem one and S3 against a real moto server process. Plain and sealed."
 
 from __future__ import annotations
 
+import asyncio
 import os
+import socket
 import stat
+from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,8 +22,10 @@ from space.node.artifacts import (
     MasterKey,
     ObjectInfo,
     ObjectTooLarge,
+    S3Settings,
     S3Store,
     SealedStore,
+    StoreUnavailable,
 )
 from tests.unit._artifacts import failing, pieces, read
 
@@ -42,11 +48,14 @@ async def test_a_multi_mib_object_streams_in_and_out_whole(artifact_backend: Art
     assert await read(artifact_backend, "snapshots/s1/disk") == data
 
 
+S3_ONLY = pytest.mark.parametrize("artifact_backend", ["s3"], indirect=True)
+
+
+@S3_ONLY
 async def test_a_large_object_goes_to_s3_as_a_multipart_upload(
     artifact_backend: ArtifactStore,
 ) -> None:
-    if not isinstance(artifact_backend, S3Store):
-        pytest.skip("S3 only")
+    assert isinstance(artifact_backend, S3Store)
     client = artifact_backend._client
     calls: list[int] = []
     upload_part = client.upload_part
@@ -225,3 +234,51 @@ async def test_negative_the_filesystem_store_follows_no_link(tmp_path: Path) -> 
     with pytest.raises(NotFound):
         await read(store, "link")
     assert [i.name for i in await store.list()] == ["real"]
+
+
+async def test_negative_a_put_cancelled_half_way_leaves_nothing(
+    artifact_backend: ArtifactStore,
+) -> None:
+    sent = asyncio.Event()
+
+    async def stalls() -> AsyncIterator[bytes]:
+        async for piece in pieces(os.urandom(11 * MIB)):  # past two S3 parts
+            yield piece
+        sent.set()
+        await asyncio.Event().wait()  # the rest never comes
+
+    for store in (artifact_backend, sealed(artifact_backend)):
+        task = asyncio.create_task(store.put("cancelled", stalls()))
+        await asyncio.wait_for(sent.wait(), timeout=60)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        sent.clear()
+        assert not await artifact_backend.exists("cancelled")
+        await _assert_no_leftovers(artifact_backend)
+
+
+async def test_negative_an_unreachable_s3_endpoint_is_unavailable_not_a_boto_error() -> None:
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # bound, never listening: connections are refused
+        settings = S3Settings(
+            bucket="b-1",
+            endpoint_url=f"http://127.0.0.1:{port}",
+            access_key_id="k",
+            secret_access_key="s",
+            connect_timeout_s=1.0,
+        )
+        store = S3Store(settings)
+        with pytest.raises(StoreUnavailable, match="S3 head x"):
+            await store.head("x")
+        with pytest.raises(StoreUnavailable):
+            await store.put("x", pieces(b"data"))
+
+
+@S3_ONLY
+async def test_negative_a_missing_bucket_is_not_found(artifact_backend: ArtifactStore) -> None:
+    assert isinstance(artifact_backend, S3Store)
+    other = S3Store(replace(artifact_backend.settings, bucket="no-such-bucket-here"))
+    with pytest.raises(NotFound, match="NoSuchBucket"):
+        await other.put("x", pieces(b"data"))

@@ -13,13 +13,14 @@ an object and a directory of others ("a" and "a/b"): the second put fails
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import os
 import secrets
 import stat
-from collections.abc import AsyncGenerator, AsyncIterable
+from collections.abc import AsyncGenerator, AsyncIterable, Callable
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 from space.node.api import NotFound
 from space.node.artifacts._store import (
@@ -36,6 +37,7 @@ from space.node.artifacts._store import (
 __all__ = ["FilesystemStore"]
 
 _TEMPORARY = ".put-"
+_T = TypeVar("_T")
 
 
 class FilesystemStore:
@@ -54,7 +56,9 @@ class FilesystemStore:
 
     async def put(self, name: str, pieces: AsyncIterable[bytes]) -> ObjectInfo:
         path = self._path(name)
-        fd, temporary = await asyncio.to_thread(_open_temporary, self.root, path)
+        fd, temporary = await _settled(
+            partial(_open_temporary, self.root, path), undo=lambda opened: _discard(*opened)
+        )
         written = 0
         try:
             async for piece in pieces:
@@ -63,23 +67,22 @@ class FilesystemStore:
                     raise ObjectTooLarge(
                         f"artifact {name} is over {self.max_object_bytes} bytes; not stored"
                     )
-                await asyncio.to_thread(_write_all, fd, piece)
-            await asyncio.to_thread(_commit, fd, temporary, path)
+                await _settled(partial(_write_all, fd, piece))
         except BaseException:
-            await asyncio.shield(asyncio.to_thread(_discard, fd, temporary))
+            _discard(fd, temporary)  # no thread uses fd any more (_settled)
             raise
+        # _commit owns both from here; cancelled now, the object may yet land whole.
+        await _settled(partial(_commit, fd, temporary, path))
         return ObjectInfo(name, written)
 
     async def get(self, name: str) -> AsyncGenerator[bytes, None]:
         path = self._path(name)
-        fd = await asyncio.to_thread(_open_object, path, name)
+        fd = await _settled(partial(_open_object, path, name), undo=os.close)
         try:
-            while piece := await asyncio.to_thread(os.read, fd, READ_BYTES):
+            while piece := await _settled(partial(_read, fd, name)):
                 yield piece
-        except OSError as exc:
-            raise StoreUnavailable(f"cannot read artifact {name}: {exc.strerror}") from None
         finally:
-            os.close(fd)
+            os.close(fd)  # no thread uses it any more (_settled)
 
     async def head(self, name: str) -> ObjectInfo | None:
         path = self._path(name)
@@ -113,6 +116,27 @@ class FilesystemStore:
         return await asyncio.to_thread(_sweep, self.root)
 
 
+async def _settled(call: Callable[[], _T], *, undo: Callable[[_T], object] | None = None) -> _T:
+    """``call()`` in a thread, never left running behind the caller: a cancellation
+    waits for the thread to return (it may be using a descriptor the caller closes
+    next), hands what it returned to ``undo``, and only then is raised."""
+    future = asyncio.ensure_future(asyncio.to_thread(call))
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        await asyncio.wait({future})  # a second cancellation gives up the wait
+        if undo is not None and not future.cancelled() and future.exception() is None:
+            undo(future.result())
+        raise
+
+
+def _read(fd: int, name: str) -> bytes:
+    try:
+        return os.read(fd, READ_BYTES)
+    except OSError as exc:
+        raise StoreUnavailable(f"cannot read artifact {name}: {exc.strerror}") from None
+
+
 def _open_temporary(root: Path, path: Path) -> tuple[int, Path]:
     try:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -135,9 +159,13 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _commit(fd: int, temporary: Path, path: Path) -> None:
+    """Make the temporary file the object, durably; closes ``fd`` and, failing, removes
+    the temporary file."""
     try:
-        os.fsync(fd)
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(temporary, path)
         directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -145,12 +173,12 @@ def _commit(fd: int, temporary: Path, path: Path) -> None:
         finally:
             os.close(directory)
     except OSError as exc:
+        temporary.unlink(missing_ok=True)
         raise StoreUnavailable(f"cannot store artifact {path.name}: {exc.strerror}") from None
 
 
 def _discard(fd: int, temporary: Path) -> None:
-    with contextlib.suppress(OSError):
-        os.close(fd)  # EBADF once _commit closed it
+    os.close(fd)
     temporary.unlink(missing_ok=True)
 
 
