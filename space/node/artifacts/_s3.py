@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator, AsyncIterable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from space.node.api import NodeError, NotFound, PermissionDenied
+from space.node.api import InvalidArgument, NodeError, NotFound, PermissionDenied
 from space.node.artifacts._store import (
     DEFAULT_MAX_OBJECT_BYTES,
     MAX_LIST_OBJECTS,
@@ -79,7 +79,9 @@ class S3Store:
         from botocore.config import Config
 
         if not MIN_PART_BYTES <= settings.part_bytes <= MAX_PART_BYTES:
-            raise ValueError(f"part_bytes must be in {MIN_PART_BYTES}..{MAX_PART_BYTES}")
+            raise InvalidArgument(f"part_bytes must be in {MIN_PART_BYTES}..{MAX_PART_BYTES}")
+        # Path-style URLs for a custom endpoint (a bucket name needs no DNS name there).
+        addressing = "auto" if settings.endpoint_url is None else "path"
         self.settings = settings
         self.bucket = settings.bucket
         self.max_object_bytes = max_object_bytes
@@ -93,7 +95,7 @@ class S3Store:
                 connect_timeout=settings.connect_timeout_s,
                 read_timeout=settings.read_timeout_s,
                 retries={"max_attempts": 3, "mode": "standard"},
-                s3={"addressing_style": "path"},
+                s3={"addressing_style": addressing},
             ),
         )
 

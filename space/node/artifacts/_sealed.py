@@ -34,6 +34,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.hashes import SHA256
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from space.node.api import InvalidArgument
 from space.node.artifacts._store import (
     ArtifactStore,
     NotAuthentic,
@@ -71,7 +72,7 @@ class MasterKey:
     @classmethod
     def from_bytes(cls, key: bytes) -> MasterKey:
         if len(key) != KEY_BYTES:
-            raise ValueError(f"a master key is {KEY_BYTES} bytes, got {len(key)}")
+            raise InvalidArgument(f"a master key is {KEY_BYTES} bytes, got {len(key)}")
         return cls(
             wrap_key=_derive(key, b"space artifact wrap v1", KEY_BYTES),
             key_id=_derive(key, b"space artifact key id v1", _KEY_ID_BYTES),

@@ -58,7 +58,7 @@ __all__ = [
 MAX_NAME_BYTES = 512
 #: A guest disk stream of a large sandbox fits; a runaway stream does not fill the store.
 DEFAULT_MAX_OBJECT_BYTES = 256 << 30
-#: The most objects one ``list`` returns (more raise ObjectTooLarge's sibling below).
+#: The most objects one ``list`` returns (more: ObjectTooLarge, never a silent cut).
 MAX_LIST_OBJECTS = 10_000
 #: The piece size ``get`` yields: a sealed chunk's worth.
 READ_BYTES = 1 << 20
