@@ -56,6 +56,8 @@ def control(
     node_token_file: Path | None,
     master_key_file: Path | None,
     reaper_interval: float,
+    node_heartbeat: float,
+    node_lease: float,
     tls_cert: Path | None,
     tls_key: Path | None,
     egress_operator_ranges: tuple[str, ...],
@@ -78,6 +80,8 @@ def control(
             node_token_path=node_token_file,
             master_key_file=master_key_file,
             reaper_interval_s=reaper_interval,
+            node_heartbeat_s=node_heartbeat,
+            node_lease_s=node_lease,
             egress_operator_ranges=egress_operator_ranges,
             egress_allow_wide_any_port=egress_allow_wide_any_port,
         )
