@@ -140,7 +140,8 @@ EGRESS_CA_OPTION = click.option(
 
 def api_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """What every command that serves the API takes: ``reaper_interval``,
-    ``node_heartbeat``, ``node_lease``, ``tls_cert`` and ``tls_key``."""
+    ``reconcile_interval``, ``reconcile_grace``, ``node_heartbeat``, ``node_lease``,
+    ``tls_cert`` and ``tls_key``."""
     for option in reversed(
         (
             click.option(
@@ -148,6 +149,17 @@ def api_options(command: Callable[..., Any]) -> Callable[..., Any]:
                 show_default=True,
                 help="Seconds between background rounds: ended lifetimes, idle sandboxes, "
                 "node leases.",
+            ),
+            click.option(
+                "--reconcile-interval", type=click.FloatRange(min=0.1), default=60.0,
+                show_default=True,
+                help="Seconds between comparisons of every node with the database.",
+            ),
+            click.option(
+                "--reconcile-grace", type=click.FloatRange(min=0.0), default=600.0,
+                show_default=True,
+                help="Seconds a sandbox may stay 'creating' (a snapshot pending) before "
+                "reconciliation settles it: longer than any create takes.",
             ),
             click.option(
                 "--node-heartbeat", type=click.FloatRange(min=0.2), default=5.0,
@@ -219,6 +231,8 @@ def serve(
     warm_min: int,
     warm_max: int,
     reaper_interval: float,
+    reconcile_interval: float,
+    reconcile_grace: float,
     node_heartbeat: float,
     node_lease: float,
     tls_cert: Path | None,
@@ -245,6 +259,8 @@ def serve(
             data_dir=data_dir,
             database_url=database_url,
             reaper_interval_s=reaper_interval,
+            reconcile_interval_s=reconcile_interval,
+            reconcile_grace_s=reconcile_grace,
             node_heartbeat_s=node_heartbeat,
             node_lease_s=node_lease,
             egress_operator_ranges=egress_operator_ranges,
@@ -285,7 +301,11 @@ def serve(
 
 
 @click.group(invoke_without_command=True)
-@click.option("--control-url", help="The control plane, e.g. http://ctl:8080 (required).")
+@click.option(
+    "--control-url", multiple=True,
+    help="The control plane, e.g. http://ctl:8080 (required; repeat it for replicas with no "
+    "load balancer: each is tried in turn).",
+)  # fmt: skip
 @click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path), help="(required)")
 @click.option(
     "--listen", default="127.0.0.1:8081", show_default=True,
@@ -304,7 +324,7 @@ def serve(
 def node(
     ctx: click.Context,
     /,
-    control_url: str | None,
+    control_url: tuple[str, ...],
     token_file: Path | None,
     listen: str,
     advertise_url: str | None,
@@ -322,7 +342,7 @@ def node(
     there), or, with a command, ask a control plane about its nodes."""
     if ctx.invoked_subcommand is not None:
         return
-    if control_url is None or token_file is None:
+    if not control_url or token_file is None:
         fail("a node agent needs --control-url and --token-file", 2)
     with server_errors():
         from space.control.nodes import capacity_report
@@ -331,7 +351,7 @@ def node(
         from space.node.core.config import NodeConfig
         from space.node.http.server import create_node_app, node_server
 
-    control_url = _check_url(control_url)
+    control_urls = [_check_url(url) for url in control_url]
     host, port = _split_listen(listen)
     token = _read_token(token_file)
     node_url = advertise_url or f"http://{_advertised_host(host)}:{port}"
@@ -364,11 +384,11 @@ def node(
             progress(f"node {local.node_id} serving on {node_url}; registering")
             report = capacity_report(await local.info())
             every = await register_remote_node(
-                control_url, token, node_url, local.node_id, capacity=report
+                control_urls, token, node_url, local.node_id, capacity=report
             )
-            progress(f"registered with {control_url}; heartbeat every {every:g} s")
+            progress(f"registered with {' or '.join(control_urls)}; heartbeat every {every:g} s")
             beats = asyncio.create_task(
-                heartbeat(control_url, token, node_url, local, progress, every)
+                heartbeat(control_urls, token, node_url, local, progress, every)
             )
             try:
                 await serving

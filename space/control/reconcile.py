@@ -8,8 +8,8 @@ Reconciliation compares every registered node's sandboxes and snapshots with the
 database: rows the node no longer knows become ``error`` (or ``deleted`` if deletion
 was wanted), pending snapshot rows are published if the node finished them and
 dropped if not, and sandboxes or snapshots no row claims are deleted on the node, so
-nothing leaks across restarts. Rows younger than IN_FLIGHT_S that are still being
-made are left alone: another replica may be making them. Both run in one replica at a
+nothing leaks across restarts. Rows younger than ``reconcile_grace_s`` that are still
+being made are left alone: another replica may be making them. Both run in one replica at a
 time (space.control.background).
 """
 
@@ -43,10 +43,6 @@ log = logging.getLogger(__name__)
 
 #: Row states that claim a VM runs (or stands paused) on the node.
 _LIVE = (SandboxState.RUNNING.value, SandboxState.PAUSED.value)
-#: A sandbox ``creating`` or a snapshot ``pending`` for less than this long may be in
-#: flight in another replica (its node has not made it yet): reconciliation leaves it to
-#: that replica, and settles it in a later round if it is still there (issue 19).
-IN_FLIGHT_S = 600.0
 
 
 async def reap_expired(ctx: ControlContext) -> list[str]:
@@ -155,9 +151,11 @@ async def _settle_row(
 
 
 def _in_flight(ctx: ControlContext, state: str, created_at: float) -> bool:
-    """Whether a row in ``state`` may belong to an operation still running elsewhere."""
+    """Whether a row in ``state`` may belong to an operation still running elsewhere: a
+    sandbox ``creating`` or a snapshot ``pending`` for less than ``reconcile_grace_s``
+    (another replica may be making it; a later round settles it if it stays so)."""
     started = state in (SandboxState.CREATING.value, snaps.PENDING)
-    return started and ctx.clock() - created_at < IN_FLIGHT_S
+    return started and ctx.clock() - created_at < ctx.settings.reconcile_grace_s
 
 
 async def reconcile_node(ctx: ControlContext, node_id: str) -> None:

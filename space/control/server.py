@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,7 +143,7 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 async def register_remote_node(
-    control_url: str,
+    control_url: str | Sequence[str],
     token: str,
     node_url: str,
     node_id: str,
@@ -153,20 +153,33 @@ async def register_remote_node(
 ) -> float:
     """Register the node agent at ``node_url`` with the control plane at ``control_url``,
     or heartbeat it (the same call, with ``capacity``: it renews the node's lease).
-    Returns how often the control plane wants the heartbeat, in seconds.
+    Several URLs (replicas without a load balancer in front) are tried in turn until one
+    answers. Returns how often the control plane wants the heartbeat, in seconds.
 
-    Idempotent. Raises space.node.api.errors leaves: Unavailable if the control plane is
-    unreachable or rejects the token, the mapped leaf for any other error answer.
+    Idempotent. Raises space.node.api.errors leaves, of the last URL tried: Unavailable
+    if the control plane is unreachable or rejects the token, the mapped leaf for any
+    other error answer.
     """
-    url = control_url.rstrip("/") + "/v1/nodes"
+    urls = [control_url] if isinstance(control_url, str) else list(control_url)
     body: dict[str, object] = {"node_id": node_id, "url": node_url}
     if capacity is not None:
         body["capacity"] = capacity.model_dump()
+    failure: NodeError = Unavailable("no control-plane URL to register with")
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        for url in urls:
+            try:
+                return await _register(client, url, token, body)
+            except NodeError as exc:
+                failure = exc
+    raise failure
+
+
+async def _register(
+    client: httpx.AsyncClient, control_url: str, token: str, body: dict[str, object]
+) -> float:
+    url = control_url.rstrip("/") + "/v1/nodes"
     try:
-        async with httpx.AsyncClient(timeout=timeout_s) as client:
-            response = await client.post(
-                url, json=body, headers={"Authorization": f"Bearer {token}"}
-            )
+        response = await client.post(url, json=body, headers={"Authorization": f"Bearer {token}"})
     except httpx.HTTPError as exc:
         raise Unavailable(f"control plane at {control_url} unreachable: {exc!r}") from exc
     if response.status_code >= 400:
@@ -180,7 +193,7 @@ async def register_remote_node(
 
 
 async def heartbeat(
-    control_url: str,
+    control_url: str | Sequence[str],
     token: str,
     node_url: str,
     node: NodeService,
@@ -202,9 +215,9 @@ async def heartbeat(
             )
         except NodeError as exc:
             if not failing:
-                say(f"heartbeat to {control_url} failed (retrying every {every_s:.0f} s): {exc}")
+                say(f"heartbeat failed (retrying every {every_s:g} s): {exc}")
             failing = True
             continue
         if failing:
-            say(f"heartbeat to {control_url} succeeds again")
+            say("heartbeats succeed again")
         failing = False

@@ -22,9 +22,10 @@ class ControlSettings:
     first start). ``default_timeout_s`` is a sandbox's lifetime when the request does not
     say; ``reaper_interval_s`` is how often a replica's background round runs (expired
     and idle sandboxes, node leases: space.control.background), ``reconcile_interval_s``
-    how often every node is compared with the database. A node's lease lasts
-    ``node_lease_s`` from its last heartbeat; it is told to heartbeat every
-    ``node_heartbeat_s``.
+    how often every node is compared with the database, which leaves rows still being
+    made (``creating``, pending snapshots) younger than ``reconcile_grace_s`` alone. A
+    node's lease lasts ``node_lease_s`` from its last heartbeat; it is told to heartbeat
+    every ``node_heartbeat_s``.
     ``master_key_file`` holds the master keys that wrap secrets' data keys (one base64
     key per line, the first current; space.control.secrets) unless SPACE_MASTER_KEY is
     set; it defaults to ``<data_dir>/master.key``, made 0600 on first start.
@@ -38,6 +39,7 @@ class ControlSettings:
     default_timeout_s: int = 300
     reaper_interval_s: float = 5.0
     reconcile_interval_s: float = 60.0
+    reconcile_grace_s: float = 600.0
     node_lease_s: float = 30.0
     node_heartbeat_s: float = 5.0
     master_key_file: Path | None = None

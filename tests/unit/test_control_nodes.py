@@ -15,7 +15,7 @@ import pytest
 from space.control import ControlSettings, NodeRegistry
 from space.control.background import background_round, job_lease_s
 from space.control.deps import ControlContext
-from space.control.reconcile import IN_FLIGHT_S, hibernate_idle, reconcile
+from space.control.reconcile import hibernate_idle, reconcile
 from space.control.scheduler import rank_nodes
 from space.control.store import Database, job_leases
 from space.control.store import nodes as node_rows
@@ -402,7 +402,10 @@ async def test_reconciliation_leaves_a_young_creating_row_to_its_replica(tmp_pat
                 created_at=created_at, expires_at=None,
             )  # fmt: skip
 
-        young, old = row("sb-young", clock.now - 5), row("sb-old", clock.now - IN_FLIGHT_S - 1)
+        young, old = (
+            row("sb-young", clock.now - 5),
+            row("sb-old", clock.now - h.settings.reconcile_grace_s - 1),
+        )
         for record in (young, old):
             await _ctx(h).db.run(functools.partial(insert_sandbox, record=record))
         await reconcile(_ctx(h))

@@ -216,4 +216,4 @@ async def test_negative_a_failing_heartbeat_is_said_once_and_retried() -> None:
     await asyncio.sleep(0.5)
     assert not beats.done()  # it goes on trying
     beats.cancel()
-    assert len(said) == 1 and "heartbeat to" in said[0] and "failed" in said[0]
+    assert len(said) == 1 and "heartbeat failed" in said[0]
