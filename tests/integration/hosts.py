@@ -135,8 +135,8 @@ class NodeHost:
     def url(self) -> str:
         return f"http://{self.address}:8081"
 
-    def start(self, replicas: list[Replica], token_file: Path) -> None:
-        """Start the node agent; returns once it is registered (its id known)."""
+    def start(self, replicas: list[Replica], token_file: Path, pool_size_gib: int = 8) -> None:
+        """Start the node agent (``wait_registered`` waits for it)."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         let_through(self.data_dir.parent)
         logs.register(self.data_dir)
@@ -148,7 +148,7 @@ class NodeHost:
             # /sys, without the cgroup2 mount the node makes its VMs' cgroups in.
             "nsenter", f"--net=/run/netns/{self.netns}", *SPACE, "node", *controls,
             "--token-file", str(token_file), "--listen", f"{self.address}:8081",
-            "--data-dir", str(self.data_dir), "--pool-size-gib", "8",
+            "--data-dir", str(self.data_dir), "--pool-size-gib", str(pool_size_gib),
         ]  # fmt: skip
         with log_path.open("ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
@@ -213,7 +213,7 @@ class Cluster:
     def token(self) -> str:
         return self.token_file.read_text().strip()
 
-    def open(self, nodes: int, replicas: int, ports: list[int]) -> None:
+    def open(self, nodes: int, replicas: int, ports: list[int], pool_size_gib: int = 8) -> None:
         shared = self.root / "shared"
         shared.mkdir(parents=True, mode=0o700)
         self.token_file.write_text(secrets.token_urlsafe(32) + "\n")
@@ -243,7 +243,7 @@ class Cluster:
             self.replicas.append(replica)
             replica.start()
         for host in self.hosts:  # in parallel: each prepares its template (a VM boot)
-            host.start(self.replicas, self.token_file)
+            host.start(self.replicas, self.token_file, pool_size_gib)
         for host in self.hosts:
             host.wait_registered()
 
@@ -292,12 +292,18 @@ class Cluster:
 
 @contextlib.contextmanager
 def cluster(
-    root: Path, database_url: str, *, nodes: int, replicas: int, ports: list[int]
+    root: Path,
+    database_url: str,
+    *,
+    nodes: int,
+    replicas: int,
+    ports: list[int],
+    pool_size_gib: int = 8,
 ) -> Iterator[Cluster]:
     """A Cluster, opened; closed (and checked clean) on exit."""
     made = Cluster(root, database_url)
     try:
-        made.open(nodes, replicas, ports)
+        made.open(nodes, replicas, ports, pool_size_gib)
         yield made
     finally:
         leaked = made.close()
