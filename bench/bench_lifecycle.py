@@ -18,15 +18,23 @@ and the sizes: saved memory of a snapshot, and the disk an untouched snapshot ho
 exclusively. Then, side by side on the same hibernated sandbox (issue 18): a state
 save and a state load alone (QMP migration to or from ``vmstate``, no guest call),
 sealed under the node's state key and plain as before, with the ratio. Everything
-(VMs, pool mount, loop device) is removed at the end, also on failure. Usage:
-`.venv/bin/python bench/bench_lifecycle.py [--runs 20]` as root.
+(VMs, pool mount, loop device) is removed at the end, also on failure.
+
+The node runs as ``space serve`` runs it (issue 18): a child process starts the root
+broker, drops to the node agent's user (``--user``, ``space`` by default; ``root``
+keeps the agent root, as before issue 18) and prints its figures to the parent, which
+cleans up as root. Usage: `.venv/bin/python bench/bench_lifecycle.py [--runs 20]
+[--user space]` as root.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._stats import summary
 from space.node.agent import Node
+from space.node.agent.node_user import become_node_user, node_user
 from space.node.api import ExecExited, ExecRequest, SandboxSpec
 from space.node.core.config import NodeConfig
 from space.node.core.keys import NodeKeys
@@ -177,9 +186,12 @@ def _keyed(vm: QemuVM, keys: NodeKeys | None) -> QemuVM:
 
 
 async def run(
-    data_dir: Path, runs: int
+    data_dir: Path, runs: int, user: str
 ) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, float]]:
-    node = await Node.start(NodeConfig(data_dir=data_dir, pool_size_gib=16, boot_timeout_s=90.0))
+    config = NodeConfig(data_dir=data_dir, pool_size_gib=16, boot_timeout_s=90.0)
+    if user != "root":
+        await become_node_user(config, node_user(user), lambda _msg: None)
+    node = await Node.start(config)
     try:
         timed = await bench(node, runs)
         return timed, await states(node, runs), await sizes(node)
@@ -202,15 +214,27 @@ def _print_states(results: dict[str, list[float]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--user", default="space", help="the node agent's user")
+    parser.add_argument("--data-dir", type=Path, help=argparse.SUPPRESS)  # the child's
     args = parser.parse_args()
+    runs = max(args.runs, 20)
+    if args.data_dir is not None:  # the child: the node, its figures on stdout as JSON
+        print(json.dumps(asyncio.run(run(args.data_dir, runs, args.user))))
+        return
     with tempfile.TemporaryDirectory(prefix="space-bench-lifecycle-") as tmp:
+        os.chmod(tmp, 0o711)  # the node agent's user reaches its data dir
         data_dir = Path(tmp) / "data"
+        command = [sys.executable, __file__, f"--runs={runs}", f"--user={args.user}"]
         try:
-            results, sealing, sized = asyncio.run(run(data_dir, max(args.runs, 20)))
+            child = subprocess.run(
+                [*command, f"--data-dir={data_dir}"], stdout=subprocess.PIPE, check=True
+            )
         finally:
             leaked = release_data_dir(data_dir)
             if leaked:
                 print(f"cleaned up leftovers: {leaked}", file=sys.stderr)
+    results, sealing, sized = json.loads(child.stdout)
+    print(f"node agent's user: {args.user}")
     baseline = statistics.median(results["cold create (baseline)"])
     for name, values in results.items():
         ratio = baseline / statistics.median(values)

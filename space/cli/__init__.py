@@ -16,6 +16,7 @@ from space.cli._control import control
 from space.cli._demo import demo
 from space.cli._egress import egress
 from space.cli._lifecycle import fork, hibernate, restore, snapshot, timeouts
+from space.cli._nodes import NODE_COMMANDS
 from space.cli._pools import pools
 from space.cli._quotas import quota
 from space.cli._sandboxes import cp, create, exec_, ls, pause, resume, rm
@@ -39,3 +40,5 @@ for _command in (
     *(snapshot, restore, fork, timeouts, exec_, cp, egress, secret, pools, demo),
 ):
     main.add_command(_command)
+for _command in NODE_COMMANDS:
+    node.add_command(_command)

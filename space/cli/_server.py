@@ -139,14 +139,36 @@ EGRESS_CA_OPTION = click.option(
 
 
 def api_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """What every command that serves the API takes: ``reaper_interval``, ``tls_cert``
-    and ``tls_key``."""
+    """What every command that serves the API takes: ``reaper_interval``,
+    ``reconcile_interval``, ``reconcile_grace``, ``node_heartbeat``, ``node_lease``,
+    ``tls_cert`` and ``tls_key``."""
     for option in reversed(
         (
             click.option(
                 "--reaper-interval", type=click.FloatRange(min=0.1), default=5.0,
                 show_default=True,
-                help="Seconds between checks for ended lifetimes and idle sandboxes.",
+                help="Seconds between background rounds: ended lifetimes, idle sandboxes, "
+                "node leases.",
+            ),
+            click.option(
+                "--reconcile-interval", type=click.FloatRange(min=0.1), default=60.0,
+                show_default=True,
+                help="Seconds between comparisons of every node with the database.",
+            ),
+            click.option(
+                "--reconcile-grace", type=click.FloatRange(min=0.0), default=600.0,
+                show_default=True,
+                help="Seconds a sandbox may stay 'creating' (a snapshot pending) before "
+                "reconciliation settles it: longer than any create takes.",
+            ),
+            click.option(
+                "--node-heartbeat", type=click.FloatRange(min=0.2), default=5.0,
+                show_default=True, help="Seconds between a node's heartbeats (nodes are told).",
+            ),
+            click.option(
+                "--node-lease", type=click.FloatRange(min=1.0), default=30.0,
+                show_default=True,
+                help="Seconds a node stays active after its last heartbeat; then it is lost.",
             ),
             click.option(
                 "--tls-cert", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -209,6 +231,10 @@ def serve(
     warm_min: int,
     warm_max: int,
     reaper_interval: float,
+    reconcile_interval: float,
+    reconcile_grace: float,
+    node_heartbeat: float,
+    node_lease: float,
     tls_cert: Path | None,
     tls_key: Path | None,
     egress_resolvers: tuple[str, ...],
@@ -233,6 +259,10 @@ def serve(
             data_dir=data_dir,
             database_url=database_url,
             reaper_interval_s=reaper_interval,
+            reconcile_interval_s=reconcile_interval,
+            reconcile_grace_s=reconcile_grace,
+            node_heartbeat_s=node_heartbeat,
+            node_lease_s=node_lease,
             egress_operator_ranges=egress_operator_ranges,
             egress_allow_wide_any_port=egress_allow_wide_any_port,
         )
@@ -270,9 +300,13 @@ def serve(
     _run_until_signal(run())
 
 
-@click.command()
-@click.option("--control-url", required=True, help="The control plane, e.g. http://ctl:8080.")
-@click.option("--token-file", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.group(invoke_without_command=True)
+@click.option(
+    "--control-url", multiple=True,
+    help="The control plane, e.g. http://ctl:8080 (required; repeat it for replicas with no "
+    "load balancer: each is tried in turn).",
+)  # fmt: skip
+@click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path), help="(required)")
 @click.option(
     "--listen", default="127.0.0.1:8081", show_default=True,
     help="HOST:PORT to serve (loopback unless told otherwise: 0.0.0.0:8081 for every address).",
@@ -286,9 +320,12 @@ def serve(
 @EGRESS_CA_OPTION
 @egress_bounds_options
 @USER_OPTION
+@click.pass_context
 def node(
-    control_url: str,
-    token_file: Path,
+    ctx: click.Context,
+    /,
+    control_url: tuple[str, ...],
+    token_file: Path | None,
     listen: str,
     advertise_url: str | None,
     data_dir: Path,
@@ -301,14 +338,20 @@ def node(
     user: str,
     **capacity: Any,
 ) -> None:
-    """Run a node agent alone and register it with a control plane."""
+    """Run a node agent alone and register it with a control plane (heartbeating it
+    there), or, with a command, ask a control plane about its nodes."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if not control_url or token_file is None:
+        fail("a node agent needs --control-url and --token-file", 2)
     with server_errors():
-        from space.control.server import register_remote_node
+        from space.control.nodes import capacity_report
+        from space.control.server import heartbeat, register_remote_node
         from space.node.agent import Node
         from space.node.core.config import NodeConfig
         from space.node.http.server import create_node_app, node_server
 
-    control_url = _check_url(control_url)
+    control_urls = [_check_url(url) for url in control_url]
     host, port = _split_listen(listen)
     token = _read_token(token_file)
     node_url = advertise_url or f"http://{_advertised_host(host)}:{port}"
@@ -335,11 +378,24 @@ def node(
             # uvicorn offers a flag, not an event: poll it while the task lives.
             while not server.started and not serving.done():
                 await asyncio.wait({serving}, timeout=0.05)
-            if server.started:
-                progress(f"node {local.node_id} serving on {node_url}; registering")
-                await register_remote_node(control_url, token, node_url, local.node_id)
-                progress(f"registered with {control_url}")
-            await serving
+            if not server.started:
+                await serving  # it did not start: say why
+                return
+            progress(f"node {local.node_id} serving on {node_url}; registering")
+            report = capacity_report(await local.info())
+            every = await register_remote_node(
+                control_urls, token, node_url, local.node_id, capacity=report
+            )
+            progress(f"registered with {' or '.join(control_urls)}; heartbeat every {every:g} s")
+            beats = asyncio.create_task(
+                heartbeat(control_urls, token, node_url, local, progress, every)
+            )
+            try:
+                await serving
+            finally:
+                beats.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await beats
         finally:
             await local.close()
 

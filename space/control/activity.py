@@ -4,7 +4,8 @@ Every exec, process and file call marks its sandbox active. ``last_active_at`` i
 written at most once a second per sandbox, to spare the database on busy sandboxes;
 an exec or process stream marks it again as its events pass, and while a stream is
 open the reaper of this replica does not hibernate the sandbox (a command may print
-nothing for longer than the idle timeout).
+nothing for longer than the idle timeout), and each background round of this replica
+marks it again, for the reaper of another replica (issue 19).
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ class Activity:
             return None
         await self._db.run(lambda s: repo.touch(s, sandbox_id, now))
         return now
+
+    async def mark_streamed(self) -> None:
+        """Mark active every sandbox with a stream open here, throttled as ``mark``: the
+        reaper of another replica sees no stream of this one, only ``last_active_at``."""
+        for sandbox_id in self.streaming():
+            await self.mark(sandbox_id)
 
     def streaming(self) -> frozenset[str]:
         """Sandboxes with an exec or process stream open in this replica."""

@@ -3,9 +3,11 @@
 ``create_app`` wires the routers, the error handlers and a lifespan that, in order:
 applies the database migrations, loads the master keys (making the key file if
 missing, refusing to start on an unsafe one) and re-wraps data keys wrapped by an older
-master key, makes the node token file if missing, records the registered nodes (and
-re-attaches remote ones from earlier runs), reconciles every node with the database,
-sends secret grants to nodes that restarted, and runs the reaper until shutdown.
+master key, makes the node token file if missing, records and heartbeats the embedded
+nodes, attaches the remote ones the database knows, reconciles every node with the
+database (unless another replica holds that job), sends secret grants to nodes that
+restarted, and runs the background rounds (space.control.background) until shutdown,
+when it gives up its job leases.
 """
 
 from __future__ import annotations
@@ -18,14 +20,12 @@ from collections.abc import AsyncIterator, Callable
 
 import anyio.to_thread
 from fastapi import FastAPI
-from sqlalchemy.orm import Session
 
-from space.control import broker
+from space.control import background, broker
 from space.control.deps import ControlContext, load_or_create_node_token
 from space.control.edges import control_edges
 from space.control.errors import install_error_handlers
-from space.control.nodes import LOCAL_URL, NodeRegistry
-from space.control.reconcile import reaper_loop, reconcile
+from space.control.nodes import NodeRegistry
 from space.control.routers import (
     commands,
     egress,
@@ -40,7 +40,8 @@ from space.control.routers import (
 from space.control.routers import nodes as node_routes
 from space.control.secrets import load_keyring, rotate
 from space.control.settings import ControlSettings
-from space.control.store import Database, repo
+from space.control.store import Database
+from space.control.store import nodes as node_rows
 
 __all__ = ["create_app"]
 
@@ -56,20 +57,6 @@ async def _prepare_keyring(settings: ControlSettings, db: Database) -> None:
         log.info("re-wrapped %d data keys under master key %s", count, keyring.current.key_id)
 
 
-async def _record_nodes(ctx: ControlContext) -> None:
-    now = ctx.clock()
-    registered = [(node_id, ctx.nodes.url(node_id)) for node_id in ctx.nodes.ids()]
-
-    def record(session: Session) -> dict[str, str]:
-        for node_id, url in registered:
-            repo.upsert_node(session, node_id, url, now)
-        return repo.list_nodes(session)
-
-    for node_id, url in (await ctx.db.run(record)).items():
-        if url != LOCAL_URL and node_id not in ctx.nodes:
-            await ctx.nodes.register_remote(node_id, url, ctx.node_token)
-
-
 @contextlib.asynccontextmanager
 async def _running(
     settings: ControlSettings, nodes: NodeRegistry, clock: Callable[[], float]
@@ -80,16 +67,17 @@ async def _running(
         await _prepare_keyring(settings, db)
         token = load_or_create_node_token(settings.token_file)
         ctx = ControlContext(settings=settings, db=db, nodes=nodes, clock=clock, node_token=token)
-        await _record_nodes(ctx)
-        await reconcile(ctx)
+        nodes.use_directory(lambda node_id: db.call(lambda s: node_rows.url_of(s, node_id)), token)
+        await background.start(ctx)
         await broker.sync_restarted_nodes(ctx)
-        reaper = asyncio.create_task(reaper_loop(ctx, settings.reaper_interval_s))
+        rounds = asyncio.create_task(background.background_loop(ctx))
         try:
             yield ctx
         finally:
-            reaper.cancel()
+            rounds.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await reaper
+                await rounds
+            await background.release_jobs(ctx)
             await nodes.aclose()
     finally:
         db.dispose()

@@ -33,6 +33,7 @@ from space.control.deps import ControlContext
 from space.control.errors import ApiError
 from space.control.schemas import SecretPut
 from space.control.secrets import Keyring, SecretStoreError, load_keyring, open_record
+from space.control.store import nodes as node_rows
 from space.control.store import repo
 from space.control.store import secrets as stored
 from space.control.store.repo import SandboxRecord, SecretBinding
@@ -255,7 +256,7 @@ async def _push_logged(ctx: ControlContext, record: SandboxRecord) -> bool:
     except (NodeError, ApiError) as exc:
         log.warning("could not send the secrets of sandbox %s: %s", record.id, exc)
         if exc.code in _TRANSIENT:
-            await ctx.db.run(lambda s: repo.set_node_boot_id(s, record.node_id, None))
+            await ctx.db.run(lambda s: node_rows.set_node_boot_id(s, record.node_id, None))
             return False
     return True
 
@@ -300,10 +301,10 @@ async def _granted_on(ctx: ControlContext, node_id: str) -> list[SandboxRecord]:
 async def _sync_node(
     ctx: ControlContext, node_id: str, boot_id: str, records: list[SandboxRecord]
 ) -> None:
-    if boot_id == await ctx.db.run(lambda s: repo.node_boot_id(s, node_id)):
+    if boot_id == await ctx.db.run(lambda s: node_rows.node_boot_id(s, node_id)):
         return
     complete = True
     for record in records:
         complete = await _push_logged(ctx, record) and complete
     if complete:
-        await ctx.db.run(lambda s: repo.set_node_boot_id(s, node_id, boot_id))
+        await ctx.db.run(lambda s: node_rows.set_node_boot_id(s, node_id, boot_id))

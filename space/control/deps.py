@@ -44,6 +44,8 @@ class ControlContext:
     nodes: NodeRegistry
     clock: Callable[[], float]
     node_token: str
+    #: This replica's name in the job leases it holds (space.control.background).
+    replica_id: str = field(default_factory=lambda: f"replica-{secrets.token_hex(8)}")
     activity: Activity = field(init=False)
     #: Per tenant: builds in flight, and the lock that wakes, hibernations and creates
     #: take (space.control.quotas).

@@ -24,11 +24,12 @@ from space.control.idempotency import Idempotency
 from space.control.node_text import scrub
 from space.control.scheduler import rank_nodes
 from space.control.schemas import SandboxCreate
+from space.control.store import nodes as node_rows
 from space.control.store import repo
 from space.control.store import snapshots as snaps
 from space.control.store.repo import SandboxRecord, SecretBinding
 from space.control.store.snapshots import SnapshotRecord
-from space.control.template_names import node_ref, parse_ref
+from space.control.template_names import node_name, node_ref, parse_ref
 from space.node.api import (
     InsufficientCapacity,
     NodeError,
@@ -75,12 +76,17 @@ def new_sandbox_id() -> str:
     return "sb-" + secrets.token_hex(12)
 
 
-async def _place(ctx: ControlContext) -> list[str]:
-    """The nodes to ask for a new sandbox, in order (ApiError(unavailable) if none)."""
-    load = await ctx.db.run(repo.active_counts)
-    nodes = rank_nodes(ctx.nodes.ids(), load)
+async def _place(ctx: ControlContext, template: str) -> list[str]:
+    """The nodes to ask for a new sandbox of the node's ``template`` name, in order
+    (space.control.scheduler; ApiError(unavailable) if none is active)."""
+
+    def read(session: Session) -> tuple[list[node_rows.NodeRecord], dict[str, int]]:
+        return node_rows.list_nodes(session), repo.active_counts(session)
+
+    records, load = await ctx.db.run(read)
+    nodes = rank_nodes(records, load, reachable=ctx.nodes.ids(), template=template)
     if not nodes:
-        raise ApiError("unavailable", "no node is registered to run sandboxes")
+        raise ApiError("unavailable", "no node is registered and active to run sandboxes")
     return nodes
 
 
@@ -196,7 +202,10 @@ async def _create(
     parent = await _source_sandbox(ctx, source)
     bindings = await _bindings(ctx, tenant, body, parent)
     # A sandbox from a snapshot runs where the snapshot is, or nowhere.
-    nodes = [source.node_id] if source is not None else await _place(ctx)
+    if source is not None:
+        nodes = [source.node_id]
+    else:
+        nodes = await _place(ctx, node_name(tenant, parse_ref(body.template).name))
     timeout_s = body.timeout_s if timeout_given else ctx.settings.default_timeout_s
     if source is None:
         body = await _with_template_defaults(ctx.nodes.get(nodes[0]), tenant, body)
@@ -334,14 +343,16 @@ async def delete_sandbox(ctx: ControlContext, record: SandboxRecord) -> None:
 
     Raises ApiError(unavailable) if its node is not registered and the node's
     NodeError if the node fails; the row then keeps ``desired_state=deleted`` and a
-    retry (or the reaper, or reconciliation) finishes the job.
+    retry (or the reaper, or reconciliation) finishes the job. A ``lost`` sandbox is
+    marked deleted without asking its node: if the node comes back, reconciliation
+    deletes what it still has (no row claims it).
     """
     if record.state == repo.DELETED:
         return
     await ctx.db.run(lambda s: repo.set_desired_deleted(s, record.id))
-    node = ctx.nodes.get(record.node_id)
-    with contextlib.suppress(NotFound):
-        await node.delete_sandbox(record.id)
+    if record.state != SandboxState.LOST.value:
+        with contextlib.suppress(NotFound):
+            await ctx.nodes.get(record.node_id).delete_sandbox(record.id)
     now = ctx.clock()
     await ctx.db.run(lambda s: repo.mark_deleted(s, record.id, now))
 

@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterable
 
 from space.control.errors import ApiError
-from space.node.api import NodeError, NodeService, TemplateInfo
+from space.control.schemas import MAX_NODE_TEMPLATES, NodeCapacity
+from space.node.api import NodeError, NodeInfo, NodeService, TemplateInfo
 from space.node.http.client import RemoteNode
 
-__all__ = ["LIST_TIMEOUT_S", "LOCAL_URL", "NodeRegistry", "RemoteFactory"]
+__all__ = [
+    "GUEST_TYPES",
+    "LIST_TIMEOUT_S",
+    "LOCAL_URL",
+    "NodeRegistry",
+    "RemoteFactory",
+    "capacity_report",
+]
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +29,9 @@ LOCAL_URL = "local"
 #: How long one node may take to list its templates before it is left out.
 LIST_TIMEOUT_S = 10.0
 
+#: The guest types a node of this version runs (issue 21 adds a second).
+GUEST_TYPES = ("qemu",)
+
 #: Builds the NodeService for a remote node from its URL and the node token.
 RemoteFactory = Callable[[str, str], NodeService]
 
@@ -28,19 +40,47 @@ def _remote(url: str, token: str) -> NodeService:
     return RemoteNode(url, token)
 
 
+def capacity_report(info: NodeInfo) -> NodeCapacity | None:
+    """What a node sends with its heartbeat, from its own ``info`` (None if it reports
+    no capacity figures). Called on the node's host: the vCPUs are this host's."""
+    figures = info.capacity
+    if figures is None:
+        return None
+    return NodeCapacity(
+        vcpus=os.cpu_count() or 1,
+        memory_mib=figures.memory_total_mib,
+        memory_available_mib=figures.memory_available_mib,
+        disk_mib=figures.pool_total_mib,
+        disk_free_mib=figures.pool_free_mib,
+        guest_types=list(GUEST_TYPES),
+        room=figures.room,
+        templates=info.templates[:MAX_NODE_TEMPLATES],
+        pools={pool.template: pool.size for pool in info.pools[:MAX_NODE_TEMPLATES]},
+    )
+
+
 class NodeRegistry:
     """NodeService instances by node id: in-process ones and RemoteNodes.
 
     Nodes given to ``register`` stay their owner's to close; RemoteNodes this registry
-    made (``register_remote``) are closed by ``aclose``. ``remote_factory`` lets tests
-    route RemoteNodes through an in-process transport.
+    made (``register_remote``, ``get``) are closed by ``aclose``. ``remote_factory``
+    lets tests route RemoteNodes through an in-process transport.
     """
 
     def __init__(self, remote_factory: RemoteFactory = _remote) -> None:
         self._nodes: dict[str, NodeService] = {}
         self._urls: dict[str, str] = {}
         self._owned: dict[str, NodeService] = {}
+        self._lost: set[str] = set()
         self._remote_factory = remote_factory
+        self._directory: Callable[[str], str | None] = lambda _node_id: None
+        self._token = ""
+
+    def use_directory(self, url_of: Callable[[str], str | None], token: str) -> None:
+        """Where ``get`` looks up a node it does not know: ``url_of`` gives the URL the
+        database records for an id (another replica registered the node since this
+        one last looked, space.control.background), reached with the node ``token``."""
+        self._directory, self._token = url_of, token
 
     def register(self, node_id: str, node: NodeService, *, url: str = LOCAL_URL) -> None:
         """Add (or replace) a node the caller owns; ``url`` is what the database records."""
@@ -67,8 +107,11 @@ class NodeRegistry:
             await old.aclose()
 
     def get(self, node_id: str) -> NodeService:
-        """The node, or ApiError(unavailable) if it is not registered (any more)."""
+        """The node, attached now if the directory knows it (a remote node another
+        replica registered), or ApiError(unavailable) if it is not registered."""
         node = self._nodes.get(node_id)
+        if node is None:
+            node = self._attach(node_id)
         if node is None:
             raise ApiError("unavailable", f"node {node_id!r} is not registered", node_id=node_id)
         return node
@@ -84,11 +127,39 @@ class NodeRegistry:
             log.warning("templates: skipping node %s: %s", node_id, str(exc) or type(exc).__name__)
             return []
 
+    def _attach(self, node_id: str) -> NodeService | None:
+        """A RemoteNode for the directory's URL of ``node_id``, if it has a remote one.
+        Blocks on one query; it happens once per node a replica meets first this way."""
+        url = self._directory(node_id)
+        if url is None or url == LOCAL_URL:
+            return None  # another replica's embedded node is not reachable from here
+        node = self._nodes[node_id] = self._owned[node_id] = self._remote_factory(url, self._token)
+        self._urls[node_id] = url
+        return node
+
     def url(self, node_id: str) -> str:
         return self._urls[node_id]
 
+    def url_of(self, node_id: str) -> str | None:
+        """The node's URL, or None if it is not registered here."""
+        return self._urls.get(node_id)
+
+    def embedded(self) -> list[str]:
+        """The nodes in this process (this replica heartbeats them), by id."""
+        return sorted(n for n, url in self._urls.items() if url == LOCAL_URL)
+
+    @property
+    def lost(self) -> frozenset[str]:
+        return frozenset(self._lost)
+
     def ids(self) -> list[str]:
-        return sorted(self._nodes)
+        """The registered nodes not known to be lost, by id: those worth asking."""
+        return sorted(self._nodes.keys() - self._lost)
+
+    def set_lost(self, lost: Iterable[str]) -> None:
+        """Which nodes the database says are lost (their lease ran out): ``ids`` leaves
+        them out; ``get`` still finds them."""
+        self._lost = set(lost)
 
     def __contains__(self, node_id: object) -> bool:
         return node_id in self._nodes

@@ -8,12 +8,13 @@ Reconciliation compares every registered node's sandboxes and snapshots with the
 database: rows the node no longer knows become ``error`` (or ``deleted`` if deletion
 was wanted), pending snapshot rows are published if the node finished them and
 dropped if not, and sandboxes or snapshots no row claims are deleted on the node, so
-nothing leaks across restarts.
+nothing leaks across restarts. Rows younger than ``reconcile_grace_s`` that are still
+being made are left alone: another replica may be making them. Both run in one replica at a
+time (space.control.background).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import logging
@@ -34,7 +35,6 @@ __all__ = [
     "notice_failed_vms",
     "reap",
     "reap_expired",
-    "reaper_loop",
     "reconcile",
     "reconcile_node",
 ]
@@ -133,21 +133,13 @@ async def reap(ctx: ControlContext) -> None:
     await idempotency.sweep(ctx)
 
 
-async def reaper_loop(ctx: ControlContext, interval_s: float) -> None:
-    """Reap every ``interval_s`` seconds until cancelled; a failing round is logged."""
-    while True:
-        try:
-            await reap(ctx)
-        except Exception:
-            log.exception("reaper round failed")
-        await asyncio.sleep(interval_s)
-
-
 async def _settle_row(
     ctx: ControlContext, record: SandboxRecord, status: SandboxStatus | None
 ) -> None:
     if record.desired_state == repo.DELETED:
         await delete_sandbox(ctx, record)
+    elif status is None and _in_flight(ctx, record.state, record.created_at):
+        return
     elif status is None:
         message = "the node no longer knows this sandbox"
         await ctx.db.run(
@@ -156,6 +148,14 @@ async def _settle_row(
     elif (status.state.value, status.head_snapshot) != (record.state, record.head_snapshot):
         state, head = status.state.value, status.head_snapshot
         await ctx.db.run(lambda s: repo.set_status(s, record.id, state, status.error, head))
+
+
+def _in_flight(ctx: ControlContext, state: str, created_at: float) -> bool:
+    """Whether a row in ``state`` may belong to an operation still running elsewhere: a
+    sandbox ``creating`` or a snapshot ``pending`` for less than ``reconcile_grace_s``
+    (another replica may be making it; a later round settles it if it stays so)."""
+    started = state in (SandboxState.CREATING.value, snaps.PENDING)
+    return started and ctx.clock() - created_at < ctx.settings.reconcile_grace_s
 
 
 async def reconcile_node(ctx: ControlContext, node_id: str) -> None:
@@ -185,6 +185,8 @@ async def _settle_snapshot(
     if record.state == snaps.DELETING:
         await delete_snapshot(ctx, record)
     elif record.state == snaps.PENDING and info is None:
+        if _in_flight(ctx, record.state, record.created_at):
+            return
         await ctx.db.run(lambda s: snaps.drop_pending(s, record.id))
     elif record.state == snaps.PENDING and info is not None:
         # The node finished it after the control plane stopped waiting: publish it.

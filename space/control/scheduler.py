@@ -1,20 +1,45 @@
-"""Placement: which nodes may get a new sandbox, in the order to ask them.
+"""Placement: which nodes may get a new sandbox, in the order to ask them (issue 19).
 
-A node admits by its own capacity (space/node/core/capacity.py) and refuses with
+Only ``active`` nodes are placed on (not draining, not lost). The order:
+1. free capacity: nodes that reported room for another sandbox (or reported nothing
+   yet) before nodes that reported none;
+2. where the template already is: a warm pool with a VM waiting, then its ready
+   state (a template built on the node);
+3. spread: fewest sandboxes first; ties by id.
+A node still admits by its own capacity (space/node/core/capacity.py) and refuses with
 InsufficientCapacity when it has no room; the control plane then asks the next node
-(space.control.lifecycle), so this order only needs to be a good first guess.
+(space.control.lifecycle), so a report that went stale costs one refusal, not a
+failed create.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from space.control.store.nodes import ACTIVE, NodeRecord
+
 __all__ = ["rank_nodes"]
 
 
-def rank_nodes(candidates: Iterable[str], load: Mapping[str, int]) -> list[str]:
-    """The candidates, fewest sandboxes first (ties: the smallest id).
+def rank_nodes(
+    nodes: Iterable[NodeRecord],
+    load: Mapping[str, int],
+    *,
+    reachable: Iterable[str],
+    template: str | None = None,
+) -> list[str]:
+    """The ids of the active ``nodes`` among ``reachable`` (this replica can call them),
+    in placement order (the module docstring). ``load`` counts live sandboxes per node
+    id; ``template`` is the node's name of the template to create from (None: from a
+    snapshot, where the template does not matter)."""
+    callable_here = set(reachable)
 
-    ``load`` counts live sandboxes per node id; nodes missing from it have none.
-    """
-    return sorted(candidates, key=lambda node_id: (load.get(node_id, 0), node_id))
+    def key(node: NodeRecord) -> tuple[bool, bool, bool, int, str]:
+        report = node.capacity or {}
+        full = report.get("room", 1) <= 0
+        pooled = template is not None and report.get("pools", {}).get(template, 0) > 0
+        built = template is not None and template in report.get("templates", ())
+        return (full, not pooled, not built, load.get(node.id, 0), node.id)
+
+    chosen = [node for node in nodes if node.state == ACTIVE and node.id in callable_here]
+    return [node.id for node in sorted(chosen, key=key)]

@@ -37,6 +37,7 @@ from space.limits import (
 from space.node.api import EgressEvent, FileStat, PoolInfo, ProcessInfo, TemplateInfo
 
 __all__ = [
+    "MAX_NODE_TEMPLATES",
     "EgressEventOut",
     "ExecBody",
     "FileStatOut",
@@ -44,6 +45,7 @@ __all__ = [
     "GuestPath",
     "KillBody",
     "MkdirBody",
+    "NodeCapacity",
     "NodeRegistration",
     "PoolOut",
     "ProcessOut",
@@ -346,9 +348,42 @@ class RenameBody(_Body):
     user: UserName = "user"
 
 
+#: Bounds of a node's report: no node has more (a hostile body stores no more).
+_MAX_MIB = 2**40
+#: Templates and pools a node reports at most (more are left out of its report).
+MAX_NODE_TEMPLATES = 1024
+_NodeTemplate = Annotated[str, Field(min_length=1, max_length=160)]
+
+
+class NodeCapacity(_Body):
+    """What a node has, sent with each heartbeat (issue 19); placement ranks by it."""
+
+    vcpus: int = Field(ge=1, le=65536)
+    memory_mib: int = Field(ge=0, le=_MAX_MIB)
+    memory_available_mib: int = Field(ge=0, le=_MAX_MIB)
+    disk_mib: int = Field(ge=0, le=_MAX_MIB)
+    disk_free_mib: int = Field(ge=0, le=_MAX_MIB)
+    guest_types: list[Annotated[str, Field(pattern=r"^[a-z0-9-]{1,32}$")]] = Field(
+        min_length=1, max_length=8
+    )
+    #: How many more sandboxes of the default shape the node would admit now.
+    room: int = Field(ge=0, le=1_000_000)
+    #: Templates built on the node (each has its ready state there).
+    templates: list[_NodeTemplate] = Field(default_factory=list, max_length=MAX_NODE_TEMPLATES)
+    #: Warm pools: template → paused VMs waiting now.
+    pools: dict[_NodeTemplate, Annotated[int, Field(ge=0, le=1_000_000)]] = Field(
+        default_factory=dict, max_length=MAX_NODE_TEMPLATES
+    )
+
+
 class NodeRegistration(_Body):
+    """A node's registration, and each of its heartbeats (the same call renews its
+    lease)."""
+
     node_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
     url: str = Field(pattern=r"^https?://[^\s/?#]+(/[^\s?#]*)?$", max_length=2048)
+    #: None from a node agent older than issue 19: placed on, but holding no lease.
+    capacity: NodeCapacity | None = None
 
 
 class FileStatOut(BaseModel):

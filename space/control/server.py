@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,7 +13,8 @@ import httpx
 import uvicorn
 
 from space.control.app import create_app
-from space.control.nodes import NodeRegistry
+from space.control.nodes import NodeRegistry, capacity_report
+from space.control.schemas import NodeCapacity
 from space.control.settings import ControlSettings
 from space.node.api import NodeError, NodeService, Unavailable
 from space.node.api.http_connections import (
@@ -22,7 +24,18 @@ from space.node.api.http_connections import (
 )
 from space.node.http.client import error_from_response
 
-__all__ = ["TlsFiles", "register_remote_node", "run_control_plane"]
+__all__ = [
+    "DEFAULT_HEARTBEAT_S",
+    "TlsFiles",
+    "heartbeat",
+    "register_remote_node",
+    "run_control_plane",
+]
+
+#: How often a node heartbeats when the control plane does not say, and the least
+#: often it may be told to (a control plane cannot make nodes flood it).
+DEFAULT_HEARTBEAT_S = 5.0
+MIN_HEARTBEAT_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -130,22 +143,81 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 async def register_remote_node(
-    control_url: str, token: str, node_url: str, node_id: str, *, timeout_s: float = 30.0
-) -> None:
-    """Register the node agent at ``node_url`` with the control plane at ``control_url``.
+    control_url: str | Sequence[str],
+    token: str,
+    node_url: str,
+    node_id: str,
+    *,
+    capacity: NodeCapacity | None = None,
+    timeout_s: float = 30.0,
+) -> float:
+    """Register the node agent at ``node_url`` with the control plane at ``control_url``,
+    or heartbeat it (the same call, with ``capacity``: it renews the node's lease).
+    Several URLs (replicas without a load balancer in front) are tried in turn until one
+    answers. Returns how often the control plane wants the heartbeat, in seconds.
 
-    Idempotent. Raises space.node.api.errors leaves: Unavailable if the control plane is
-    unreachable or rejects the token, the mapped leaf for any other error answer.
+    Idempotent. Raises space.node.api.errors leaves, of the last URL tried: Unavailable
+    if the control plane is unreachable or rejects the token, the mapped leaf for any
+    other error answer.
     """
+    urls = [control_url] if isinstance(control_url, str) else list(control_url)
+    body: dict[str, object] = {"node_id": node_id, "url": node_url}
+    if capacity is not None:
+        body["capacity"] = capacity.model_dump()
+    failure: NodeError = Unavailable("no control-plane URL to register with")
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        for url in urls:
+            try:
+                return await _register(client, url, token, body)
+            except NodeError as exc:
+                failure = exc
+    raise failure
+
+
+async def _register(
+    client: httpx.AsyncClient, control_url: str, token: str, body: dict[str, object]
+) -> float:
     url = control_url.rstrip("/") + "/v1/nodes"
-    body = {"node_id": node_id, "url": node_url}
     try:
-        async with httpx.AsyncClient(timeout=timeout_s) as client:
-            response = await client.post(
-                url, json=body, headers={"Authorization": f"Bearer {token}"}
-            )
+        response = await client.post(url, json=body, headers={"Authorization": f"Bearer {token}"})
     except httpx.HTTPError as exc:
         raise Unavailable(f"control plane at {control_url} unreachable: {exc!r}") from exc
     if response.status_code >= 400:
         error: NodeError = error_from_response(response.status_code, response.content, None)
         raise error
+    try:
+        heartbeat_s = float(response.json()["heartbeat_s"])
+    except (ValueError, KeyError, TypeError):
+        heartbeat_s = DEFAULT_HEARTBEAT_S  # an older control plane
+    return min(max(heartbeat_s, MIN_HEARTBEAT_S), DEFAULT_HEARTBEAT_S * 12)
+
+
+async def heartbeat(
+    control_url: str | Sequence[str],
+    token: str,
+    node_url: str,
+    node: NodeService,
+    say: Callable[[str], None],
+    every_s: float = DEFAULT_HEARTBEAT_S,
+) -> None:
+    """Heartbeat the registered ``node`` with its capacity until cancelled, first in
+    ``every_s`` (what its registration returned), then as often as the control plane
+    asks. A failed heartbeat is said once and retried at the next; the control plane
+    marks the node lost if its lease runs out meanwhile, and active again at the next
+    success."""
+    failing = False
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            info = await node.info()
+            every_s = await register_remote_node(
+                control_url, token, node_url, info.node_id, capacity=capacity_report(info)
+            )
+        except NodeError as exc:
+            if not failing:
+                say(f"heartbeat failed (retrying every {every_s:g} s): {exc}")
+            failing = True
+            continue
+        if failing:
+            say("heartbeats succeed again")
+        failing = False

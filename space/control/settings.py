@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from space.control.quotas import QuotaLimits
-from space.node.api import PolicyBounds, host_addresses
+from space.node.api import InvalidArgument, PolicyBounds, host_addresses
 
 __all__ = ["ControlSettings"]
 
@@ -20,7 +20,12 @@ class ControlSettings:
     ``node_token_path`` defaults to ``<data_dir>/node-token``: the shared secret node agents
     present to register and that the control plane presents to them (created 0600 on
     first start). ``default_timeout_s`` is a sandbox's lifetime when the request does not
-    say; ``reaper_interval_s`` is how often expired sandboxes are looked for.
+    say; ``reaper_interval_s`` is how often a replica's background round runs (expired
+    and idle sandboxes, node leases: space.control.background), ``reconcile_interval_s``
+    how often every node is compared with the database, which leaves rows still being
+    made (``creating``, pending snapshots) younger than ``reconcile_grace_s`` alone. A
+    node's lease lasts ``node_lease_s`` from its last heartbeat; it is told to heartbeat
+    every ``node_heartbeat_s``.
     ``master_key_file`` holds the master keys that wrap secrets' data keys (one base64
     key per line, the first current; space.control.secrets) unless SPACE_MASTER_KEY is
     set; it defaults to ``<data_dir>/master.key``, made 0600 on first start.
@@ -33,6 +38,10 @@ class ControlSettings:
     node_token_path: Path | None = None
     default_timeout_s: int = 300
     reaper_interval_s: float = 5.0
+    reconcile_interval_s: float = 60.0
+    reconcile_grace_s: float = 600.0
+    node_lease_s: float = 30.0
+    node_heartbeat_s: float = 5.0
     master_key_file: Path | None = None
     quotas: QuotaLimits = field(default_factory=QuotaLimits)
     #: What tenants' egress policies may name (issue 17): the same settings as the
@@ -42,6 +51,11 @@ class ControlSettings:
 
     def __post_init__(self) -> None:
         _ = self.egress_bounds  # a bad operator range raises InvalidArgument here
+        if not 0 < self.node_heartbeat_s < self.node_lease_s:
+            raise InvalidArgument(
+                f"a node's heartbeat interval ({self.node_heartbeat_s} s) must be positive "
+                f"and shorter than its lease ({self.node_lease_s} s)"
+            )
         # Frozen: fill the data_dir-derived defaults once, here.
         if not self.database_url:
             object.__setattr__(self, "database_url", f"sqlite:///{self.data_dir / 'space.db'}")

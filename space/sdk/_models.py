@@ -46,7 +46,9 @@ class SecretBinding:
 class SandboxInfo:
     """One sandbox as the API reports it (``GET /v1/sandboxes/{id}``).
 
-    ``state`` is ``creating``, ``running``, ``paused``, ``hibernated`` or ``error``.
+    ``state`` is ``creating``, ``running``, ``paused``, ``hibernated``, ``error`` or
+    ``lost`` (its node stopped heartbeating: only delete works until the node is back;
+    ``error`` says which node).
     ``idle_timeout_s`` hibernates it after that many seconds without activity (commands,
     file calls; the last at ``last_active_at``); ``max_lifetime_s`` deletes it that long
     after ``created_at`` (at ``expires_at``); None means no such limit.

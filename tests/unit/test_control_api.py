@@ -253,16 +253,37 @@ async def test_operators_read_each_nodes_capacity_with_the_node_token(tmp_path: 
         response = await h.client.get("/v1/nodes", headers=token)
         assert response.status_code == 200
         first, second = response.json()["nodes"]
+        now, lease_s = h.clock.now, h.settings.node_lease_s
         assert first == {
             "node_id": "n1",
             "url": "local",
+            "state": "active",
+            "lease_expires_at": now + lease_s,
+            "last_seen": now,
+            # Its heartbeat's report (the embedded node's replica sends it).
+            "reported": {
+                "vcpus": os.cpu_count(),
+                "memory_mib": 24576,
+                "memory_available_mib": 20000,
+                "disk_mib": 20480,
+                "disk_free_mib": 15000,
+                "guest_types": ["qemu"],
+                "room": 115,
+                "templates": ["base"],
+                "pools": {},
+            },
             "reachable": True,
             "sandboxes": 1,
             "capacity": dataclasses.asdict(roomy.capacity),
         }
+        # It never reported itself: recorded, holding no lease, and not reachable now.
         assert second == {
             "node_id": "n2",
             "url": "local",
+            "state": "active",
+            "lease_expires_at": None,
+            "last_seen": now,
+            "reported": None,
             "reachable": False,
             "sandboxes": None,
             "capacity": None,

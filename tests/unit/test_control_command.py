@@ -72,6 +72,8 @@ def test_space_control_serves_the_api_on_postgresql_without_a_node(
             assert listed.status_code == 200 and listed.json() == {"sandboxes": []}
             quota = httpx.get(url + "/v1/quota", headers=headers, timeout=10)
             assert quota.status_code == 200
+            templates = httpx.get(url + "/v1/templates", headers=headers, timeout=10)
+            assert templates.status_code == 200 and templates.json() == {"templates": []}
             token = (tmp_path / "control" / "node-token").read_text().strip()
             nodes = httpx.get(url + "/v1/nodes", headers={"Authorization": f"Bearer {token}"})
             assert nodes.status_code == 200 and nodes.json() == {"nodes": []}

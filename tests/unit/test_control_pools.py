@@ -94,6 +94,7 @@ async def test_negative_pools_without_a_valid_api_key_are_401_and_ask_no_node(
 ) -> None:
     node = _SilentNode("local", Unavailable("must not be asked"))
     async with control_app(tmp_path, node) as h:
+        node.asked = 0  # its heartbeat at the start asked it
         response = await h.client.get("/v1/pools", headers=headers)
     assert response.status_code == 401
     assert response.json()["error"]["code"] == "unauthenticated"
@@ -107,6 +108,7 @@ async def test_negative_a_node_that_fails_is_skipped_and_logged(
     good.pools = [_BASE]
     caplog.set_level(logging.WARNING, logger=pools_route.__name__)
     async with control_app(tmp_path, good, registry=_registry(n1=good, n2=bad)) as h:
+        bad.asked = 0  # its heartbeat at the start asked it
         listed = await _pools(h)
     assert [(pool["node_id"], pool["template"]) for pool in listed] == [("n1", "base")]
     assert bad.asked == 1

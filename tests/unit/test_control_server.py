@@ -1,4 +1,5 @@
-"""run_control_plane on a loopback port, and register_remote_node against it."""
+"""run_control_plane on a loopback port; register_remote_node, a node's heartbeats and
+``space node ls|drain|activate`` against it."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ from typing import Any
 
 import httpx
 import pytest
+from click.testing import CliRunner, Result
 
+from space.cli import main
 from space.control import ControlSettings, register_remote_node, run_control_plane
-from space.node.api import Unavailable
+from space.control.nodes import capacity_report
+from space.control.server import heartbeat
+from space.node.api import CapacityInfo, Unavailable
 from space.node.api.http_connections import MAX_HEADER_BYTES
 from tests.ports import free_port
 from tests.unit._raw_http import closed_by_server
@@ -142,3 +147,73 @@ async def test_negative_a_client_over_its_connection_cap_is_closed(tmp_path: Pat
             assert (await client.get("/openapi.json")).status_code == 200
         for _, writer in held:
             writer.close()
+
+
+def _capacity_node(node_id: str) -> FakeNode:
+    node = FakeNode(node_id)
+    node.capacity = CapacityInfo(8192, 6000, 0, 819, 0, 14745, 20480, 15000, 0, 2048, 0, None, 20)
+    return node
+
+
+async def test_a_node_agent_heartbeats_and_an_operator_drains_it_from_the_command_line(
+    tmp_path: Path,
+) -> None:
+    settings = ControlSettings(data_dir=tmp_path, node_heartbeat_s=0.2)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = asyncio.create_task(run_control_plane(settings, None, host="127.0.0.1", port=port))
+    far = _capacity_node("far")
+    said: list[str] = []
+    beats: asyncio.Task[None] | None = None
+    try:
+        await _wait_until_serving(url)
+        token = settings.token_file.read_text().strip()
+        report = capacity_report(await far.info())
+        every = await register_remote_node(url, token, "http://127.0.0.1:9", "far", capacity=report)
+        assert every == 0.2
+        beats = asyncio.create_task(heartbeat(url, token, "http://127.0.0.1:9", far, said.append))
+
+        def cli(*args: str) -> Result:
+            common = ["--control-url", url, "--token-file", str(settings.token_file)]
+            return CliRunner().invoke(main, ["node", *args, *common])
+
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {token}"}) as client:
+            first = (await client.get(url + "/v1/nodes")).json()["nodes"][0]
+            assert first["reported"]["room"] == 20
+            for _ in range(100):
+                await asyncio.sleep(0.1)
+                now = (await client.get(url + "/v1/nodes")).json()["nodes"][0]
+                if now["last_seen"] > first["last_seen"]:
+                    break
+            assert now["lease_expires_at"] > first["lease_expires_at"]  # renewed
+
+        drained = await asyncio.to_thread(cli, "drain", "far")
+        assert drained.exit_code == 0, drained.output
+        assert "far" in drained.output and "draining" in drained.output
+        listed = await asyncio.to_thread(cli, "ls")
+        assert listed.exit_code == 0 and "draining" in listed.output.splitlines()[1]
+        unknown = await asyncio.to_thread(cli, "drain", "nowhere")
+        assert unknown.exit_code == 1 and "no node 'nowhere'" in unknown.output
+        activated = await asyncio.to_thread(cli, "activate", "far")
+        assert activated.exit_code == 0 and "active" in activated.output
+        assert said == []
+    finally:
+        if beats is not None:
+            beats.cancel()
+        server.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await server
+
+
+async def test_negative_a_failing_heartbeat_is_said_once_and_retried() -> None:
+    said: list[str] = []
+    beats = asyncio.create_task(
+        heartbeat(
+            f"http://127.0.0.1:{free_port()}", "t", "http://127.0.0.1:9",
+            _capacity_node("far"), said.append, 0.01,
+        )
+    )  # fmt: skip
+    await asyncio.sleep(0.5)
+    assert not beats.done()  # it goes on trying
+    beats.cancel()
+    assert len(said) == 1 and "heartbeat failed" in said[0]

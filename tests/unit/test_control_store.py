@@ -15,7 +15,6 @@ from space.control import ControlSettings, NodeRegistry, create_key, list_keys, 
 from space.control.errors import STATUS_BY_CODE, ApiError
 from space.control.keys import KEY_PREFIX, hash_key
 from space.control.reconcile import reap_expired
-from space.control.scheduler import rank_nodes
 from space.control.store import Database
 from space.control.store.db import alembic_config
 from space.control.store.models import ApiKeyRow, Base, TenantRow
@@ -114,13 +113,6 @@ def test_the_error_table_matches_the_documented_statuses() -> None:
     doc = (Path(__file__).parents[2] / "docs" / "api.md").read_text()
     for code, status in STATUS_BY_CODE.items():
         assert f"| {status} | `{code}` |" in doc
-
-
-def test_placement_asks_the_node_with_the_fewest_sandboxes_first() -> None:
-    assert rank_nodes(["a", "b", "c"], {"a": 3, "b": 1, "c": 2}) == ["b", "c", "a"]
-    assert rank_nodes(["a", "b"], {"a": 1}) == ["b", "a"]
-    assert rank_nodes(["b", "a"], {}) == ["a", "b"]
-    assert rank_nodes([], {"a": 0}) == []
 
 
 async def test_new_sandboxes_spread_over_nodes(tmp_path: Path) -> None:

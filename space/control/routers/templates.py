@@ -133,10 +133,11 @@ def _spec_name(data: bytes) -> tuple[str, str]:
 async def list_templates(tenant: Tenant, ctx: Context) -> dict[str, list[TemplateOut]]:
     """The tenant's templates and base, one per name and tag, sorted; read-only.
 
-    A node that does not answer in time is left out (and logged; NodeRegistry.templates).
+    A node that does not answer in time is left out (and logged; NodeRegistry.templates);
+    with no node registered the list is empty.
     """
     found: dict[tuple[str, str], TemplateOut] = {}
-    for node_id in _all_nodes(ctx):
+    for node_id in ctx.nodes.ids():
         for info in await ctx.nodes.templates(node_id):
             out = _out(tenant, info)
             if out is not None:

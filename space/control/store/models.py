@@ -30,6 +30,7 @@ __all__ = [
     "ApiKeyRow",
     "Base",
     "IdempotencyKeyRow",
+    "JobLeaseRow",
     "NodeRow",
     "SandboxRow",
     "SecretRow",
@@ -82,6 +83,23 @@ class NodeRow(Base):
     #: The node agent's boot id when every sandbox's secret grants were last sent to
     #: it (it holds them in memory only): another boot id means send them again.
     boot_id: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    #: ``active``, ``draining`` (no new sandboxes; its suspended ones move away) or
+    #: ``lost`` (its lease ran out: no heartbeat in time).
+    state: Mapped[str] = mapped_column(String(16), server_default="active")
+    #: Renewed by each heartbeat; None: the node never heartbeat (an older node agent).
+    lease_expires_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    #: What the node last reported (space.control.schemas.NodeCapacity), for placement.
+    capacity: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+
+
+class JobLeaseRow(Base):
+    """Which control-plane replica runs a background job, until when (issue 19)."""
+
+    __tablename__ = "job_leases"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(64))
+    expires_at: Mapped[float] = mapped_column(Float)
 
 
 class SandboxRow(Base):

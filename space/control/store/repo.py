@@ -12,8 +12,7 @@ from typing import Any
 from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from space.control.store.dialects import upsert
-from space.control.store.models import NodeRow, SandboxRow
+from space.control.store.models import SandboxRow
 from space.node.api import SandboxState
 
 __all__ = [
@@ -28,21 +27,17 @@ __all__ = [
     "forget_sandbox",
     "idle",
     "insert_sandbox",
-    "list_nodes",
     "list_sandboxes",
     "mark_deleted",
     "mark_failed",
-    "node_boot_id",
     "on_node",
     "set_desired_deleted",
     "set_egress",
     "set_node",
-    "set_node_boot_id",
     "set_state",
     "set_status",
     "set_timeouts",
     "touch",
-    "upsert_node",
 ]
 
 RUNNING = "running"
@@ -301,25 +296,3 @@ def active_counts(session: Session) -> dict[str, int]:
         .group_by(SandboxRow.node_id)
     )
     return {node_id: count for node_id, count in session.execute(query)}
-
-
-def upsert_node(session: Session, node_id: str, url: str, now: float) -> None:
-    """Record a node (or its new URL) as seen at ``now``; atomic, so two replicas may."""
-    values = {"id": node_id, "url": url, "last_seen": now}
-    upsert(session, NodeRow, values, keys=["id"], update=["url", "last_seen"])
-
-
-def list_nodes(session: Session) -> dict[str, str]:
-    """Registered nodes: id → URL ("local" for an embedded node)."""
-    return {row.id: row.url for row in session.scalars(select(NodeRow))}
-
-
-def node_boot_id(session: Session, node_id: str) -> str | None:
-    """The boot id the node had when its sandboxes' grants were last all sent; None if
-    never (or forgotten, so that they are sent again)."""
-    row = session.get(NodeRow, node_id)
-    return None if row is None else row.boot_id
-
-
-def set_node_boot_id(session: Session, node_id: str, boot_id: str | None) -> None:
-    session.execute(update(NodeRow).where(NodeRow.id == node_id).values(boot_id=boot_id))

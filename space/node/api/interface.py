@@ -55,6 +55,10 @@ class SandboxState(enum.StrEnum):
     STOPPED = "stopped"
     ERROR = "error"
     DELETED = "deleted"
+    #: The control plane's word, never a node's: the sandbox's node stopped
+    #: heartbeating (issue 19). It comes back as it was if the node does; until then
+    #: only delete is accepted.
+    LOST = "lost"
 
 
 @dataclass(frozen=True, slots=True)
