@@ -194,6 +194,13 @@ class BtrfsPool:
         if unmount and self._mounted_here and self._image is not None:
             await self._ask(UnmountPool(image=str(self._image), mountpoint=str(self.root)))
 
+    @property
+    def broker(self) -> RootBroker:
+        """The root broker this pool asks; Unavailable if it has none."""
+        if self._broker is None:
+            raise Unavailable(f"the pool {self.root} has no root broker")
+        return self._broker
+
     async def _ask(self, request: Request) -> object:
         if self._broker is None:
             raise Unavailable(f"the pool {self.root} has no root broker for {request.op}")
