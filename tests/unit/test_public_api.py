@@ -34,7 +34,7 @@ NODE_API_NAMES = {
     "BUILD_ID_HEADER", "BuildEvent", "BuildFailed", "BuildLog", "BuildStream", "ERROR_BY_CODE",
     "BuildSucceeded", "CapacityInfo", "CidrRule", "Conflict", "DomainRule", "EgressEvent",
     "EgressLog",
-    "EgressPolicy", "ExecEvent", "ExecExited", "ExecOutput", "ExecRequest", "ExecStream",
+    "EgressPolicy", "ExecEvent", "ExecExited", "ExecOutput", "ExecRequest", "ExecStream", "ExportTicket", "ImportResult",
     "FILE_STAT_HEADER", "FileReader", "FileStat", "GuestError", "InsufficientCapacity",
     "InvalidArgument", "MAX_BUILD_LOG_BYTES", "MAX_EGRESS_LOG_EVENTS", "MAX_FORK_CHILDREN",
     "MAX_GRANTS", "NDJSON", "NODE_API_PREFIX", "NodeError", "NodeInfo", "NodeService", "NotFound",

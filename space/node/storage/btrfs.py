@@ -421,6 +421,14 @@ class BtrfsPool:
         if path.exists():
             await self._delete_subvolume(path)
 
+    async def delete_staged(self, path: Path) -> None:
+        """Delete a subvolume or directory of a move under ``incoming/`` or ``exports/``
+        (issue 19); idempotent."""
+        incoming, exports = self.root / "incoming", self.root / "exports"
+        if incoming not in (path.parent, path.parent.parent) and path.parent != exports:
+            raise InvalidArgument(f"{path} is not a move's")
+        await self._delete_subvolume(path)
+
     async def _delete_subvolume(self, path: Path) -> None:
         await self._ask(DeleteSubvolume(path=str(path)))
 

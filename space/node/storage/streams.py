@@ -30,6 +30,7 @@ __all__ = [
     "Received",
     "SubvolumeIds",
     "adopt_received",
+    "is_read_only_subvolume",
     "receive_stream",
     "send_stream",
     "subvolume_ids",
@@ -57,6 +58,28 @@ class SubvolumeIds:
         """What a send stream names this subvolume by when it is the parent: the
         subvolume it was received from, if any, else itself (as ``btrfs send`` does)."""
         return self.received_uuid or self.uuid
+
+
+#: BTRFS_IOC_SUBVOL_GETFLAGS = _IOR(0x94, 25, u64); BTRFS_SUBVOL_RDONLY.
+_IOC_SUBVOL_GETFLAGS, _SUBVOL_RDONLY = 0x80089419, 1 << 1
+
+
+def is_read_only_subvolume(path: Path) -> bool:
+    """Whether ``path`` (not followed if a link) is a read-only subvolume."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        if os.fstat(fd).st_ino != 256:
+            return False
+        flags = bytearray(8)
+        fcntl.ioctl(fd, _IOC_SUBVOL_GETFLAGS, flags)
+        return bool(int.from_bytes(flags, "little") & _SUBVOL_RDONLY)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def subvolume_ids(path: Path) -> SubvolumeIds:
