@@ -209,6 +209,7 @@ class Moves:
             )
         registry = self._registry
         sid = record.sandbox_id
+        record = replace(record, run_dir=str(registry.run_root / sid))
         async with registry.lock(sid):
             if sid in registry.sandboxes:
                 raise Conflict(f"sandbox {sid} exists on this node", sandbox_id=sid)
