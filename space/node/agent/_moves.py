@@ -194,6 +194,20 @@ class Moves:
             if moved:
                 await asyncio.shield(registry.destroy(sandbox))
 
+    async def sweep(self) -> None:
+        """Delete what moves interrupted by a node restart left in the pool (streams'
+        snapshots, half-received volumes); exports held in memory ended with it."""
+        pool = self._registry.pool
+        for kind in ("exports", "incoming"):
+            directory = pool.root / kind
+            entries = await asyncio.to_thread(_entries, directory)
+            for entry in entries:
+                with contextlib.suppress(NodeError):
+                    if kind == "incoming":
+                        await self._clear(entry)
+                    else:
+                        await pool.delete_staged(entry)
+
     # the target
 
     async def import_(self, ticket: ExportTicket, source_url: str) -> ImportResult:
@@ -203,6 +217,8 @@ class Moves:
         Conflict (the id is in use here), Unavailable/PermissionDenied from the
         source. On any failure or cancellation nothing of it is left here."""
         record = _record_of(ticket)
+        if not source_url.startswith(("http://", "https://")) or len(source_url) > 2048:
+            raise InvalidArgument(f"a source URL is http(s)://host:port, not {source_url[:80]!r}")
         if ticket.key_id != self._key_id:
             raise InvalidArgument(
                 "the sandbox is sealed with another node key", sandbox_id=ticket.sandbox_id
@@ -271,6 +287,10 @@ class Moves:
             for entry in await asyncio.to_thread(lambda: list(staging.iterdir())):
                 await pool.delete_staged(entry)
             await asyncio.to_thread(shutil.rmtree, staging, True)
+
+
+def _entries(directory: Path) -> list[Path]:
+    return sorted(directory.iterdir()) if directory.is_dir() else []
 
 
 class _Frames:

@@ -174,6 +174,7 @@ class Node:
         """Take over what the previous node process left, then the network and templates."""
         registry = self._registry
         await recover(registry, say)
+        await self.moves.sweep()
         await registry.network.at_start(registry.sandboxes.values(), say)
         await self.templates.remove_untagged(say)
         for built in registry.catalog.builds():
