@@ -95,10 +95,11 @@ async def ship_origin(source: Node, target: Node, sandbox_id: str) -> Path | Non
     into the target's pool by a full send/receive, read-only, beside the target's own
     templates (what template shipping does); its path there, None if it has none."""
     sandbox = source._registry.get(sandbox_id)
-    origins = _origins(source.pool.root, source.pool.sandbox_path(sandbox.record.volume))
+    volume = source.pool.sandbox_path(sandbox.record.volume)
+    origins = _origins(source.pool.root, volume, sandbox.record.template_digest)
     if not origins:
         return None
-    (origin,) = origins.values()
+    origin = sorted(origins.values())[0]
     staging = target.pool.root / "incoming" / secrets.token_hex(4)
     staging.mkdir(parents=True)
     received = await receive_stream(

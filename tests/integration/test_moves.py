@@ -103,7 +103,9 @@ def test_a_hibernated_sandbox_moves_incrementally_and_wakes_with_its_file_and_pr
         )
         assert result.status.state == SandboxState.HIBERNATED
         assert result.parent in ticket.parents
-        assert result.stream_bytes < full_bytes / 4
+        # The saved memory is sealed (no extent shared with anything): it travels
+        # whole; the disk image travels only where the guest changed it.
+        assert result.stream_bytes < full_bytes / 2
         with pytest.raises(NotFound):
             nodes.run(source.get_sandbox(sid))
         assert not source.pool.sandbox_path(sid).exists()

@@ -121,7 +121,9 @@ class Moves:
                 raise not_allowed("move", sandbox)
             check_not_held("export", sandbox)
             volume = registry.pool.sandbox_path(sandbox.record.volume)
-            parents = await asyncio.to_thread(_origins, registry.pool.root, volume)
+            parents = await asyncio.to_thread(
+                _origins, registry.pool.root, volume, sandbox.record.template_digest
+            )
             ticket = secrets.token_urlsafe(32)
             expires_at = time.time() + EXPORT_TTL_S
             self._exports[sandbox_id] = _Export(ticket, expires_at, parents)
@@ -387,14 +389,19 @@ def _template_subvolumes(pool_root: Path) -> list[tuple[Path, SubvolumeIds]]:
     return found
 
 
-def _origins(pool_root: Path, volume: Path) -> dict[str, Path]:
-    """The template subvolume ``volume`` was snapshotted from, by its stream id (none
-    if it came from elsewhere: the stream is then full)."""
+def _origins(pool_root: Path, volume: Path, template_digest: str) -> dict[str, Path]:
+    """The read-only subvolumes a stream of ``volume`` may be incremental against, by
+    stream id: the one it was snapshotted from, if read-only, and its template's
+    (``template_digest``). Any read-only parent gives a correct stream (it describes
+    the volume as differences from the parent); one sharing extents with the volume
+    gives a small one. A sandbox woken from a ready state (a writable subvolume: QEMU
+    opens its RAM file read-write) comes from its template's build, which shares the
+    disk image's extents."""
     origin = subvolume_ids(volume).parent_uuid
     return {
         ids.stream_id: path
         for path, ids in _template_subvolumes(pool_root)
-        if origin is not None and ids.uuid == origin
+        if ids.uuid == origin or path.name == template_digest
     }
 
 
