@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from space.node.agent import Node
 from space.node.agent._moves import _origins
 from space.node.core.config import NodeConfig
+from space.node.core.run import run
 from space.node.http.server import create_node_app, node_server
 from space.node.storage.streams import adopt_received, receive_stream, send_stream
 from tests import logs
@@ -109,8 +110,11 @@ async def ship_origin(source: Node, target: Node, sandbox_id: str) -> Path | Non
         send_stream(source.pool.broker, origin, None),
         max_bytes=64 << 30,
     )
-    await adopt_received(target.pool.broker, received.path, writable=False)
+    # Writable to be moved (a read-only subvolume cannot change its parent directory),
+    # then read-only again: its received UUID stays.
+    await adopt_received(target.pool.broker, received.path, writable=True)
     shipped = target.pool.root / "templates" / origin.parent.name / f"{origin.name}.shipped"
     received.path.rename(shipped)
     staging.rmdir()
+    await run("btrfs", "property", "set", "-ts", str(shipped), "ro", "true")
     return shipped
