@@ -11,8 +11,8 @@ answer is the confirmation), and a source that fails mid-stream changes nothing.
 
 The stream on the wire is framed: ``D`` + u32 length + bytes (a chunk of the send
 stream), then ``E`` + the SHA-256 of the whole send stream + its u64 length. The
-target hashes what it feeds the root broker's receive, the broker hashes what it
-read, and the volume is accepted only when both equal the sender's trailer; a bad,
+root broker hashes what it read and fed to btrfs receive, and the volume is accepted
+only when that equals the sender's trailer; a bad,
 short or cut stream leaves nothing on the target, and the source's sandbox is never
 touched before ``finish``. The source streams from a read-only snapshot of the volume
 (made for the stream, deleted after), so the sandbox's own volume is only read.
@@ -170,7 +170,8 @@ class Moves:
         try:
             digest, total = hashlib.sha256(), 0
             async for chunk in send_stream(registry.pool.broker, frozen, parent_path):
-                digest.update(chunk)
+                # hashlib lets go of the GIL for large buffers: the loop runs on meanwhile.
+                await asyncio.to_thread(digest.update, chunk)
                 total += len(chunk)
                 yield _DATA + _LENGTH.pack(len(chunk)) + chunk
             yield _END + _TRAILER.pack(digest.digest(), total)
@@ -259,12 +260,9 @@ class Moves:
             )
         finally:
             await source.aclose()
-        sent = frames.trailer
-        if (
-            sent is None
-            or sent != (received.sha256, received.stream_bytes)
-            or not (frames.sha256() == received.sha256)
-        ):
+        # What the root broker read and fed to btrfs receive, hashed there, must be
+        # what the source hashed as it sent.
+        if frames.trailer != (received.sha256, received.stream_bytes):
             raise InvalidArgument("the stream failed its checksum", sandbox_id=record.sandbox_id)
         await adopt_received(pool.broker, received.path, writable=True)
         volume = pool.sandbox_path(record.volume)
@@ -302,11 +300,7 @@ class _Frames:
 
     def __init__(self, stream: AsyncIterator[bytes]) -> None:
         self._stream = stream
-        self._digest = hashlib.sha256()
         self.trailer: tuple[str, int] | None = None
-
-    def sha256(self) -> str:
-        return self._digest.hexdigest()
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         buffer = bytearray()
@@ -316,7 +310,6 @@ class _Frames:
             buffer += piece
             while (data := self._frame(buffer)) is not None:
                 if data:
-                    self._digest.update(data)
                     yield data
             if len(buffer) > STREAM_CHUNK_BYTES + 64:
                 raise InvalidArgument("a stream frame over its bound")

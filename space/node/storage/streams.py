@@ -37,6 +37,9 @@ __all__ = [
 ]
 
 STREAM_CHUNK_BYTES = 1 << 20
+#: F_SETPIPE_SZ (linux/fcntl.h): pipes of 1 MiB (an unprivileged process's default
+#: maximum) instead of 64 KiB take a stream in 16x fewer reads and writes.
+_F_SETPIPE_SZ = 1031
 #: BTRFS_IOC_GET_SUBVOL_INFO = _IOR(0x94, 60, struct btrfs_ioctl_get_subvol_info_args),
 #: 504 bytes: uuid at 296, parent_uuid at 312, received_uuid at 328 (any user may ask).
 _IOC_GET_SUBVOL_INFO = 0x81F8943C
@@ -82,6 +85,13 @@ def is_read_only_subvolume(path: Path) -> bool:
         os.close(fd)
 
 
+def _pipe() -> tuple[int, int]:
+    read_end, write_end = os.pipe()
+    with contextlib.suppress(OSError):  # a smaller pipe only costs speed
+        fcntl.fcntl(write_end, _F_SETPIPE_SZ, STREAM_CHUNK_BYTES)
+    return read_end, write_end
+
+
 def subvolume_ids(path: Path) -> SubvolumeIds:
     """The UUIDs of the subvolume ``path``. Raises InvalidArgument if it is none."""
     try:
@@ -108,7 +118,7 @@ async def send_stream(broker: RootBroker, path: Path, parent: Path | None) -> As
     chunks of at most STREAM_CHUNK_BYTES. Raises InvalidArgument, Unavailable (after
     the chunks that came: the stream is then cut). Closing the iterator early ends the
     send (the broker's write fails)."""
-    read_end, write_end = os.pipe()
+    read_end, write_end = _pipe()
     request = SendSubvolume(path=str(path), parent=None if parent is None else str(parent))
     sending = asyncio.ensure_future(broker.call(request, fds=(write_end,), give=True))
     loop = asyncio.get_running_loop()
@@ -152,7 +162,7 @@ async def receive_stream(
     ``pool_root``. Raises InvalidArgument (refused: not a send stream, over
     ``max_bytes``, cut), Unavailable; then nothing received is left there. An error
     ``chunks`` raises is raised as is, after the broker refused the cut stream."""
-    read_end, write_end = os.pipe()
+    read_end, write_end = _pipe()
     request = ReceiveSubvolume(pool=str(pool_root), directory=str(directory), max_bytes=max_bytes)
     receiving = asyncio.ensure_future(broker.call(request, fds=(read_end,), give=True))
     try:
