@@ -4,21 +4,27 @@ ticket opens, and the framing the target checks before it accepts a byte."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 from collections.abc import AsyncIterator
+from typing import cast
 
 import httpx
 import pytest
 
-from space.node.agent._moves import _Frames, frames_of
+from space.node.agent._moves import Moves, Source, _Frames, _portable, frames_of
+from space.node.agent._registry import Registry
 from space.node.api import (
     Conflict,
+    ExportTicket,
     InvalidArgument,
     NotFound,
     PermissionDenied,
     SandboxSpec,
+    SandboxState,
     Unavailable,
 )
+from space.node.core.state import SandboxRecord
 from space.node.http.client import RemoteNode
 from space.node.http.server import create_node_app
 from tests.unit._fake_moves import FAKE_STREAM
@@ -134,3 +140,55 @@ async def test_negative_a_damaged_move_stream_is_refused(damage: object) -> None
     wire = damage(await _framed([b"a" * 100, b"b" * 100]))  # type: ignore[operator]
     with pytest.raises(InvalidArgument):
         await _unframed(wire)
+
+
+def _portable_of(**spec_changes: object) -> dict[str, object]:
+    spec = dataclasses.replace(SandboxSpec("sb-9"), **spec_changes)  # type: ignore[arg-type]
+    record = SandboxRecord(
+        spec=spec,
+        state=SandboxState.HIBERNATED,
+        created_at=1.0,
+        template_digest="abc",
+        run_dir="/elsewhere/sb-9",
+    )
+    return _portable(record)
+
+
+def _ticket(**changes: object) -> ExportTicket:
+    ticket = ExportTicket(
+        sandbox_id="sb-9",
+        ticket="t",
+        expires_at=2.0,
+        record=_portable_of(),
+        parents=[],
+        key_id="our-key",
+        max_stream_bytes=1 << 30,
+    )
+    return dataclasses.replace(ticket, **changes)  # type: ignore[arg-type]
+
+
+def _moves() -> Moves:
+    def no_source(url: str, ticket: str) -> Source:
+        raise AssertionError("a refused import reaches no source")
+
+    return Moves(cast(Registry, None), no_source, "our-key")
+
+
+@pytest.mark.parametrize(
+    ("changes", "source_url", "match"),
+    [
+        pytest.param({"key_id": "their-key"}, "http://source:1", "another node key", id="key"),
+        pytest.param({}, "file:///etc/passwd", "source URL", id="url"),
+        pytest.param({"sandbox_id": "sb-other"}, "http://source:1", "record", id="id"),
+        pytest.param({"record": {"spec": 1}}, "http://source:1", "malformed", id="record"),
+        pytest.param({"max_stream_bytes": 0}, "http://source:1", "max_stream", id="bound"),
+        pytest.param(
+            {"record": {**_portable_of(cpus=999)}}, "http://source:1", "cpus", id="resources"
+        ),
+    ],
+)
+async def test_negative_an_import_is_refused_before_a_byte_moves(
+    changes: dict[str, object], source_url: str, match: str
+) -> None:
+    with pytest.raises(InvalidArgument, match=match):
+        await _moves().import_(_ticket(**changes), source_url)

@@ -38,6 +38,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
+from space.limits import RESOURCES
+from space.node.agent._egress import parse_policy
 from space.node.agent._registry import Registry
 from space.node.api import (
     Conflict,
@@ -46,6 +48,7 @@ from space.node.api import (
     InvalidArgument,
     NodeError,
     PermissionDenied,
+    SandboxSpec,
     SandboxState,
 )
 from space.node.core.capacity import volume_limit_mib
@@ -128,8 +131,6 @@ class Moves:
             expires_at = time.time() + EXPORT_TTL_S
             self._exports[sandbox_id] = _Export(ticket, expires_at, parents)
             sandbox.held_until = time.monotonic() + EXPORT_TTL_S
-            spec = sandbox.record.spec
-            limit = volume_limit_mib(spec.disk_mib, spec.memory_mib) << 20
             return ExportTicket(
                 sandbox_id=sandbox_id,
                 ticket=ticket,
@@ -137,7 +138,7 @@ class Moves:
                 record=_portable(sandbox.record),
                 parents=sorted(parents),
                 key_id=self._key_id,
-                max_stream_bytes=max(int(limit * _STREAM_SLACK), _MIN_STREAM_BYTES),
+                max_stream_bytes=_stream_bound(sandbox.record.spec),
             )
 
     def _export_of(self, sandbox_id: str, ticket: str) -> _Export:
@@ -228,6 +229,7 @@ class Moves:
             )
         registry = self._registry
         sid = record.sandbox_id
+        parse_policy(record.spec.egress, sid, registry.config.egress_bounds)  # this node's
         record = replace(record, run_dir=str(registry.run_root / sid))
         async with registry.lock(sid):
             if sid in registry.sandboxes:
@@ -255,8 +257,10 @@ class Moves:
         source = self._remote(source_url, ticket.ticket)
         try:
             frames = _Frames(source.stream_export(record.sandbox_id, ticket.ticket, parent))
+            # The target's own bound, whatever the ticket says.
+            max_bytes = min(ticket.max_stream_bytes, _stream_bound(record.spec))
             received = await receive_stream(
-                pool.broker, pool.root, staging, frames, max_bytes=ticket.max_stream_bytes
+                pool.broker, pool.root, staging, frames, max_bytes=max_bytes
             )
         finally:
             await source.aclose()
@@ -343,6 +347,13 @@ class _Frames:
         return data
 
 
+def _stream_bound(spec: SandboxSpec) -> int:
+    """The most bytes a stream of a sandbox of ``spec`` may take: its volume's bound
+    (disk and saved memory) and btrfs send's framing."""
+    limit = volume_limit_mib(spec.disk_mib, spec.memory_mib) << 20
+    return max(int(limit * _STREAM_SLACK), _MIN_STREAM_BYTES)
+
+
 def _portable(record: SandboxRecord) -> dict[str, object]:
     """What of a record travels: not where it ran here, nor what was under way."""
     data = record.to_json()
@@ -364,6 +375,13 @@ def _record_of(ticket: ExportTicket) -> SandboxRecord:
     except (ValueError, KeyError, TypeError) as exc:
         raise InvalidArgument(f"a ticket's record is malformed: {exc}") from exc
     check_id(record.sandbox_id)
+    spec = record.spec
+    for name, allowed in RESOURCES.items():
+        refusal = allowed.refusal(name, getattr(spec, name))
+        if refusal is not None:
+            raise InvalidArgument(refusal, sandbox_id=spec.sandbox_id)
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in spec.env.items()):
+        raise InvalidArgument("env must map strings to strings", sandbox_id=spec.sandbox_id)
     if record.sandbox_id != ticket.sandbox_id or record.state != SandboxState.HIBERNATED:
         raise InvalidArgument("a ticket's record is not its hibernated sandbox's")
     return replace(record, run_dir="", volume=record.sandbox_id, pending=None, error=None)
