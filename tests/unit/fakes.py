@@ -41,6 +41,7 @@ from space.node.api import (
     check_grants,
 )
 from tests.unit._fake_egress import FakeEgress
+from tests.unit._fake_moves import FakeMoves
 from tests.unit._fake_templates import FakeTemplates
 
 CHUNK = 1024 * 1024
@@ -137,7 +138,7 @@ class _Snapshot:
     contents: _Box
 
 
-class FakeNode(FakeTemplates, FakeEgress):
+class FakeNode(FakeTemplates, FakeEgress, FakeMoves):
     """An in-memory NodeService. ``calls`` records (method, sandbox_id) of every call.
 
     ``pools`` and ``capacity`` are what ``info`` reports as the node's warm pools and
@@ -154,6 +155,7 @@ class FakeNode(FakeTemplates, FakeEgress):
     def __init__(self, node_id: str = "local") -> None:
         FakeTemplates.__init__(self)
         FakeEgress.__init__(self)
+        FakeMoves.__init__(self)
         self.node_id = node_id
         self.boxes: dict[str, _Box] = {}
         self.calls: list[tuple[str, str]] = []
@@ -168,6 +170,9 @@ class FakeNode(FakeTemplates, FakeEgress):
         self.grants: dict[str, list[SecretGrant]] = {}
         self.grant_pushes: list[tuple[str, list[SecretGrant]]] = []
         self.scripts: dict[str, list[ExecEvent | NodeError]] = {}
+
+    def _known(self, sandbox_id: str) -> bool:
+        return sandbox_id in self.boxes
 
     def _box(self, method: str, sandbox_id: str) -> _Box:
         self.calls.append((method, sandbox_id))

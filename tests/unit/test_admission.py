@@ -74,6 +74,7 @@ def _host(*, commit_room: int = 100, start_room: int = 100, pool_room: int = 100
 class _Sandbox:
     record: SandboxRecord
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    held_until: float | None = None  # not held for a move (issue 19)
 
     @property
     def sandbox_id(self) -> str:

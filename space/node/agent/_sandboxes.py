@@ -28,7 +28,13 @@ from space.node.api import (
     SnapshotInfo,
 )
 from space.node.core.capacity import Claim, holds_memory, volume_limit_mib
-from space.node.core.sandbox import LiveSandbox, not_allowed, settled, with_console
+from space.node.core.sandbox import (
+    LiveSandbox,
+    check_not_held,
+    not_allowed,
+    settled,
+    with_console,
+)
 from space.node.core.state import SandboxRecord
 from space.node.core.template import Template
 from space.node.core.validation import MAX_FORK_CHILDREN, check_compatible, check_id, check_spec
@@ -192,6 +198,7 @@ class Sandboxes:
         state = sandbox.record.state
         if state == target:
             return
+        check_not_held(_VERBS[target], sandbox)
         if state not in SAVEABLE or (state, target) == (
             SandboxState.HIBERNATED,
             SandboxState.PAUSED,
@@ -235,6 +242,7 @@ class Sandboxes:
             check_compatible(sandbox.record.spec, snapshot)
             if sandbox.record.state == SandboxState.CREATING:
                 raise not_allowed("restore", sandbox)
+            check_not_held("restore", sandbox)
             # A sandbox without a VM (hibernated, or errored) gets one again.
             claims = {} if holds_memory(sandbox.record.state) else _waking(sandbox)
             with registry.admission.claim(claims, sandbox_id=sandbox_id):

@@ -19,11 +19,12 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-from collections.abc import AsyncIterable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 
 from space.node.agent._catalog import Catalog
 from space.node.agent._egress import Egress, SandboxNetwork
 from space.node.agent._guest import GuestOps
+from space.node.agent._moves import Moves, Source
 from space.node.agent._pool import Pools
 from space.node.agent._recovery import recover
 from space.node.agent._registry import Registry
@@ -35,8 +36,10 @@ from space.node.api import (
     EgressLog,
     ExecRequest,
     ExecStream,
+    ExportTicket,
     FileReader,
     FileStat,
+    ImportResult,
     NodeError,
     NodeInfo,
     ProcessInfo,
@@ -96,6 +99,7 @@ class Node:
         self.guest = GuestOps(self._registry, self.sandboxes)
         self.templates = Templates(self._registry, self.pools)
         self.egress = Egress(self._registry)
+        self.moves = Moves(self._registry, self._source, keys.key_id)
 
     # startup and shutdown
 
@@ -170,6 +174,7 @@ class Node:
         """Take over what the previous node process left, then the network and templates."""
         registry = self._registry
         await recover(registry, say)
+        await self.moves.sweep()
         await registry.network.at_start(registry.sandboxes.values(), say)
         await self.templates.remove_untagged(say)
         for built in registry.catalog.builds():
@@ -320,6 +325,28 @@ class Node:
         await self.egress.set_secrets(sandbox_id, grants)
 
     # templates
+
+    # moves (issue 19)
+
+    def _source(self, url: str, ticket: str) -> Source:
+        from space.node.http.client import RemoteNode  # the HTTP layer sits above
+
+        peer_ca = self.config.peer_ca_file
+        return RemoteNode(url, ticket, verify=str(peer_ca) if peer_ca else True)
+
+    async def export_sandbox(self, sandbox_id: str) -> ExportTicket:
+        return await self.moves.export(sandbox_id)
+
+    def stream_export(
+        self, sandbox_id: str, ticket: str, parent: str | None
+    ) -> AsyncIterator[bytes]:
+        return self.moves.stream(sandbox_id, ticket, parent)
+
+    async def import_sandbox(self, ticket: ExportTicket, source_url: str) -> ImportResult:
+        return await self.moves.import_(ticket, source_url)
+
+    async def finish_export(self, sandbox_id: str, ticket: str, *, moved: bool) -> None:
+        await self.moves.finish(sandbox_id, ticket, moved=moved)
 
     async def build_template(self, context: AsyncIterable[bytes]) -> BuildStream:
         return await self.templates.build_template(context)

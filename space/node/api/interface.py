@@ -29,8 +29,10 @@ __all__ = [
     "ExecOutput",
     "ExecRequest",
     "ExecStream",
+    "ExportTicket",
     "FileReader",
     "FileStat",
+    "ImportResult",
     "NodeInfo",
     "NodeService",
     "PoolInfo",
@@ -372,6 +374,42 @@ class BuildStream(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class ExportTicket:
+    """A hibernated sandbox offered for a move (issue 19), from ``export_sandbox`` on
+    its node (the source), for ``import_sandbox`` on the target.
+
+    ``ticket`` is the one credential the target presents to the source to read the
+    stream (never the source's node token); it expires at ``expires_at`` (Unix time) or
+    when the source's ``finish_export`` runs. ``record`` is the sandbox's node record
+    (spec, template, its env and workdir; space.node.core.state). ``parents`` name the
+    read-only subvolumes the stream may be incremental against, by the UUID a send
+    stream names them with; a target that holds one of them gets only what differs.
+    ``key_id`` fingerprints the node key the sandbox's disk and saved memory are sealed
+    with: only a node with that key can wake it. ``max_stream_bytes`` bounds what the
+    target accepts.
+    """
+
+    sandbox_id: str
+    ticket: str = field(repr=False)
+    expires_at: float
+    record: dict[str, object]
+    parents: list[str]
+    key_id: str
+    max_stream_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class ImportResult:
+    """A sandbox moved in by ``import_sandbox``: its status here (HIBERNATED), the
+    bytes of the stream that came, and the parent it was incremental against (None:
+    a full stream)."""
+
+    status: SandboxStatus
+    stream_bytes: int
+    parent: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class NodeInfo:
     node_id: str
     accelerator: Literal["kvm", "tcg"]
@@ -430,6 +468,17 @@ class NodeService(Protocol):
     them in memory only (never on disk), so the control plane sends them again after
     a node restart (``info().boot_id`` changes). The placeholders are the guest's to
     see; they reach its environment through the spec's ``env``.
+
+    Moves (issue 19) pull a hibernated sandbox from its node (the source) to another
+    (the target): ``export_sandbox`` on the source (the sandbox HIBERNATED; Conflict
+    otherwise) holds it still (no wake, restore or second export: Conflict) and
+    answers an ExportTicket; ``import_sandbox(ticket, source_url)`` on the target reads
+    the stream from the source's ``stream_export`` (which takes only the ticket),
+    checks its SHA-256 before it accepts anything, and registers the sandbox
+    HIBERNATED (a failure leaves nothing on the target); ``finish_export`` on the
+    source then deletes its copy (``moved``) or lets it go on (not moved). Until that
+    call the sandbox stays whole on the source, whatever failed. Egress policy rides
+    with the record; secret grants do not (set them on the target).
     """
 
     async def info(self) -> NodeInfo: ...
@@ -495,6 +544,16 @@ class NodeService(Protocol):
     async def egress_log(self, sandbox_id: str, *, limit: int = 100) -> EgressLog: ...
 
     async def set_secrets(self, sandbox_id: str, grants: list[SecretGrant]) -> None: ...
+
+    async def export_sandbox(self, sandbox_id: str) -> ExportTicket: ...
+
+    def stream_export(
+        self, sandbox_id: str, ticket: str, parent: str | None
+    ) -> AsyncIterator[bytes]: ...
+
+    async def import_sandbox(self, ticket: ExportTicket, source_url: str) -> ImportResult: ...
+
+    async def finish_export(self, sandbox_id: str, ticket: str, *, moved: bool) -> None: ...
 
     async def build_template(self, context: AsyncIterable[bytes]) -> BuildStream: ...
 

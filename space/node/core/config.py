@@ -156,6 +156,9 @@ class NodeConfig:
     #: carry ports beyond 80 and 443. (space.node.api.egress_policy.PolicyBounds.)
     egress_operator_ranges: tuple[str, ...] = ()
     egress_allow_wide_any_port: bool = False
+    #: CA bundle this node verifies other nodes' TLS certificates with when it pulls a
+    #: moved sandbox from them (issue 19); None means the system's.
+    peer_ca_file: Path | None = None
     #: The node key's file (space/node/core/keys.py); None means ``data_dir/node.key``.
     key_file: Path | None = None
     #: The off-node artifact store (None: none; nothing is wired to it yet, issue 19).

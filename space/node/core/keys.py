@@ -52,6 +52,9 @@ class NodeKeys:
 
     disk_passphrase: bytes = field(repr=False)
     state_key: bytes = field(repr=False)
+    #: A fingerprint of the node key, not secret: two nodes with the same one can wake
+    #: each other's sandboxes (a move needs it, issue 19).
+    key_id: str = ""
 
     @classmethod
     def from_node_key(cls, node_key: bytes) -> NodeKeys:
@@ -59,7 +62,11 @@ class NodeKeys:
             raise KeyFileError(f"a node key is {KEY_BYTES} bytes, got {len(node_key)}")
         # The passphrase is text (hex) so that qemu-img and QEMU read it alike.
         passphrase = _derive(node_key, b"space disk passphrase v1").hex().encode()
-        return cls(disk_passphrase=passphrase, state_key=_derive(node_key, b"space vm state v1"))
+        return cls(
+            disk_passphrase=passphrase,
+            state_key=_derive(node_key, b"space vm state v1"),
+            key_id=_derive(node_key, b"space key id v1")[:8].hex(),
+        )
 
     @classmethod
     def load(cls, path: Path, *, create: bool = False) -> NodeKeys:

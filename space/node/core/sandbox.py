@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import re
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -136,6 +137,9 @@ class LiveSandbox:
     #: Why the node stopped this VM itself (its guest abused the channel), if it did:
     #: the reason its exit is reported with, and no new channel is opened to it.
     fault: str | None = None
+    #: Until when (time.monotonic) the sandbox is held still for a move (issue 19):
+    #: exported, not to be woken, restored or exported again meanwhile.
+    held_until: float | None = None
     _stopping: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -385,6 +389,15 @@ async def settled(transition: Awaitable[T]) -> T:
         with contextlib.suppress(Exception):  # the cancellation is what the caller gets
             await task
         raise
+
+
+def check_not_held(operation: str, sandbox: LiveSandbox) -> None:
+    """Raise Conflict if the sandbox is held still for a move (issue 19)."""
+    if sandbox.held_until is not None and time.monotonic() < sandbox.held_until:
+        raise Conflict(
+            f"cannot {operation} sandbox {sandbox.sandbox_id}: it is being moved",
+            sandbox_id=sandbox.sandbox_id,
+        )
 
 
 def not_allowed(operation: str, sandbox: LiveSandbox) -> Conflict:

@@ -9,7 +9,7 @@ Unavailable, a transport timeout Timeout, and an answer that does not parse Unav
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterable
+from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 from urllib.parse import quote
 
@@ -22,7 +22,9 @@ from space.node.api import (
     EgressEvent,
     EgressLog,
     ExecRequest,
+    ExportTicket,
     FileStat,
+    ImportResult,
     NodeInfo,
     NodeService,
     ProcessInfo,
@@ -81,17 +83,22 @@ class RemoteNode(NodeService):
         timeout_s: float = 30.0,
         create_timeout_s: float = 600.0,
         lifecycle_timeout_s: float = 120.0,
+        move_timeout_s: float = 900.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        verify: str | bool = True,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self._create_timeout = httpx.Timeout(create_timeout_s, connect=10.0)
         self._lifecycle_timeout = httpx.Timeout(lifecycle_timeout_s, connect=10.0)
         self._stream_timeout = httpx.Timeout(None, connect=10.0, write=60.0, pool=10.0)
+        #: A move's import reads the whole stream before it answers.
+        self._move_timeout = httpx.Timeout(move_timeout_s, connect=10.0)
         self._client = httpx.AsyncClient(
             base_url=self.base_url + NODE_API_PREFIX,
             headers={"Authorization": f"Bearer {token}"},
             timeout=httpx.Timeout(timeout_s, connect=10.0),
             transport=transport,
+            verify=verify,
         )
 
     async def aclose(self) -> None:
@@ -351,6 +358,53 @@ class RemoteNode(NodeService):
         if not isinstance(dropped, int) or isinstance(dropped, bool) or dropped < 0:
             raise Unavailable(f"node answered a bad drop count {dropped!r}", sandbox_id=sandbox_id)
         return EgressLog(events, dropped)
+
+    # moves (issue 19)
+
+    async def export_sandbox(self, sandbox_id: str) -> ExportTicket:
+        body = await self._json("POST", f"/sandboxes/{quote(sandbox_id)}/export", sandbox_id)
+        return parse(ExportTicket, body, sandbox_id)
+
+    async def stream_export(
+        self, sandbox_id: str, ticket: str, parent: str | None
+    ) -> AsyncIterator[bytes]:
+        """The framed stream of an export (space.node.agent._moves), read with the
+        ticket as the credential (not this client's token)."""
+        params = {} if parent is None else {"parent": parent}
+        response = await self._send(
+            "GET",
+            f"/exports/{quote(sandbox_id)}/stream",
+            sandbox_id,
+            params=params,
+            headers={"Authorization": f"Bearer {ticket}"},
+            timeout=self._stream_timeout,
+        )
+        try:
+            async for chunk in response.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as exc:
+            raise transport_error(exc, sandbox_id) from exc
+        finally:
+            await response.aclose()
+
+    async def import_sandbox(self, ticket: ExportTicket, source_url: str) -> ImportResult:
+        body = await self._json(
+            "POST",
+            "/imports",
+            ticket.sandbox_id,
+            json={"ticket": encode(ticket), "source_url": source_url},
+            timeout=self._move_timeout,
+        )
+        return parse(ImportResult, body, ticket.sandbox_id)
+
+    async def finish_export(self, sandbox_id: str, ticket: str, *, moved: bool) -> None:
+        await self._json(
+            "POST",
+            f"/sandboxes/{quote(sandbox_id)}/export/finish",
+            sandbox_id,
+            json={"ticket": ticket, "moved": moved},
+            timeout=self._lifecycle_timeout,
+        )
 
     async def build_template(self, context: AsyncIterable[bytes]) -> RemoteBuildStream:
         """Upload ``context`` (streamed, never held whole) and follow the build's events.

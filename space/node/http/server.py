@@ -51,8 +51,10 @@ from space.node.api import (
     MAX_EGRESS_LOG_EVENTS,
     NDJSON,
     NODE_API_PREFIX,
+    ExportTicket,
     InvalidArgument,
     NodeService,
+    PermissionDenied,
     SandboxSpec,
     build_lines,
     decode,
@@ -95,10 +97,18 @@ STREAMED_ROUTES: tuple[StreamedRoute, ...] = (
 )
 
 
+#: The one route a node token does not open: a move's stream, which takes the
+#: export's ticket instead (checked by the node before a byte is sent; issue 19).
+_EXPORT_STREAM = re.compile(re.escape(NODE_API_PREFIX) + r"/exports/[^/]+/stream")
+
+
 def _token_check(token: str) -> Authenticate:
-    """Every request needs the node token, checked from its headers alone."""
+    """Every request needs the node token, checked from its headers alone (a move's
+    stream, its ticket)."""
 
     async def check(scope: Scope, headers: Headers) -> None:
+        if scope.get("method") == "GET" and _EXPORT_STREAM.fullmatch(scope.get("path", "")):
+            return
         require_bearer(headers, token, "node token")
 
     return check
@@ -311,6 +321,52 @@ async def _egress_log(
 ) -> Any:
     read = await node.egress_log(sandbox_id, limit=limit)
     return {"events": [encode(event) for event in read.events], "dropped": read.dropped}
+
+
+# moves (issue 19)
+
+
+@_router.post("/sandboxes/{sandbox_id}/export")
+async def _export(node: Node, sandbox_id: str) -> Any:
+    return encode(await node.export_sandbox(sandbox_id))
+
+
+@_router.get("/exports/{sandbox_id}/stream")
+async def _export_stream(
+    node: Node, sandbox_id: str, request: Request, parent: str | None = None
+) -> StreamingResponse:
+    scheme, _, ticket = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not ticket:
+        raise PermissionDenied("a move's stream takes its export ticket", sandbox_id=sandbox_id)
+    stream = node.stream_export(sandbox_id, ticket, parent)
+    first = await anext(stream)  # the ticket and parent are checked before the answer
+
+    async def body() -> AsyncIterator[bytes]:
+        yield first
+        async for chunk in stream:
+            yield chunk
+
+    return StreamingResponse(body(), media_type="application/octet-stream")
+
+
+@_router.post("/imports")
+async def _import(node: Node, request: Request) -> Any:
+    body = await request.json()
+    source_url = _str_field(body, "source_url")
+    if not isinstance(body, dict) or not isinstance(body.get("ticket"), dict):
+        raise InvalidArgument("an import takes {ticket, source_url}")
+    ticket = decode(ExportTicket, body["ticket"])
+    return encode(await node.import_sandbox(ticket, source_url))
+
+
+@_router.post("/sandboxes/{sandbox_id}/export/finish", status_code=204)
+async def _finish_export(node: Node, sandbox_id: str, request: Request) -> Response:
+    body = await request.json()
+    moved = body.get("moved") if isinstance(body, dict) else None
+    if not isinstance(moved, bool):
+        raise InvalidArgument("finishing an export takes {ticket, moved}")
+    await node.finish_export(sandbox_id, _str_field(body, "ticket"), moved=moved)
+    return Response(status_code=204)
 
 
 @_router.post("/templates/builds")

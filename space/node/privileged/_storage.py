@@ -120,16 +120,16 @@ def _adopt_read_only_subvolumes(root: Pinned, owner: tuple[int, int]) -> None:
 
 
 def _adopt_if_read_only(name: str, dir_fd: int, text: Path, owner: tuple[int, int]) -> None:
-    fd = _open_directory(name, dir_fd)
+    fd = open_directory(name, dir_fd)
     if fd is None:
         return
     try:
-        if os.fstat(fd).st_ino == 256 and _read_only(fd):
-            _set_read_only(fd, False)
+        if os.fstat(fd).st_ino == 256 and read_only(fd):
+            set_read_only(fd, False)
             try:
                 adopt_tree(text, owner, JAIL_UIDS, dir_fd=fd)
             finally:
-                _set_read_only(fd, True)
+                set_read_only(fd, True)
     finally:
         os.close(fd)
 
@@ -137,7 +137,7 @@ def _adopt_if_read_only(name: str, dir_fd: int, text: Path, owner: tuple[int, in
 def _subdirectories(dir_fd: int, name: str, text: str, *, depth: int) -> list[tuple[int, str]]:
     """The directories ``depth - 1`` levels below ``name`` in ``dir_fd``, open, none
     reached through a link."""
-    fd = _open_directory(name, dir_fd)
+    fd = open_directory(name, dir_fd)
     if fd is None:
         return []
     if depth == 1:
@@ -152,7 +152,7 @@ def _subdirectories(dir_fd: int, name: str, text: str, *, depth: int) -> list[tu
         os.close(fd)
 
 
-def _open_directory(name: str, dir_fd: int) -> int | None:
+def open_directory(name: str, dir_fd: int) -> int | None:
     try:
         return os.open(
             name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd
@@ -161,17 +161,17 @@ def _open_directory(name: str, dir_fd: int) -> int | None:
         return None
 
 
-def _read_only(fd: int) -> bool:
+def read_only(fd: int) -> bool:
     flags = bytearray(_FLAGS.size)
     fcntl.ioctl(fd, _SUBVOL_GETFLAGS, flags)
     return bool(_FLAGS.unpack(flags)[0] & _SUBVOL_RDONLY)
 
 
-def _set_read_only(fd: int, read_only: bool) -> None:
+def set_read_only(fd: int, on: bool) -> None:
     flags = bytearray(_FLAGS.size)
     fcntl.ioctl(fd, _SUBVOL_GETFLAGS, flags)
     (value,) = _FLAGS.unpack(flags)
-    wanted = value | _SUBVOL_RDONLY if read_only else value & ~_SUBVOL_RDONLY
+    wanted = value | _SUBVOL_RDONLY if on else value & ~_SUBVOL_RDONLY
     if wanted != value:
         fcntl.ioctl(fd, _SUBVOL_SETFLAGS, _FLAGS.pack(wanted))
 
@@ -238,33 +238,40 @@ async def delete_subvolume(target: Pinned) -> None:
 
     def delete() -> None:
         assert target.name is not None
-        try:
-            if stat.S_ISLNK(os.stat(target.name, dir_fd=target.fd, follow_symlinks=False).st_mode):
-                raise InvalidArgument(f"{target.text} is a link")
-        except FileNotFoundError:
-            return
-        fd = _open_directory(target.name, target.fd)
-        if fd is None:
-            return  # gone, or not a directory
-        try:
-            is_subvolume = os.fstat(fd).st_ino == 256
-            if is_subvolume:
-                _set_read_only(fd, False)
-        finally:
-            os.close(fd)
-        if not is_subvolume:
-            shutil.rmtree(target.name, ignore_errors=True, dir_fd=target.fd)
-            return
-        parent = os.open(f"/proc/self/fd/{target.fd}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            fcntl.ioctl(parent, _SNAP_DESTROY, bytearray(_VOL_ARGS.pack(0, target.name.encode())))
-        finally:
-            os.close(parent)
+        delete_held(target.fd, target.name, target.text)
 
     try:
         await asyncio.to_thread(delete)
     except OSError as exc:
         raise Unavailable(f"cannot delete {target.text}: {exc}") from exc
+
+
+def delete_held(parent_fd: int, name: str, text: str) -> None:
+    """Delete ``name`` in the directory ``parent_fd`` holds: a subvolume (read-only or
+    not) by ioctl, a plain directory as a tree; nothing if it is gone or not a
+    directory. Raises InvalidArgument for a link, OSError if the deletion fails."""
+    try:
+        if stat.S_ISLNK(os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_mode):
+            raise InvalidArgument(f"{text} is a link")
+    except FileNotFoundError:
+        return
+    fd = open_directory(name, parent_fd)
+    if fd is None:
+        return  # gone, or not a directory
+    try:
+        is_subvolume = os.fstat(fd).st_ino == 256
+        if is_subvolume:
+            set_read_only(fd, False)
+    finally:
+        os.close(fd)
+    if not is_subvolume:
+        shutil.rmtree(name, ignore_errors=True, dir_fd=parent_fd)
+        return
+    parent = os.open(f"/proc/self/fd/{parent_fd}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(parent, _SNAP_DESTROY, bytearray(_VOL_ARGS.pack(0, name.encode())))
+    finally:
+        os.close(parent)
 
 
 def _second_column(out: str, what: str) -> int:

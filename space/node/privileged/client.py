@@ -51,24 +51,37 @@ class RootBroker:
         self._write_lock = asyncio.Lock()
         self._start_lock = asyncio.Lock()
 
-    async def call(self, request: Request, *, fds: tuple[int, ...] = ()) -> object:
+    async def call(
+        self, request: Request, *, fds: tuple[int, ...] = (), give: bool = False
+    ) -> object:
         """Ask ``request``; its value. Raises the NodeError leaf the broker answered,
-        or Unavailable if the broker cannot be reached."""
-        value, received = await self.call_with_fds(request, fds=fds)
+        or Unavailable if the broker cannot be reached. With ``give`` the descriptors
+        ``fds`` are closed here as soon as they are sent (or the request fails): a
+        pipe's end handed over, whose peer waits for its last copy to close."""
+        value, received = await self.call_with_fds(request, fds=fds, give=give)
         close_fds(received)
         return value
 
     async def call_with_fds(
-        self, request: Request, *, fds: tuple[int, ...] = ()
+        self, request: Request, *, fds: tuple[int, ...] = (), give: bool = False
     ) -> tuple[object, list[int]]:
         """``call``, with the descriptors the answer carried (the caller's to close)."""
-        sock = await self._running()
+        try:
+            sock = await self._running()
+        except BaseException:
+            if give:
+                close_fds(list(fds))
+            raise
         request_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
         try:
-            async with self._write_lock:
-                await write_line(sock, encode(request_id, request), list(fds))
+            try:
+                async with self._write_lock:
+                    await write_line(sock, encode(request_id, request), list(fds))
+            finally:
+                if give:
+                    close_fds(list(fds))
             async with asyncio.timeout(_REQUEST_TIMEOUT_S):
                 answer, received = await future
         except (OSError, TimeoutError) as exc:

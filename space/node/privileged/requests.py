@@ -6,7 +6,8 @@ optional forms, lists of str, lists of str pairs, str-to-str dicts) and rejectin
 unknown ops, unknown or missing fields and oversized values. What a request may name
 (paths, namespaces, uids) is checked by the broker against its ``Scope``.
 
-The set, by concern: the pool (mount, quotas, limits, sizes, subvolume deletion), each
+The set, by concern: the pool (mount, quotas, limits, sizes, subvolume deletion, send
+and receive streams of subvolumes), each
 sandbox's network namespace (make, remove, open or close egress, the gateway's
 listeners), VMM jails (launch, release, sweep, signal) and the egress gateway (start,
 stop). Answers are ``{"id", "ok": true, "value"}`` or ``{"id", "ok": false, "error":
@@ -27,6 +28,7 @@ from typing import ClassVar
 __all__ = [
     "MAX_LINE_BYTES",
     "AdoptPool",
+    "AdoptReceived",
     "BindListeners",
     "CreateNetns",
     "DeleteNetns",
@@ -36,11 +38,13 @@ __all__ = [
     "LaunchVm",
     "LimitSubvolume",
     "MountPool",
+    "ReceiveSubvolume",
     "ReferencedBytes",
     "ReleaseVm",
     "Request",
     "RequestError",
     "Scope",
+    "SendSubvolume",
     "SetEgress",
     "SignalVm",
     "StartGateway",
@@ -159,6 +163,40 @@ class DeleteSubvolume(Request):
     path: str
 
 
+@dataclass(frozen=True, slots=True)
+class SendSubvolume(Request):
+    """Write the btrfs send stream of the read-only subvolume ``path`` (incremental
+    against the read-only subvolume ``parent``) into the pipe on the request's line;
+    answered once all of it is written (issue 19)."""
+
+    op: ClassVar[str] = "send_subvolume"
+    path: str
+    parent: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiveSubvolume(Request):
+    """``btrfs receive`` the send stream read from the pipe on the request's line into
+    the empty directory ``directory`` of the pool ``pool``, at most ``max_bytes`` of
+    it; the value is ``{"name", "stream_bytes", "sha256"}`` of the one read-only
+    subvolume received. A refused stream leaves nothing (issue 19)."""
+
+    op: ClassVar[str] = "receive_subvolume"
+    pool: str
+    directory: str
+    max_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class AdoptReceived(Request):
+    """Make the received subvolume ``path`` the agent's (``writable``: a sandbox's
+    volume; else it stays read-only, a parent for later streams)."""
+
+    op: ClassVar[str] = "adopt_received"
+    path: str
+    writable: bool
+
+
 # network namespaces
 
 
@@ -268,7 +306,8 @@ _REQUESTS: dict[str, type[Request]] = {
     cls.op: cls
     for cls in (
         MountPool, UnmountPool, AdoptPool, EnableQuotas, LimitSubvolume, ReferencedBytes,
-        ExclusiveBytes, DeleteSubvolume, CreateNetns, DeleteNetns, SetEgress,
+        ExclusiveBytes, DeleteSubvolume, SendSubvolume, ReceiveSubvolume, AdoptReceived,
+        CreateNetns, DeleteNetns, SetEgress,
         BindListeners, LaunchVm, ReleaseVm, SweepVms, SignalVm, StartGateway, StopGateways,
     )
 }  # fmt: skip

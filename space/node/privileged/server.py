@@ -26,12 +26,13 @@ from pathlib import Path
 from space.node.api import InvalidArgument, NodeError
 from space.node.network.fd_lines import FdLineReader, close_fds, write_line
 from space.node.network.netns import node_prefix
-from space.node.privileged import _gateway, _network, _storage
+from space.node.privileged import _gateway, _network, _storage, _streams
 from space.node.privileged._jails import Jails, signal_vm
 from space.node.privileged.pinned import Pinned, pin, pin_parent, reopen
 from space.node.privileged.requests import (
     MAX_LINE_BYTES,
     AdoptPool,
+    AdoptReceived,
     BindListeners,
     CreateNetns,
     DeleteNetns,
@@ -41,11 +42,13 @@ from space.node.privileged.requests import (
     LaunchVm,
     LimitSubvolume,
     MountPool,
+    ReceiveSubvolume,
     ReferencedBytes,
     ReleaseVm,
     Request,
     RequestError,
     Scope,
+    SendSubvolume,
     SetEgress,
     SignalVm,
     StartGateway,
@@ -90,6 +93,7 @@ class Broker:
             ReferencedBytes: lambda r: _storage.referenced_bytes(self.path(r.path, below=True)),
             ExclusiveBytes: lambda r: _storage.exclusive_bytes(self.path(r.path, below=True)),
             DeleteSubvolume: self._delete_subvolume,
+            AdoptReceived: self._adopt_received,
             CreateNetns: lambda r: _network.create(self.netns(r.name)),
             DeleteNetns: lambda r: _network.delete(self.netns(r.name)),
             SetEgress: lambda r: _network.set_open(self.netns(r.name), r.open),
@@ -107,6 +111,10 @@ class Broker:
         try:
             if isinstance(request, BindListeners):
                 return None, await _network.bind_listeners(self.netns(request.name))
+            if isinstance(request, SendSubvolume | ReceiveSubvolume):
+                if len(fds) != 1:
+                    raise InvalidArgument(f"{request.op} takes one pipe")
+                return await self._stream(request, fds[0]), []
             if isinstance(request, SignalVm):
                 if len(fds) != 1:
                     raise InvalidArgument("signal_vm takes one pidfd")
@@ -176,6 +184,37 @@ class Broker:
         except FileNotFoundError:
             return  # gone with its parent: deleting is idempotent
         await _storage.delete_subvolume(target)
+
+    #: The most a receive may take, whatever the agent asks (a sandbox's disk and
+    #: memory are bounded far below).
+    MAX_RECEIVE_BYTES = 1 << 40
+
+    async def _stream(self, request: SendSubvolume | ReceiveSubvolume, pipe: int) -> object:
+        """A send or receive of a subvolume through ``pipe`` (issue 19)."""
+        if not stat.S_ISFIFO(os.fstat(pipe).st_mode):
+            raise InvalidArgument(f"{request.op} takes a pipe")
+        if isinstance(request, SendSubvolume):
+            path = self.path(request.path, below=True)
+            parent = None if request.parent is None else self.path(request.parent, below=True)
+            await asyncio.to_thread(_streams.send_subvolume, path, parent, pipe)
+            return None
+        if not 0 < request.max_bytes <= self.MAX_RECEIVE_BYTES:
+            raise InvalidArgument(f"a receive takes 1 to {self.MAX_RECEIVE_BYTES} bytes")
+        pool, directory = self.path(request.pool), self.path(request.directory, below=True)
+        received = await asyncio.to_thread(
+            _streams.receive_subvolume, pool, directory, pipe, request.max_bytes
+        )
+        return {
+            "name": received.name,
+            "stream_bytes": received.stream_bytes,
+            "sha256": received.sha256,
+        }
+
+    async def _adopt_received(self, request: AdoptReceived) -> None:
+        target = self.path(request.path, below=True, parent=True)
+        await asyncio.to_thread(
+            _streams.adopt_received, target, self.scope.owner, writable=request.writable
+        )
 
     async def _launch_vm(self, request: LaunchVm) -> int:
         if request.memory_mib <= 0 or request.cpus <= 0 or not request.argv:

@@ -194,6 +194,13 @@ class BtrfsPool:
         if unmount and self._mounted_here and self._image is not None:
             await self._ask(UnmountPool(image=str(self._image), mountpoint=str(self.root)))
 
+    @property
+    def broker(self) -> RootBroker:
+        """The root broker this pool asks; Unavailable if it has none."""
+        if self._broker is None:
+            raise Unavailable(f"the pool {self.root} has no root broker")
+        return self._broker
+
     async def _ask(self, request: Request) -> object:
         if self._broker is None:
             raise Unavailable(f"the pool {self.root} has no root broker for {request.op}")
@@ -413,6 +420,14 @@ class BtrfsPool:
         path = self.sandbox_path(volume)
         if path.exists():
             await self._delete_subvolume(path)
+
+    async def delete_staged(self, path: Path) -> None:
+        """Delete a subvolume or directory of a move under ``incoming/`` or ``exports/``
+        (issue 19); idempotent."""
+        incoming, exports = self.root / "incoming", self.root / "exports"
+        if incoming not in (path.parent, path.parent.parent) and path.parent != exports:
+            raise InvalidArgument(f"{path} is not a move's")
+        await self._delete_subvolume(path)
 
     async def _delete_subvolume(self, path: Path) -> None:
         await self._ask(DeleteSubvolume(path=str(path)))

@@ -1,0 +1,120 @@
+"""Two nodes on this host for moves (issue 19): each its own data dir and loop-file
+btrfs pool, one node key between them, the source's API served on loopback.
+
+Both run on one event loop of this process; the target reaches the source only
+through the source's HTTP API (``source_url``), as it would on another host.
+``ship_origin`` gives the target a copy of the template subvolume a sandbox came from
+by send/receive (what template shipping does), so that moves can be incremental.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import os
+import secrets
+from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from space.node.agent import Node
+from space.node.agent._moves import _origins
+from space.node.core.config import NodeConfig
+from space.node.core.run import run
+from space.node.http.server import create_node_app, node_server
+from space.node.storage.streams import adopt_received, receive_stream, send_stream
+from tests import logs
+from tests.integration.conftest import release_data_dir
+from tests.ports import free_port
+
+T = TypeVar("T")
+
+
+@dataclass
+class TwoNodes:
+    runner: asyncio.Runner
+    source: Node
+    target: Node
+    source_url: str
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self.runner.run(coro)
+
+
+def _config(directory: Path, key_file: Path) -> NodeConfig:
+    directory.mkdir(parents=True)
+    logs.register(directory)
+    return NodeConfig(data_dir=directory, pool_size_gib=8, boot_timeout_s=90.0, key_file=key_file)
+
+
+@contextlib.contextmanager
+def two_nodes(directory: Path) -> Iterator[TwoNodes]:
+    """Two started nodes under ``directory``; on exit both shut down and nothing of
+    either is left (asserted)."""
+    key_file = directory / "cluster.key"
+    directory.mkdir(parents=True, exist_ok=True)
+    key_file.write_text(base64.b64encode(os.urandom(32)).decode() + "\n")
+    key_file.chmod(0o600)
+    configs = [_config(directory / name, key_file) for name in ("source", "target")]
+    runner = asyncio.Runner()
+    nodes: list[Node] = []
+    try:
+        for config in configs:
+            nodes.append(runner.run(Node.start(config)))
+        port = free_port()
+        server = node_server(
+            create_node_app(nodes[0], secrets.token_hex(16)), host="127.0.0.1", port=port
+        )
+        serving = runner.get_loop().create_task(server.serve())
+        runner.run(_until_started(server))
+        try:
+            yield TwoNodes(runner, nodes[0], nodes[1], f"http://127.0.0.1:{port}")
+        finally:
+            server.should_exit = True
+            runner.run(asyncio.wait_for(serving, 30))
+    finally:
+        for node in nodes:
+            runner.run(node.shutdown(unmount_pool=True))
+        runner.close()
+        for config in configs:
+            leaked = release_data_dir(config.data_dir)
+            assert not leaked, f"left behind by a moves node: {leaked}"
+
+
+async def _until_started(server: Any) -> None:
+    for _ in range(500):
+        if server.started:
+            return
+        await asyncio.sleep(0.01)
+    raise TimeoutError("the source's node API did not start")
+
+
+async def ship_origin(source: Node, target: Node, sandbox_id: str) -> Path | None:
+    """Copy the template subvolume the source's sandbox ``sandbox_id`` was cloned from
+    into the target's pool by a full send/receive, read-only, beside the target's own
+    templates (what template shipping does); its path there, None if it has none."""
+    sandbox = source._registry.get(sandbox_id)
+    volume = source.pool.sandbox_path(sandbox.record.volume)
+    origins = _origins(source.pool.root, volume, sandbox.record.template_digest)
+    if not origins:
+        return None
+    origin = sorted(origins.values())[0]
+    staging = target.pool.root / "incoming" / secrets.token_hex(4)
+    staging.mkdir(parents=True)
+    received = await receive_stream(
+        target.pool.broker,
+        target.pool.root,
+        staging,
+        send_stream(source.pool.broker, origin, None),
+        max_bytes=64 << 30,
+    )
+    # Writable to be moved (a read-only subvolume cannot change its parent directory),
+    # then read-only again: its received UUID stays.
+    await adopt_received(target.pool.broker, received.path, writable=True)
+    shipped = target.pool.root / "templates" / origin.parent.name / f"{origin.name}.shipped"
+    received.path.rename(shipped)
+    staging.rmdir()
+    await run("btrfs", "property", "set", "-ts", str(shipped), "ro", "true")
+    return shipped

@@ -1,0 +1,204 @@
+"""Subvolumes as send streams through the root broker (issue 19): what it sends, what it
+receives, and what it refuses, leaving nothing behind.
+
+Needs root (a loop-mounted btrfs pool); fails loudly without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from space.node.api import InvalidArgument
+from space.node.privileged.requests import ReceiveSubvolume, SendSubvolume
+from space.node.storage.btrfs import BtrfsPool, snapshot_subvolume
+from space.node.storage.streams import (
+    adopt_received,
+    receive_stream,
+    send_stream,
+    subvolume_ids,
+)
+from tests.root_broker import root_broker
+from tests.unit.test_btrfs_pool import _open, loops_of
+
+_MIB = 1 << 20
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Iterator[Path]:
+    if os.geteuid() != 0:
+        pytest.fail("the stream tests mount a loop file: run them as root")
+    with root_broker(tmp_path):
+        yield tmp_path
+    subprocess.run(["umount", str(tmp_path / "pool")], capture_output=True, check=False)
+    assert not loops_of(tmp_path / "pool.img")
+
+
+@pytest.fixture
+def runner() -> Iterator[asyncio.Runner]:
+    with asyncio.Runner() as r:
+        yield r
+
+
+@pytest.fixture
+def pool(data_dir: Path, runner: asyncio.Runner) -> Iterator[BtrfsPool]:
+    pool = runner.run(_open(data_dir, quotas=False))
+    try:
+        yield pool
+    finally:
+        runner.run(pool.close(unmount=True))
+
+
+def _subvolume(pool: BtrfsPool, name: str, files: dict[str, bytes]) -> Path:
+    """A read-only subvolume ``name`` in the pool holding ``files``."""
+    path = pool.root / name
+    subprocess.run(["btrfs", "subvolume", "create", str(path)], check=True, capture_output=True)
+    for file, data in files.items():
+        (path / file).write_bytes(data)
+    os.sync()
+    subprocess.run(["btrfs", "property", "set", "-ts", str(path), "ro", "true"], check=True)
+    return path
+
+
+async def _sent(pool: BtrfsPool, path: Path, parent: Path | None = None) -> bytes:
+    return b"".join([chunk async for chunk in send_stream(pool.broker, path, parent)])
+
+
+async def _chunks(data: bytes, size: int = 100_000) -> AsyncIterator[bytes]:
+    for start in range(0, len(data), size):
+        yield data[start : start + size]
+
+
+def _staging(pool: BtrfsPool) -> Path:
+    directory = pool.root / "incoming" / os.urandom(4).hex()
+    directory.mkdir(parents=True)
+    return directory
+
+
+def test_a_subvolume_sent_and_received_arrives_whole_and_is_handed_to_the_agent(
+    pool: BtrfsPool, runner: asyncio.Runner
+) -> None:
+    payload = os.urandom(3 * _MIB)
+    source = _subvolume(pool, "source", {"disk": payload, "state": b"saved"})
+    stream = runner.run(_sent(pool, source))
+    assert stream.startswith(b"btrfs-stream\0")
+    staging = _staging(pool)
+    received = runner.run(
+        receive_stream(pool.broker, pool.root, staging, _chunks(stream), max_bytes=len(stream))
+    )
+    assert received.sha256 == hashlib.sha256(stream).hexdigest()
+    assert received.stream_bytes == len(stream)
+    assert (received.path / "disk").read_bytes() == payload
+    assert subvolume_ids(received.path).received_uuid == subvolume_ids(source).uuid
+    runner.run(adopt_received(pool.broker, received.path, writable=True))
+    info = (received.path / "disk").stat()
+    assert (info.st_uid, info.st_mode & 0o777) == (os.geteuid(), 0o600)
+    (received.path / "new").write_bytes(b"writable")  # a sandbox's volume again
+
+
+def test_an_incremental_stream_carries_only_what_differs_from_the_parent(
+    pool: BtrfsPool, runner: asyncio.Runner
+) -> None:
+    template = _subvolume(pool, "template", {"disk": os.urandom(4 * _MIB)})
+    sandbox = pool.root / "sandbox"
+    runner.run(snapshot_subvolume(template, sandbox))
+    (sandbox / "written").write_bytes(b"a file the guest wrote")
+    frozen = pool.root / "sandbox.ro"
+    runner.run(snapshot_subvolume(sandbox, frozen, read_only=True))
+    full = runner.run(_sent(pool, frozen))
+    incremental = runner.run(_sent(pool, frozen, template))
+    assert len(incremental) < len(full) / 100
+    staging = _staging(pool)
+    received = runner.run(
+        receive_stream(pool.broker, pool.root, staging, _chunks(incremental), max_bytes=_MIB)
+    )
+    assert (received.path / "written").read_bytes() == b"a file the guest wrote"
+    assert (received.path / "disk").read_bytes() == (template / "disk").read_bytes()
+
+
+@pytest.mark.parametrize(
+    "cut",
+    [
+        pytest.param(lambda s: b"not a btrfs stream at all" * 100, id="not-a-stream"),
+        pytest.param(lambda s: s[: len(s) - 7], id="truncated-mid-command"),
+        pytest.param(lambda s: s[: len(s) // 2], id="truncated-half"),
+        pytest.param(lambda s: s + s[17:], id="two-subvolumes"),
+    ],
+)
+def test_negative_a_bad_or_cut_stream_is_refused_and_leaves_nothing(
+    pool: BtrfsPool, runner: asyncio.Runner, cut: object
+) -> None:
+    source = _subvolume(pool, "source", {"disk": os.urandom(2 * _MIB)})
+    stream = runner.run(_sent(pool, source))
+    bad = cut(stream)  # type: ignore[operator]
+    staging = _staging(pool)
+    with pytest.raises(InvalidArgument):
+        runner.run(
+            receive_stream(pool.broker, pool.root, staging, _chunks(bad), max_bytes=_MIB * 8)
+        )
+    assert list(staging.iterdir()) == []
+
+
+def test_negative_a_stream_one_byte_over_its_limit_is_refused_and_leaves_nothing(
+    pool: BtrfsPool, runner: asyncio.Runner
+) -> None:
+    source = _subvolume(pool, "source", {"disk": os.urandom(_MIB)})
+    stream = runner.run(_sent(pool, source))
+    staging = _staging(pool)
+    with pytest.raises(InvalidArgument, match="limit"):
+        runner.run(
+            receive_stream(
+                pool.broker, pool.root, staging, _chunks(stream), max_bytes=len(stream) - 1
+            )
+        )
+    assert list(staging.iterdir()) == []
+    received = runner.run(
+        receive_stream(pool.broker, pool.root, staging, _chunks(stream), max_bytes=len(stream))
+    )
+    assert received.stream_bytes == len(stream)
+
+
+def test_negative_a_receive_outside_the_pool_or_into_a_full_directory_is_refused(
+    pool: BtrfsPool,
+    runner: asyncio.Runner,
+    data_dir: Path,
+) -> None:
+    source = _subvolume(pool, "source", {"disk": b"x"})
+    stream = runner.run(_sent(pool, source))
+    outside = data_dir / "not-the-pool"
+    outside.mkdir()
+    for directory in (outside, Path("/tmp"), pool.root / "source"):
+        with pytest.raises(InvalidArgument):
+            runner.run(
+                receive_stream(pool.broker, pool.root, directory, _chunks(stream), max_bytes=_MIB)
+            )
+    assert list(outside.iterdir()) == []
+    assert sorted(p.name for p in (pool.root / "source").iterdir()) == ["disk"]
+
+
+def test_negative_only_a_read_only_subvolume_of_the_pool_is_sent(
+    pool: BtrfsPool, runner: asyncio.Runner
+) -> None:
+    writable = pool.root / "writable"
+    subprocess.run(["btrfs", "subvolume", "create", str(writable)], check=True, capture_output=True)
+    with pytest.raises(InvalidArgument, match="read-only subvolume"):
+        runner.run(_sent(pool, writable))
+    with pytest.raises(InvalidArgument, match="outside"):
+        runner.run(_sent(pool, Path("/etc")))
+
+
+def test_negative_a_stream_request_without_a_pipe_is_refused(
+    pool: BtrfsPool, runner: asyncio.Runner
+) -> None:
+    source = _subvolume(pool, "source", {"disk": b"x"})
+    with pytest.raises(InvalidArgument, match="pipe"):
+        runner.run(pool.broker.call(SendSubvolume(path=str(source), parent=None)))
+    with open(source / "disk", "rb") as f, pytest.raises(InvalidArgument, match="pipe"):
+        request = ReceiveSubvolume(pool=str(pool.root), directory=str(_staging(pool)), max_bytes=9)
+        runner.run(pool.broker.call(request, fds=(f.fileno(),)))
