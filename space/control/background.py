@@ -9,9 +9,10 @@ replica must do for itself runs in each:
 
 What must happen once runs only in the replica holding that job's lease
 (space.control.store.job_leases), taken again each round: marking lost the nodes whose
-lease ran out (and their sandboxes), the reaper (space.control.reconcile.reap), and
-reconciling every node with the database every ``reconcile_interval_s``. A replica
-that dies stops renewing; another takes its jobs within ``job_lease_s``.
+lease ran out (and their sandboxes), the reaper (space.control.reconcile.reap), moving
+suspended sandboxes off draining nodes (space.control.moves), and reconciling every
+node with the database every ``reconcile_interval_s``. A replica that dies stops
+renewing; another takes its jobs within ``job_lease_s``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from sqlalchemy.orm import Session
 
 from space.control.deps import ControlContext
 from space.control.errors import ApiError
+from space.control.moves import drain_round
 from space.control.nodes import LOCAL_URL, capacity_report
 from space.control.reconcile import reap, reconcile, reconcile_node
 from space.control.schemas import NodeCapacity
@@ -50,7 +52,7 @@ INFO_TIMEOUT_S = 10.0
 #: A job lease never runs out sooner than this: a round that calls slow nodes must
 #: finish before another replica may take the job.
 _MIN_JOB_LEASE_S = 15.0
-_NODE_LEASES, _REAPER, _RECONCILE = "node-leases", "reaper", "reconcile"
+_NODE_LEASES, _REAPER, _RECONCILE, _DRAIN = "node-leases", "reaper", "reconcile", "drain"
 
 
 async def start(ctx: ControlContext) -> None:
@@ -106,6 +108,8 @@ async def background_round(ctx: ControlContext, *, reconcile_nodes: bool = False
             await refresh_nodes(ctx)
     if await _holds(ctx, _REAPER):
         await reap(ctx)
+    if await _holds(ctx, _DRAIN):
+        await drain_round(ctx)
     if reconcile_nodes and await _holds(ctx, _RECONCILE):
         await reconcile(ctx)
 

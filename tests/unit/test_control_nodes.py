@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -21,7 +22,13 @@ from space.control.store import Database, job_leases
 from space.control.store import nodes as node_rows
 from space.control.store.models import JobLeaseRow
 from space.control.store.repo import SandboxRecord, insert_sandbox
-from space.node.api import InvalidArgument, NodeService, SandboxState
+from space.node.api import (
+    ExportTicket,
+    ImportResult,
+    InvalidArgument,
+    NodeService,
+    SandboxState,
+)
 from tests.unit.fakes import FakeClock, FakeNode, Harness, control_app
 
 # DB-level: each test runs on SQLite and on PostgreSQL.
@@ -415,3 +422,76 @@ async def test_reconciliation_leaves_a_young_creating_row_to_its_replica(tmp_pat
         }
         assert states["sb-young"]["state"] == "creating"
         assert states["sb-old"]["state"] == "error"
+
+
+# drain: suspended sandboxes move off a draining node
+
+
+class _MovingNode(FakeNode):
+    """A fake node that imports a sandbox by taking it from the fake at the source URL
+    (what a real target pulls as a btrfs stream)."""
+
+    def __init__(self, node_id: str, fakes: dict[str, FakeNode]) -> None:
+        super().__init__(node_id)
+        self.fakes = fakes
+
+    async def import_sandbox(self, ticket: ExportTicket, source_url: str) -> ImportResult:
+        source = self.fakes[source_url.removeprefix("http://").partition(":")[0]]
+        box = source.boxes[ticket.sandbox_id]
+        status = dataclasses.replace(box.status, state=SandboxState.HIBERNATED)
+        self.boxes[ticket.sandbox_id] = box.copy(status)
+        return ImportResult(status, 4096, None)
+
+    async def finish_export(self, sandbox_id: str, ticket: str, *, moved: bool) -> None:
+        await super().finish_export(sandbox_id, ticket, moved=moved)
+        if moved:
+            del self.boxes[sandbox_id]
+
+
+async def test_a_drained_node_s_suspended_sandboxes_move_to_another_node(tmp_path: Path) -> None:
+    clock, fakes = FakeClock(), dict[str, FakeNode]()
+    fakes.update({n: _MovingNode(n, fakes) for n in ("n1", "n2")})
+    async with _replica(tmp_path, fakes, clock) as h:
+        headers = h.key("acme")
+        await _heartbeat(h, "n1")
+        made = [
+            (await h.client.post("/v1/sandboxes", json={}, headers=headers)).json()["id"]
+            for _ in range(3)
+        ]
+        await _heartbeat(h, "n2", room=0)  # n2 joins later: everything is on n1
+        running, paused, hibernated = made
+        await h.client.post(f"/v1/sandboxes/{paused}/pause", headers=headers)
+        await h.client.post(f"/v1/sandboxes/{hibernated}/hibernate", headers=headers)
+        fakes["n1"].boxes[hibernated].files["/tmp/kept"] = b"here"
+
+        assert (await h.client.post("/v1/nodes/n1/drain", headers=_token(h))).status_code == 200
+        await background_round(_ctx(h))
+
+        rows = {sid: (await h.client.get(f"/v1/sandboxes/{sid}", headers=headers)).json()
+                for sid in made}  # fmt: skip
+        assert rows[running]["node_id"] == "n1" and rows[running]["state"] == "running"
+        for sid in (paused, hibernated):
+            assert rows[sid]["node_id"] == "n2" and rows[sid]["state"] == "hibernated"
+            assert sid in fakes["n2"].boxes and sid not in fakes["n1"].boxes
+        assert fakes["n2"].boxes[hibernated].files["/tmp/kept"] == b"here"
+        assert sorted(fakes["n1"].finished) == sorted([(paused, True), (hibernated, True)])
+        # A guest call wakes it where it is now.
+        woke = await h.client.post(f"/v1/sandboxes/{hibernated}/resume", headers=headers)
+        assert woke.json()["state"] == "running" and woke.json()["node_id"] == "n2"
+
+
+async def test_negative_a_failed_import_leaves_the_sandbox_on_its_node(tmp_path: Path) -> None:
+    clock = FakeClock()
+    fakes = {"n1": FakeNode("n1"), "n2": FakeNode("n2")}  # n2 imports nothing
+    async with _replica(tmp_path, fakes, clock) as h:
+        headers = h.key("acme")
+        await _heartbeat(h, "n1")
+        sid = (await h.client.post("/v1/sandboxes", json={}, headers=headers)).json()["id"]
+        await _heartbeat(h, "n2")
+        await h.client.post(f"/v1/sandboxes/{sid}/hibernate", headers=headers)
+        await h.client.post("/v1/nodes/n1/drain", headers=_token(h))
+        await background_round(_ctx(h))
+        row = (await h.client.get(f"/v1/sandboxes/{sid}", headers=headers)).json()
+        assert row["node_id"] == "n1" and row["state"] == "hibernated"
+        assert sid in fakes["n1"].boxes and fakes["n1"].finished == [(sid, False)]
+        assert fakes["n1"].exports == {}  # released: it can be woken or moved again
