@@ -57,7 +57,9 @@ _NODE_LEASES, _REAPER, _RECONCILE, _DRAIN = "node-leases", "reaper", "reconcile"
 
 async def start(ctx: ControlContext) -> None:
     """Before the first request: record the embedded nodes and heartbeat them, attach
-    the remote ones, and reconcile every node unless another replica holds that job."""
+    the remote ones, and reconcile every node unless another replica holds that job
+    (on SQLite settling every half-made row at once: no other replica can be making
+    it)."""
     embedded, now = ctx.nodes.embedded(), ctx.clock()
 
     def record(session: Session) -> None:
@@ -68,7 +70,10 @@ async def start(ctx: ControlContext) -> None:
     await heartbeat_embedded(ctx)
     await refresh_nodes(ctx)
     if await _holds(ctx, _RECONCILE):
-        await reconcile(ctx)
+        # On SQLite this is the only replica (a file database is no replica's to
+        # share), and it has nothing in flight yet: what is half made, a crash left.
+        alone = ctx.db.dialect == "sqlite"
+        await reconcile(ctx, grace_s=0.0 if alone else None)
 
 
 def job_lease_s(interval_s: float) -> float:

@@ -134,11 +134,11 @@ async def reap(ctx: ControlContext) -> None:
 
 
 async def _settle_row(
-    ctx: ControlContext, record: SandboxRecord, status: SandboxStatus | None
+    ctx: ControlContext, record: SandboxRecord, status: SandboxStatus | None, grace_s: float
 ) -> None:
     if record.desired_state == repo.DELETED:
         await delete_sandbox(ctx, record)
-    elif status is None and _in_flight(ctx, record.state, record.created_at):
+    elif status is None and _in_flight(ctx, record.state, record.created_at, grace_s):
         return
     elif status is None:
         message = "the node no longer knows this sandbox"
@@ -150,20 +150,24 @@ async def _settle_row(
         await ctx.db.run(lambda s: repo.set_status(s, record.id, state, status.error, head))
 
 
-def _in_flight(ctx: ControlContext, state: str, created_at: float) -> bool:
+def _in_flight(ctx: ControlContext, state: str, created_at: float, grace_s: float) -> bool:
     """Whether a row in ``state`` may belong to an operation still running elsewhere: a
-    sandbox ``creating`` or a snapshot ``pending`` for less than ``reconcile_grace_s``
-    (another replica may be making it; a later round settles it if it stays so)."""
+    sandbox ``creating`` or a snapshot ``pending`` for less than ``grace_s`` (another
+    replica may be making it; a later round settles it if it stays so)."""
     started = state in (SandboxState.CREATING.value, snaps.PENDING)
-    return started and ctx.clock() - created_at < ctx.settings.reconcile_grace_s
+    return started and ctx.clock() - created_at < grace_s
 
 
-async def reconcile_node(ctx: ControlContext, node_id: str) -> None:
+async def reconcile_node(
+    ctx: ControlContext, node_id: str, *, grace_s: float | None = None
+) -> None:
     """Settle the database's rows for ``node_id`` against what the node runs.
 
-    Sandboxes first, then snapshots. Raises the node's NodeError if it cannot be
-    listed (nothing is changed then).
+    Sandboxes first, then snapshots. Rows still being made are left alone for
+    ``grace_s`` (None: the settings' ``reconcile_grace_s``). Raises the node's NodeError
+    if it cannot be listed (nothing is changed then).
     """
+    grace = ctx.settings.reconcile_grace_s if grace_s is None else grace_s
     node = ctx.nodes.get(node_id)
     on_node = {
         status.sandbox_id: status
@@ -172,20 +176,20 @@ async def reconcile_node(ctx: ControlContext, node_id: str) -> None:
     }
     rows = await ctx.db.run(lambda s: repo.on_node(s, node_id))
     for record in rows:
-        await _settle_row(ctx, record, on_node.get(record.id))
+        await _settle_row(ctx, record, on_node.get(record.id), grace)
     for sandbox_id in on_node.keys() - {record.id for record in rows}:
         log.info("deleting sandbox %s on node %s: no record claims it", sandbox_id, node_id)
         await node.delete_sandbox(sandbox_id)
-    await _reconcile_snapshots(ctx, node_id)
+    await _reconcile_snapshots(ctx, node_id, grace)
 
 
 async def _settle_snapshot(
-    ctx: ControlContext, record: snaps.SnapshotRecord, info: SnapshotInfo | None
+    ctx: ControlContext, record: snaps.SnapshotRecord, info: SnapshotInfo | None, grace_s: float
 ) -> None:
     if record.state == snaps.DELETING:
         await delete_snapshot(ctx, record)
     elif record.state == snaps.PENDING and info is None:
-        if _in_flight(ctx, record.state, record.created_at):
+        if _in_flight(ctx, record.state, record.created_at, grace_s):
             return
         await ctx.db.run(lambda s: snaps.drop_pending(s, record.id))
     elif record.state == snaps.PENDING and info is not None:
@@ -198,22 +202,23 @@ async def _settle_snapshot(
         log.warning("snapshot %s is listed but its node %s lost it", record.id, record.node_id)
 
 
-async def _reconcile_snapshots(ctx: ControlContext, node_id: str) -> None:
+async def _reconcile_snapshots(ctx: ControlContext, node_id: str, grace_s: float) -> None:
     node = ctx.nodes.get(node_id)
     on_node = {info.snapshot_id: info for info in await node.list_snapshots()}
     rows = await ctx.db.run(lambda s: snaps.on_node(s, node_id))
     for record in rows:
-        await _settle_snapshot(ctx, record, on_node.get(record.id))
+        await _settle_snapshot(ctx, record, on_node.get(record.id), grace_s)
     for snapshot_id in on_node.keys() - {record.id for record in rows}:
         log.info("deleting snapshot %s on node %s: no record claims it", snapshot_id, node_id)
         with contextlib.suppress(NotFound):
             await node.delete_snapshot(snapshot_id)
 
 
-async def reconcile(ctx: ControlContext) -> None:
-    """Reconcile every registered node; a node that fails is logged and skipped."""
+async def reconcile(ctx: ControlContext, *, grace_s: float | None = None) -> None:
+    """Reconcile every registered node (``grace_s`` as ``reconcile_node``); a node that
+    fails is logged and skipped."""
     for node_id in ctx.nodes.ids():
         try:
-            await reconcile_node(ctx, node_id)
+            await reconcile_node(ctx, node_id, grace_s=grace_s)
         except (NodeError, ApiError) as exc:
             log.warning("could not reconcile node %s: %s", node_id, exc)

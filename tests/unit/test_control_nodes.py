@@ -422,6 +422,10 @@ async def test_reconciliation_leaves_a_young_creating_row_to_its_replica(tmp_pat
         }
         assert states["sb-young"]["state"] == "creating"
         assert states["sb-old"]["state"] == "error"
+        # Alone (a start on SQLite), nothing is in flight: everything half made settles.
+        await reconcile(_ctx(h), grace_s=0.0)
+        settled = await h.client.get("/v1/sandboxes/sb-young", headers=h.key("acme"))
+        assert settled.json()["state"] == "error"
 
 
 # drain: suspended sandboxes move off a draining node
