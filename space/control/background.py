@@ -69,10 +69,13 @@ async def start(ctx: ControlContext) -> None:
     await ctx.db.run(record)
     await heartbeat_embedded(ctx)
     await refresh_nodes(ctx)
+    # On SQLite this is the only replica (a file database is no replica's to share): the
+    # leases a crashed predecessor held are nobody's, and nothing is in flight yet, so
+    # what is half made, a crash left.
+    alone = ctx.db.dialect == "sqlite"
+    if alone:
+        await ctx.db.run(job_leases.clear)
     if await _holds(ctx, _RECONCILE):
-        # On SQLite this is the only replica (a file database is no replica's to
-        # share), and it has nothing in flight yet: what is half made, a crash left.
-        alone = ctx.db.dialect == "sqlite"
         await reconcile(ctx, grace_s=0.0 if alone else None)
 
 

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from space.control.store.dialects import upsert
 from space.control.store.models import JobLeaseRow
 
-__all__ = ["release", "take"]
+__all__ = ["clear", "release", "take"]
 
 
 def take(session: Session, name: str, holder: str, now: float, ttl_s: float) -> bool:
@@ -37,3 +37,9 @@ def release(session: Session, holder: str) -> None:
     """Give up every lease ``holder`` holds (a replica shutting down), so another takes
     its jobs at once instead of after the leases run out."""
     session.execute(delete(JobLeaseRow).where(JobLeaseRow.holder == holder))
+
+
+def clear(session: Session) -> None:
+    """Drop every lease: for a replica that knows it is the only one (on SQLite), whose
+    predecessor's leases a crash left behind."""
+    session.execute(delete(JobLeaseRow))
