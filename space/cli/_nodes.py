@@ -58,15 +58,18 @@ def _line(out: dict[str, Any]) -> str:
 _HEADER = f"{'NODE':<24} {'STATE':<9} {'REACHABLE':<9} {'SANDBOXES':>9} {'ROOM':>5}  URL"
 
 
+def _show(nodes: list[dict[str, Any]]) -> None:
+    click.echo(_HEADER)
+    for out in nodes:
+        click.echo(_line(out))
+
+
 @click.command("ls")
 @_CONTROL_URL
 @_TOKEN_FILE
 def ls(control_url: str, token_file: Path) -> None:
     """List the control plane's nodes: state (active, draining, lost), sandboxes, room."""
-    nodes = _call("GET", control_url, token_file, "/v1/nodes")["nodes"]
-    click.echo(_HEADER)
-    for out in nodes:
-        click.echo(_line(out))
+    _show(_call("GET", control_url, token_file, "/v1/nodes")["nodes"])
 
 
 @click.command()
@@ -74,10 +77,9 @@ def ls(control_url: str, token_file: Path) -> None:
 @_CONTROL_URL
 @_TOKEN_FILE
 def drain(node_id: str, control_url: str, token_file: Path) -> None:
-    """Place no more sandboxes on NODE_ID."""
-    out = _call("POST", control_url, token_file, f"/v1/nodes/{node_id}/drain")
-    click.echo(_HEADER)
-    click.echo(_line(out))
+    """Place no more sandboxes on NODE_ID; its paused and hibernated sandboxes move to
+    other nodes in the background."""
+    _show([_call("POST", control_url, token_file, f"/v1/nodes/{node_id}/drain")])
 
 
 @click.command()
@@ -86,9 +88,7 @@ def drain(node_id: str, control_url: str, token_file: Path) -> None:
 @_TOKEN_FILE
 def activate(node_id: str, control_url: str, token_file: Path) -> None:
     """Place sandboxes on NODE_ID again (undoes a drain)."""
-    out = _call("POST", control_url, token_file, f"/v1/nodes/{node_id}/activate")
-    click.echo(_HEADER)
-    click.echo(_line(out))
+    _show([_call("POST", control_url, token_file, f"/v1/nodes/{node_id}/activate")])
 
 
 #: ``space node``'s commands (the group itself runs a node agent).
