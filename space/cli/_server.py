@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 import click
 
+from space.cli._cluster import cluster_options, cluster_settings
 from space.cli._common import ProgressPrinter, fail
 from space.limits import (
     DEFAULT_BUILD_SLOTS,
@@ -219,6 +220,7 @@ def egress_bounds_options(command: Callable[..., Any]) -> Callable[..., Any]:
 @EGRESS_RESOLVER_OPTION
 @EGRESS_CA_OPTION
 @egress_bounds_options
+@cluster_options
 @USER_OPTION
 def serve(
     data_dir: Path,
@@ -247,6 +249,7 @@ def serve(
     """Run the control plane and one node in this process (the embedded default)."""
     if warm_min > warm_max:
         fail(f"--warm-min ({warm_min}) must not exceed --warm-max ({warm_max})", 2)
+    cluster = cluster_settings(capacity)
     with server_errors():
         from space.control.secrets import load_keyring
         from space.control.server import run_control_plane
@@ -284,6 +287,7 @@ def serve(
             egress_operator_ranges=egress_operator_ranges,
             egress_allow_wide_any_port=egress_allow_wide_any_port,
             **capacity,
+            **cluster,
         )
         await _become_user(config, user, progress, () if tls is None else (tls.cert, tls.key))
         local = await Node.start(config, progress=progress)
@@ -319,6 +323,7 @@ def serve(
 @EGRESS_RESOLVER_OPTION
 @EGRESS_CA_OPTION
 @egress_bounds_options
+@cluster_options
 @USER_OPTION
 @click.pass_context
 def node(
@@ -344,6 +349,7 @@ def node(
         return
     if not control_url or token_file is None:
         fail("a node agent needs --control-url and --token-file", 2)
+    cluster = cluster_settings(capacity)
     with server_errors():
         from space.control.nodes import capacity_report
         from space.control.server import heartbeat, register_remote_node
@@ -367,6 +373,7 @@ def node(
             egress_operator_ranges=egress_operator_ranges,
             egress_allow_wide_any_port=egress_allow_wide_any_port,
             **capacity,
+            **cluster,
         )
         _owner_only(data_dir)  # the options are known good: before the first write
         await _become_user(config, user, progress)
