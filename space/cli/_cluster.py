@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 import click
 
-__all__ = ["cluster_options", "cluster_settings"]
+__all__ = ["cluster_files", "cluster_options", "cluster_settings"]
 
 _FILE = click.Path(dir_okay=False, path_type=Path)
 
@@ -89,3 +89,16 @@ def cluster_settings(options: dict[str, Any]) -> dict[str, Any]:
     except InvalidArgument as exc:
         raise click.BadParameter(str(exc), param_hint="--artifact-store") from None
     return {**settings, "artifact_store": store}
+
+
+def cluster_files(settings: dict[str, Any]) -> tuple[Path, ...]:
+    """The files of ``cluster_settings``' answer that the node agent reads after it
+    drops root (so its user must be able to), those that exist already."""
+    store = settings.get("artifact_store")
+    paths = (
+        settings["key_file"],
+        settings["peer_ca_file"],
+        settings["artifact_key_file"],
+        None if store is None else store.s3_credentials_file,
+    )
+    return tuple(path for path in paths if path is not None and path.exists())

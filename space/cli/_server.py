@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import click
 
-from space.cli._cluster import cluster_options, cluster_settings
+from space.cli._cluster import cluster_files, cluster_options, cluster_settings
 from space.cli._common import ProgressPrinter, fail
 from space.limits import (
     DEFAULT_BUILD_SLOTS,
@@ -289,7 +289,8 @@ def serve(
             **capacity,
             **cluster,
         )
-        await _become_user(config, user, progress, () if tls is None else (tls.cert, tls.key))
+        tls_files = () if tls is None else (tls.cert, tls.key)
+        await _become_user(config, user, progress, tls_files + cluster_files(cluster))
         local = await Node.start(config, progress=progress)
         try:
             scheme = "http" if tls is None else "https"
@@ -376,7 +377,7 @@ def node(
             **cluster,
         )
         _owner_only(data_dir)  # the options are known good: before the first write
-        await _become_user(config, user, progress)
+        await _become_user(config, user, progress, cluster_files(cluster))
         local = await Node.start(config, progress=progress)
         try:
             app = create_node_app(local, token)
@@ -503,7 +504,8 @@ async def _become_user(
     config: NodeConfig, user: str, say: Callable[[str], None], read_later: tuple[Path, ...] = ()
 ) -> None:
     """Started as root: start the root broker and go on as ``user`` (issue 18), who
-    must be able to read ``read_later`` (the TLS files the API server loads)."""
+    must be able to read ``read_later`` (the TLS files the API server loads, the
+    cluster's key, CA and credentials files the node loads)."""
     import os
 
     from space.node.agent import node_user

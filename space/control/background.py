@@ -10,8 +10,10 @@ replica must do for itself runs in each:
 What must happen once runs only in the replica holding that job's lease
 (space.control.store.job_leases), taken again each round: marking lost the nodes whose
 lease ran out (and their sandboxes), the reaper (space.control.reconcile.reap), moving
-suspended sandboxes off draining nodes (space.control.moves), and reconciling every
-node with the database every ``reconcile_interval_s``. A replica that dies stops
+suspended sandboxes off draining nodes (space.control.moves), the artifact store's
+work (space.control.archives: uploads, waking lost sandboxes elsewhere from it,
+deleting stale bundles), and reconciling every node with the database every
+``reconcile_interval_s``. A replica that dies stops
 renewing; another takes its jobs within ``job_lease_s``.
 """
 
@@ -23,6 +25,7 @@ import time
 
 from sqlalchemy.orm import Session
 
+from space.control.archives import archive_round, rehome_round
 from space.control.deps import ControlContext
 from space.control.errors import ApiError
 from space.control.moves import drain_round
@@ -53,6 +56,7 @@ INFO_TIMEOUT_S = 10.0
 #: finish before another replica may take the job.
 _MIN_JOB_LEASE_S = 15.0
 _NODE_LEASES, _REAPER, _RECONCILE, _DRAIN = "node-leases", "reaper", "reconcile", "drain"
+_ARCHIVES = "archives"
 
 
 async def start(ctx: ControlContext) -> None:
@@ -118,6 +122,9 @@ async def background_round(ctx: ControlContext, *, reconcile_nodes: bool = False
         await reap(ctx)
     if await _holds(ctx, _DRAIN):
         await drain_round(ctx)
+    if await _holds(ctx, _ARCHIVES):
+        await rehome_round(ctx)
+        await archive_round(ctx)
     if reconcile_nodes and await _holds(ctx, _RECONCILE):
         await reconcile(ctx)
 

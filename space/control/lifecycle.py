@@ -18,6 +18,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from space.control import broker, egress, idempotency, quota_checks
+from space.control.archived import fetch_snapshot, snapshot_nodes
 from space.control.deps import ControlContext
 from space.control.errors import ApiError
 from space.control.idempotency import Idempotency
@@ -162,7 +163,9 @@ async def create_sandbox(
     Idempotent with ``idem``: a retry gets the sandbox the first request made, as it is
     now (space.control.idempotency, which also says what else it raises).
 
-    A sandbox made from a snapshot goes to the snapshot's node and takes its template
+    A sandbox made from a snapshot goes to the snapshot's node (or, if it is lost or
+    full and the artifact store holds the snapshot, to another that copies it from
+    there: space.control.archived) and takes its template
     and resources, and the egress policy and secret bindings its sandbox has now unless
     ``body`` gives them. Once the node runs it, its secret grants are sent.
     Raises ApiError(invalid_argument) for a malformed egress policy or an unknown
@@ -201,9 +204,9 @@ async def _create(
     node_ref(tenant, body.template)  # refuse a name too long to scope before any row
     parent = await _source_sandbox(ctx, source)
     bindings = await _bindings(ctx, tenant, body, parent)
-    # A sandbox from a snapshot runs where the snapshot is, or nowhere.
+    # A sandbox from a snapshot runs where the snapshot is, or where the store has it.
     if source is not None:
-        nodes = [source.node_id]
+        nodes = await snapshot_nodes(ctx, source)
     else:
         nodes = await _place(ctx, node_name(tenant, parse_ref(body.template).name))
     timeout_s = body.timeout_s if timeout_given else ctx.settings.default_timeout_s
@@ -213,17 +216,18 @@ async def _create(
     policy = given if "egress" in body.model_fields_set else inherited
     record = _new_record(ctx, tenant, nodes[0], body, source, timeout_s, policy, bindings)
     await quota_checks.insert_sandboxes(ctx, [record], "create", idem)
-    record = await _start(ctx, record, nodes, body.from_snapshot)
+    record = await _start(ctx, record, nodes, source)
     if record.secrets:
         await _send_grants(ctx, record)
     return record
 
 
 async def _start(
-    ctx: ControlContext, record: SandboxRecord, nodes: list[str], from_snapshot: str | None
+    ctx: ControlContext, record: SandboxRecord, nodes: list[str], source: SnapshotRecord | None
 ) -> SandboxRecord:
-    """Create the recorded sandbox on the first of ``nodes`` that has room; the row
-    follows it there. Raises as ``create_sandbox``."""
+    """Create the recorded sandbox (from ``source``) on the first of ``nodes`` that has
+    room; the row follows it there. Raises as ``create_sandbox``."""
+    from_snapshot = None if source is None else source.id
     sandbox_id = record.id
     refusals: list[InsufficientCapacity] = []
     for node_id in nodes:
@@ -233,6 +237,8 @@ async def _start(
                 functools.partial(repo.set_node, sandbox_id=sandbox_id, node_id=node_id)
             )
         try:
+            if source is not None:
+                await fetch_snapshot(ctx, source, node_id)
             status = await ctx.nodes.get(node_id).create_sandbox(_spec(record, from_snapshot))
         except InsufficientCapacity as exc:
             log.info("node %s has no room for sandbox %s: %s", node_id, record.id, exc)
@@ -424,19 +430,20 @@ def check_state(operation: str, record: SandboxRecord, allowed: frozenset[str]) 
 async def record_status(
     ctx: ControlContext, record: SandboxRecord, status: SandboxStatus, *, active: bool = False
 ) -> SandboxRecord:
-    """Store what the node reported (state, error, head snapshot); with ``active``, mark
-    the sandbox active now too. Returns the updated record."""
+    """Store what the node reported (state, error, head snapshot, archive); with
+    ``active``, mark the sandbox active now too. Returns the updated record."""
     now = ctx.clock()
     new = replace(
         record,
         state=status.state.value,
         error=status.error,
         head_snapshot=status.head_snapshot,
+        archive=status.archive,
         last_active_at=now if active else record.last_active_at,
     )
 
     def store(session: Session) -> None:
-        repo.set_status(session, new.id, new.state, new.error, new.head_snapshot)
+        repo.set_status(session, new.id, status)
         if active:
             repo.touch(session, new.id, now)
 

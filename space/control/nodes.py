@@ -56,6 +56,7 @@ def capacity_report(info: NodeInfo) -> NodeCapacity | None:
         room=figures.room,
         templates=info.templates[:MAX_NODE_TEMPLATES],
         pools={pool.template: pool.size for pool in info.pools[:MAX_NODE_TEMPLATES]},
+        archives=info.archives,
     )
 
 

@@ -21,6 +21,7 @@ import logging
 from dataclasses import replace
 
 from space.control import broker, idempotency
+from space.control.archived import keeps_copy
 from space.control.deps import ControlContext
 from space.control.errors import ApiError
 from space.control.lifecycle import delete_sandbox, hibernate_sandbox
@@ -145,9 +146,12 @@ async def _settle_row(
         await ctx.db.run(
             lambda s: repo.set_state(s, record.id, SandboxState.ERROR.value, error=message)
         )
-    elif (status.state.value, status.head_snapshot) != (record.state, record.head_snapshot):
-        state, head = status.state.value, status.head_snapshot
-        await ctx.db.run(lambda s: repo.set_status(s, record.id, state, status.error, head))
+    elif (status.state.value, status.head_snapshot, status.archive) != (
+        record.state,
+        record.head_snapshot,
+        record.archive,
+    ):
+        await ctx.db.run(lambda s: repo.set_status(s, record.id, status))
 
 
 def _in_flight(ctx: ControlContext, state: str, created_at: float, grace_s: float) -> bool:
@@ -209,6 +213,9 @@ async def _reconcile_snapshots(ctx: ControlContext, node_id: str, grace_s: float
     for record in rows:
         await _settle_snapshot(ctx, record, on_node.get(record.id), grace_s)
     for snapshot_id in on_node.keys() - {record.id for record in rows}:
+        listed = await ctx.db.run(functools.partial(snaps.get_snapshot, snapshot_id=snapshot_id))
+        if keeps_copy(listed):  # fetched from the artifact store
+            continue
         log.info("deleting snapshot %s on node %s: no record claims it", snapshot_id, node_id)
         with contextlib.suppress(NotFound):
             await node.delete_snapshot(snapshot_id)

@@ -206,6 +206,9 @@ class SandboxOut(BaseModel):
     egress: dict[str, Any]
     #: The secrets it may use, with their placeholders (never values).
     secrets: list[SandboxSecretOut]
+    #: Whether the artifact store holds it as it is now (hibernated): it survives the
+    #: loss of its node, woken on another.
+    archived: bool = False
 
     @classmethod
     def of(cls, record: SandboxRecord) -> SandboxOut:
@@ -231,6 +234,7 @@ class SandboxOut(BaseModel):
                 SandboxSecretOut(name=b.name, env=b.env, placeholder=b.placeholder)
                 for b in record.secrets
             ],
+            archived=record.archive is not None,
         )
 
 
@@ -296,6 +300,8 @@ class SnapshotOut(BaseModel):
     memory_bytes: int
     #: Disk bytes only this snapshot holds; measured by the node on a single GET only.
     exclusive_bytes: int | None
+    #: Whether the artifact store holds it: it then restores on any node.
+    archived: bool = False
 
     @classmethod
     def of(cls, record: SnapshotRecord, exclusive_bytes: int | None = None) -> SnapshotOut:
@@ -312,6 +318,7 @@ class SnapshotOut(BaseModel):
             disk_mib=record.disk_mib,
             memory_bytes=record.memory_bytes,
             exclusive_bytes=exclusive_bytes,
+            archived=record.archived,
         )
 
 
@@ -374,6 +381,8 @@ class NodeCapacity(_Body):
     pools: dict[_NodeTemplate, Annotated[int, Field(ge=0, le=1_000_000)]] = Field(
         default_factory=dict, max_length=MAX_NODE_TEMPLATES
     )
+    #: Whether the node keeps snapshots and hibernated sandboxes in an artifact store.
+    archives: bool = False
 
 
 class NodeRegistration(_Body):

@@ -17,6 +17,7 @@ from dataclasses import replace
 from sqlalchemy.orm import Session
 
 from space.control import broker, egress, idempotency, lifecycle, quota_checks
+from space.control.archived import fetch_snapshot
 from space.control.deps import ControlContext
 from space.control.errors import ApiError
 from space.control.idempotency import Idempotency
@@ -132,6 +133,7 @@ async def delete_snapshot(ctx: ControlContext, record: SnapshotRecord) -> None:
     """Delete a snapshot; its children and heads are re-parented to its parent.
 
     Idempotent: a deleted one is done; a half-deleted one (its node failed) is retried.
+    Its bundle in the artifact store goes stale with it (space.control.archives).
     Raises ApiError(unavailable) or the node's NodeError, the snapshot then hidden and
     left for a retry or reconciliation.
     """
@@ -140,8 +142,11 @@ async def delete_snapshot(ctx: ControlContext, record: SnapshotRecord) -> None:
     if record.state != snaps.DELETING:
         now = ctx.clock()
         await ctx.db.run(lambda s: snaps.mark_deleting(s, record, now))
-    with contextlib.suppress(NotFound):
-        await ctx.nodes.get(record.node_id).delete_snapshot(record.id)
+    # A lost node is not waited for: when it is back, reconciliation deletes its copy
+    # (no row claims it), as it deletes copies fetched from the store on other nodes.
+    if record.node_id not in ctx.nodes.lost:
+        with contextlib.suppress(NotFound):
+            await ctx.nodes.get(record.node_id).delete_snapshot(record.id)
     await ctx.db.run(lambda s: snaps.mark_deleted(s, record.id))
 
 
@@ -151,19 +156,15 @@ async def restore_sandbox(
     """Roll ``sandbox`` back to ``snapshot`` in place; returns it running, marked active.
 
     Raises ApiError(conflict) unless the sandbox is running, paused or hibernated, or
-    if the snapshot is on another node; ApiError(invalid_argument) if its template or
+    if the snapshot is on another node and not in the artifact store (one that is
+    is copied here first: space.control.archived); ApiError(invalid_argument) if its template or
     resources differ; ApiError(resource_exhausted) for a hibernated sandbox its
     tenant's running quotas have no room for; or the node's NodeError (the row then as
     the node reports it).
     """
     check_state("restore", sandbox, LIVE)
-    if snapshot.node_id != sandbox.node_id:
-        message = (
-            f"cannot restore sandbox {sandbox.id} on node {sandbox.node_id} to snapshot "
-            f"{snapshot.id} on node {snapshot.node_id}"
-        )
-        raise ApiError("conflict", message, sandbox_id=sandbox.id, snapshot_id=snapshot.id)
     _check_same_shape(sandbox, snapshot)
+    await fetch_snapshot(ctx, snapshot, sandbox.node_id)
     node = ctx.nodes.get(sandbox.node_id)
     async with quota_checks.waking(ctx, sandbox, "restore"):  # it comes back running
         try:

@@ -54,7 +54,9 @@ class SandboxInfo:
     after ``created_at`` (at ``expires_at``); None means no such limit.
     ``head_snapshot`` is the snapshot it last came from or took: the parent of its next
     snapshot. ``error`` says why a sandbox in state ``error`` is there (its VM exited,
-    its guest broke the protocol...); None otherwise.
+    its guest broke the protocol...); None otherwise. ``archived``: the platform's
+    artifact store holds it as it is now (a hibernated sandbox), so it survives the
+    loss of its node.
     """
 
     sandbox_id: str
@@ -74,6 +76,7 @@ class SandboxInfo:
     head_snapshot: str | None = None
     secrets: tuple[SecretBinding, ...] = ()
     error: str | None = None
+    archived: bool = False
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> SandboxInfo:
@@ -97,6 +100,7 @@ class SandboxInfo:
                 head_snapshot=_optional_str(body, "head_snapshot"),
                 secrets=tuple(SecretBinding.from_wire(b) for b in body.get("secrets") or ()),
                 error=_optional_str(body, "error"),
+                archived=body.get("archived") is True,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InternalError(f"malformed sandbox in answer: {exc!r}") from None
@@ -150,7 +154,8 @@ class SnapshotInfo:
     ``memory_mib`` and ``disk_mib`` are those of the sandbox it was taken of (a sandbox
     created from it gets them). ``memory_bytes`` is the saved memory;
     ``exclusive_bytes`` the disk bytes only this snapshot holds (what deleting it
-    frees), None when the node did not measure it.
+    frees), None when the node did not measure it. ``archived``: the platform's
+    artifact store holds it, so it restores on any node.
     """
 
     snapshot_id: str
@@ -165,6 +170,7 @@ class SnapshotInfo:
     disk_mib: int
     memory_bytes: int
     exclusive_bytes: int | None
+    archived: bool = False
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> SnapshotInfo:
@@ -183,6 +189,7 @@ class SnapshotInfo:
                 disk_mib=_required_int(body, "disk_mib"),
                 memory_bytes=_required_int(body, "memory_bytes"),
                 exclusive_bytes=_optional_int(body, "exclusive_bytes"),
+                archived=body.get("archived") is True,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InternalError(f"malformed snapshot in answer: {exc!r}") from None

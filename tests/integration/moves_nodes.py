@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from space.node.agent import Node
 from space.node.agent._moves import _origins
-from space.node.core.config import NodeConfig
+from space.node.core.config import ArtifactStoreConfig, NodeConfig
 from space.node.core.run import run
 from space.node.http.server import create_node_app, node_server
 from space.node.storage.streams import adopt_received, receive_stream, send_stream
@@ -43,21 +43,30 @@ class TwoNodes:
         return self.runner.run(coro)
 
 
-def _config(directory: Path, key_file: Path) -> NodeConfig:
+def _config(directory: Path, key_file: Path, store: ArtifactStoreConfig | None) -> NodeConfig:
     directory.mkdir(parents=True)
     logs.register(directory)
-    return NodeConfig(data_dir=directory, pool_size_gib=8, boot_timeout_s=90.0, key_file=key_file)
+    return NodeConfig(
+        data_dir=directory,
+        pool_size_gib=8,
+        boot_timeout_s=90.0,
+        key_file=key_file,
+        artifact_store=store,
+        # One cluster: the first node makes the store's master key, the other reads it.
+        artifact_key_file=directory.parent / "artifact.key",
+    )
 
 
 @contextlib.contextmanager
-def two_nodes(directory: Path) -> Iterator[TwoNodes]:
-    """Two started nodes under ``directory``; on exit both shut down and nothing of
-    either is left (asserted)."""
+def two_nodes(directory: Path, store: ArtifactStoreConfig | None = None) -> Iterator[TwoNodes]:
+    """Two started nodes under ``directory`` sharing a node key (and the artifact
+    ``store``, if given); on exit both shut down and nothing of either is left
+    (asserted)."""
     key_file = directory / "cluster.key"
     directory.mkdir(parents=True, exist_ok=True)
     key_file.write_text(base64.b64encode(os.urandom(32)).decode() + "\n")
     key_file.chmod(0o600)
-    configs = [_config(directory / name, key_file) for name in ("source", "target")]
+    configs = [_config(directory / name, key_file, store) for name in ("source", "target")]
     runner = asyncio.Runner()
     nodes: list[Node] = []
     try:

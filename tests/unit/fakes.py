@@ -40,6 +40,7 @@ from space.node.api import (
     Unavailable,
     check_grants,
 )
+from tests.unit._fake_archives import FakeArchives, FakeArchiveStore
 from tests.unit._fake_egress import FakeEgress
 from tests.unit._fake_moves import FakeMoves
 from tests.unit._fake_templates import FakeTemplates
@@ -138,7 +139,7 @@ class _Snapshot:
     contents: _Box
 
 
-class FakeNode(FakeTemplates, FakeEgress, FakeMoves):
+class FakeNode(FakeTemplates, FakeEgress, FakeMoves, FakeArchives):
     """An in-memory NodeService. ``calls`` records (method, sandbox_id) of every call.
 
     ``pools`` and ``capacity`` are what ``info`` reports as the node's warm pools and
@@ -152,10 +153,11 @@ class FakeNode(FakeTemplates, FakeEgress, FakeMoves):
     background one yields them only to ``attach``); others follow ``_script``.
     """
 
-    def __init__(self, node_id: str = "local") -> None:
+    def __init__(self, node_id: str = "local", store: FakeArchiveStore | None = None) -> None:
         FakeTemplates.__init__(self)
         FakeEgress.__init__(self)
         FakeMoves.__init__(self)
+        FakeArchives.__init__(self, store)
         self.node_id = node_id
         self.boxes: dict[str, _Box] = {}
         self.calls: list[tuple[str, str]] = []
@@ -183,7 +185,7 @@ class FakeNode(FakeTemplates, FakeEgress, FakeMoves):
         if box is None:
             raise NotFound(f"no sandbox {sandbox_id}", sandbox_id=sandbox_id)
         if box.status.state in (_PAUSED, _HIBERNATED) and method not in _LIFECYCLE:
-            box.status = replace(box.status, state=_RUNNING)  # as the node: resume
+            box.status = replace(box.status, state=_RUNNING, archive=None)  # as the node: resume
         return box
 
     def snapshot(self) -> object:
@@ -207,6 +209,7 @@ class FakeNode(FakeTemplates, FakeEgress, FakeMoves):
             list(self.pools),
             self.boot_id,
             self.capacity,
+            archives=self.archive_store is not None,
         )
 
     async def set_secrets(self, sandbox_id: str, grants: list[SecretGrant]) -> None:
@@ -258,7 +261,8 @@ class FakeNode(FakeTemplates, FakeEgress, FakeMoves):
     def _transition(self, operation: str, sandbox_id: str, state: SandboxState) -> SandboxStatus:
         """As the real node: idempotent, Conflict naming any state it does not accept."""
         box = self._checked(operation, sandbox_id)
-        box.status = replace(box.status, state=state)
+        if box.status.state != state:  # any change makes an archive stale, as on the node
+            box.status = replace(box.status, state=state, archive=None)
         return box.status
 
     def _snapshot(self, snapshot_id: str) -> _Snapshot:
@@ -323,7 +327,7 @@ class FakeNode(FakeTemplates, FakeEgress, FakeMoves):
         box = self._checked("restore", sandbox_id)
         snap = self._snapshot(snapshot_id)
         self._check_shape(snap.info, box.status)
-        status = replace(box.status, state=_RUNNING, head_snapshot=snapshot_id)
+        status = replace(box.status, state=_RUNNING, head_snapshot=snapshot_id, archive=None)
         self.boxes[sandbox_id] = snap.contents.copy(status)
         return status
 

@@ -517,3 +517,61 @@ def test_the_node_api_listens_on_loopback_unless_told_otherwise() -> None:
     # Issue 18: a node agent reachable from the network only when the operator says so.
     (listen,) = [p for p in _server.node.params if p.name == "listen"]
     assert listen.default == "127.0.0.1:8081"
+
+
+# the cluster's node options (issue 19)
+
+
+def _cluster(**given: object) -> dict[str, object]:
+    from space.cli._cluster import cluster_settings
+
+    options: dict[str, object] = {
+        "key_file": None,
+        "peer_ca_file": None,
+        "artifact_key_file": None,
+        "artifact_store": None,
+        "artifact_s3_endpoint": None,
+        "artifact_s3_region": "us-east-1",
+        "artifact_s3_credentials_file": None,
+    }
+    return cluster_settings(options | given)
+
+
+def test_the_artifact_store_url_names_a_directory_or_a_bucket(tmp_path: Path) -> None:
+    from space.node.core.config import ArtifactStoreConfig
+
+    fs = _cluster(artifact_store=f"file://{tmp_path}", key_file=tmp_path / "k")
+    assert fs["artifact_store"] == ArtifactStoreConfig(kind="fs", path=tmp_path)
+    assert fs["key_file"] == tmp_path / "k"
+    s3 = _cluster(artifact_store="s3://my-bucket", artifact_s3_endpoint="http://10.0.0.5:9000")
+    assert s3["artifact_store"] == ArtifactStoreConfig(
+        kind="s3", s3_bucket="my-bucket", s3_endpoint_url="http://10.0.0.5:9000"
+    )
+    assert "artifact_store" not in _cluster()
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ({"artifact_store": "ftp://host/dir"}, "file:///absolute/dir or s3://bucket"),
+        ({"artifact_store": "file://host/dir"}, "file:///absolute/dir or s3://bucket"),
+        ({"artifact_store": "s3://bucket/prefix"}, "file:///absolute/dir or s3://bucket"),
+        ({"artifact_store": "s3://Not_A_Bucket"}, "needs a bucket name"),
+        ({"artifact_store": "file:///d", "artifact_s3_endpoint": "http://x"}, "file:///"),
+        ({"artifact_s3_endpoint": "http://x"}, "need --artifact-store s3://"),
+        ({"artifact_store": "s3://b-1", "artifact_s3_endpoint": "ftp://x"}, "s3_endpoint_url"),
+    ],
+)
+def test_negative_a_bad_artifact_store_option_is_a_usage_error(
+    given: dict[str, object], said: str
+) -> None:
+    import click
+
+    with pytest.raises(click.BadParameter, match=said.replace("?", r"\?")):
+        _cluster(**given)
+    result = CliRunner().invoke(
+        main,
+        ["node", "--control-url", "http://x:1", "--token-file", "/dev/null"]
+        + [f"--{k.replace('_', '-')}={v}" for k, v in given.items()],
+    )
+    assert result.exit_code == 2 and said.split(" ")[0] in result.output

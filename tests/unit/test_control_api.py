@@ -271,6 +271,7 @@ async def test_operators_read_each_nodes_capacity_with_the_node_token(tmp_path: 
                 "room": 115,
                 "templates": ["base"],
                 "pools": {},
+                "archives": False,
             },
             "reachable": True,
             "sandboxes": 1,

@@ -44,6 +44,7 @@ _CAPACITY: dict[str, Any] = {
     "room": 40,
     "templates": ["base"],
     "pools": {},
+    "archives": False,
 }
 
 

@@ -30,6 +30,7 @@ _SNAPSHOT_FIELDS = {
     "disk_mib",
     "memory_bytes",
     "exclusive_bytes",
+    "archived",
 }
 
 

@@ -12,7 +12,7 @@ from typing import cast
 import httpx
 import pytest
 
-from space.node.agent._moves import Moves, Source, _Frames, _portable, frames_of
+from space.node.agent._moves import Moves, Source, _Frames, frames_of, portable_record
 from space.node.agent._registry import Registry
 from space.node.api import (
     Conflict,
@@ -151,7 +151,7 @@ def _portable_of(**spec_changes: object) -> dict[str, object]:
         template_digest="abc",
         run_dir="/elsewhere/sb-9",
     )
-    return _portable(record)
+    return portable_record(record)
 
 
 def _ticket(**changes: object) -> ExportTicket:

@@ -594,3 +594,40 @@ async def test_negative_a_malformed_pool_in_node_info_is_unavailable(pools: obje
     async with _mocked(_canned(200, _NODE_INFO | {"pools": pools})) as client:
         with pytest.raises(Unavailable, match="malformed"):
             await client.info()
+
+
+async def test_archives_round_trip_through_the_node_api() -> None:
+    """Every archive method over HTTP, against two fake nodes sharing a store: the
+    answers come back whole, and the node's refusals keep their codes."""
+    from tests.unit._fake_archives import FakeArchiveStore
+
+    store = FakeArchiveStore()
+    here, there = FakeNode("here", store), FakeNode("there", store)
+    await here.create_sandbox(SandboxSpec("sb-1"))
+    await here.hibernate_sandbox("sb-1")
+    await here.snapshot_sandbox("sb-1", "sn-1")
+    async with remote(here) as source, remote(there) as target:
+        assert (await source.info()).archives
+        status = await source.archive_sandbox("sb-1")
+        assert status.state == SandboxState.HIBERNATED
+        assert status.archive is not None and status.archive.startswith("sandboxes/sb-1/")
+        assert (await source.get_sandbox("sb-1")).archive == status.archive
+
+        result = await target.import_archive("sb-1", status.archive)
+        assert result.status.sandbox_id == "sb-1" and result.status.archive == status.archive
+        with pytest.raises(Conflict):
+            await target.import_archive("sb-1", status.archive)  # it is there now
+
+        await source.archive_snapshot("sn-1")
+        fetched = await target.fetch_snapshot("sn-1")
+        assert fetched.snapshot_id == "sn-1" and fetched.sandbox_id == "sb-1"
+
+        await source.delete_archive(status.archive)
+        with pytest.raises(NotFound):
+            await target.import_archive("sb-2", status.archive)
+        with pytest.raises(NotFound):
+            await target.fetch_snapshot("sn-unknown")
+    async with remote(FakeNode("alone")) as alone:
+        assert not (await alone.info()).archives
+        with pytest.raises(Unavailable, match="no artifact store"):
+            await alone.archive_snapshot("sn-1")

@@ -13,6 +13,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     Float,
     ForeignKey,
     ForeignKeyConstraint,
@@ -23,6 +24,7 @@ from sqlalchemy import (
     PrimaryKeyConstraint,
     String,
     Text,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -102,6 +104,14 @@ class JobLeaseRow(Base):
     expires_at: Mapped[float] = mapped_column(Float)
 
 
+class StaleArchiveRow(Base):
+    """A bundle in the artifact store that no row names any more, to delete (issue 19)."""
+
+    __tablename__ = "stale_archives"
+
+    name: Mapped[str] = mapped_column(String(160), primary_key=True)
+
+
 class SandboxRow(Base):
     __tablename__ = "sandboxes"
     __table_args__ = (Index("ix_sandboxes_tenant_state", "tenant_id", "state"),)
@@ -136,6 +146,9 @@ class SandboxRow(Base):
     #: Its secret bindings, ``[{"name", "placeholder", "env"}]`` (placeholders are not
     #: secret: the guest sees them); None: none.
     secrets: Mapped[list[dict[str, str]] | None] = mapped_column(JSON, nullable=True)
+    #: The artifact store's bundle holding the sandbox as it is now (issue 19): named by
+    #: its node once a hibernated sandbox's upload landed, cleared by any change.
+    archive: Mapped[str | None] = mapped_column(String(160), nullable=True)
 
 
 class SecretRow(Base):
@@ -195,6 +208,8 @@ class SnapshotRow(Base):
     disk_mib: Mapped[int] = mapped_column(Integer)
     # Saved RAM passes 2 GiB easily: 64-bit.
     memory_bytes: Mapped[int] = mapped_column(BigInteger)
+    #: Whether the artifact store holds it, so it restores on any node (issue 19).
+    archived: Mapped[bool] = mapped_column(Boolean, server_default=false(), default=False)
 
 
 class TenantQuotaRow(Base):

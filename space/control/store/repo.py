@@ -12,8 +12,9 @@ from typing import Any
 from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from space.control.store.models import SandboxRow
-from space.node.api import SandboxState
+from space.control.store.dialects import upsert
+from space.control.store.models import SandboxRow, StaleArchiveRow
+from space.node.api import SandboxState, SandboxStatus
 
 __all__ = [
     "DELETED",
@@ -89,6 +90,8 @@ class SandboxRecord:
     egress: dict[str, Any] | None = None
     #: Its secret bindings (placeholders in its environment).
     secrets: tuple[SecretBinding, ...] = ()
+    #: The artifact store's bundle holding it as it is now (space.control.archives).
+    archive: str | None = None
 
     @property
     def max_lifetime_s(self) -> int | None:
@@ -118,6 +121,7 @@ def _record(row: SandboxRow) -> SandboxRecord:
         head_snapshot=row.head_snapshot,
         egress=None if row.egress is None else dict(row.egress),
         secrets=_bindings(row.secrets),
+        archive=row.archive,
     )
 
 
@@ -183,15 +187,29 @@ def mark_failed(session: Session, sandbox_id: str, seen_state: str, error: str) 
     return bool(getattr(result, "rowcount", 0) == 1)
 
 
-def set_status(
-    session: Session, sandbox_id: str, state: str, error: str | None, head_snapshot: str | None
-) -> None:
-    """Record what the node reported of a sandbox."""
+def set_status(session: Session, sandbox_id: str, status: SandboxStatus) -> None:
+    """Record what the node reported of a sandbox; a bundle it no longer names goes
+    on the stale list."""
+    old = session.scalar(select(SandboxRow.archive).where(SandboxRow.id == sandbox_id))
+    if old != status.archive:
+        retire_archive(session, old)
     session.execute(
         update(SandboxRow)
         .where(SandboxRow.id == sandbox_id)
-        .values(state=state, error=error, head_snapshot=head_snapshot)
+        .values(
+            state=status.state.value,
+            error=status.error,
+            head_snapshot=status.head_snapshot,
+            archive=status.archive,
+        )
     )
+
+
+def retire_archive(session: Session, name: str | None) -> None:
+    """Put the bundle ``name`` on the stale list (nothing for None): no row names it
+    any more, so the background job deletes it from the store (space.control.archives)."""
+    if name is not None:
+        upsert(session, StaleArchiveRow, {"name": name}, ["name"])
 
 
 def set_node(session: Session, sandbox_id: str, node_id: str) -> None:
@@ -233,10 +251,13 @@ def set_desired_deleted(session: Session, sandbox_id: str) -> None:
 
 
 def mark_deleted(session: Session, sandbox_id: str, now: float) -> None:
+    retire_archive(
+        session, session.scalar(select(SandboxRow.archive).where(SandboxRow.id == sandbox_id))
+    )
     session.execute(
         update(SandboxRow)
         .where(SandboxRow.id == sandbox_id)
-        .values(state=DELETED, desired_state=DELETED, deleted_at=now)
+        .values(state=DELETED, desired_state=DELETED, deleted_at=now, archive=None)
     )
 
 

@@ -14,6 +14,8 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from space.control.store.models import SandboxRow, SnapshotRow
+from space.control.store.repo import retire_archive
+from space.node.api import snapshot_archive
 
 __all__ = [
     "DELETED",
@@ -54,6 +56,8 @@ class SnapshotRecord:
     disk_mib: int
     memory_bytes: int
     deleted_at: float | None = None
+    #: Whether the artifact store holds it (it restores on any node then).
+    archived: bool = False
 
 
 def _record(row: SnapshotRow) -> SnapshotRecord:
@@ -72,6 +76,7 @@ def _record(row: SnapshotRow) -> SnapshotRecord:
         disk_mib=row.disk_mib,
         memory_bytes=row.memory_bytes,
         deleted_at=row.deleted_at,
+        archived=row.archived,
     )
 
 
@@ -176,7 +181,17 @@ def mark_deleting(session: Session, record: SnapshotRecord, now: float) -> None:
 
 
 def mark_deleted(session: Session, snapshot_id: str) -> None:
+    """A deleted snapshot's bundle in the artifact store goes stale with it."""
+    archived = session.scalar(select(SnapshotRow.archived).where(SnapshotRow.id == snapshot_id))
+    if archived:
+        retire_archive(session, snapshot_archive(snapshot_id))
     session.execute(update(SnapshotRow).where(SnapshotRow.id == snapshot_id).values(state=DELETED))
+
+
+def get_snapshot(session: Session, snapshot_id: str) -> SnapshotRecord | None:
+    """Any tenant's snapshot row by id, whatever its state (for reconciliation)."""
+    row = session.get(SnapshotRow, snapshot_id)
+    return None if row is None else _record(row)
 
 
 def on_node(session: Session, node_id: str) -> list[SnapshotRecord]:

@@ -50,12 +50,13 @@ from space.node.api import (
     PermissionDenied,
     SandboxSpec,
     SandboxState,
+    SnapshotInfo,
 )
 from space.node.core.capacity import volume_limit_mib
 from space.node.core.sandbox import check_not_held, not_allowed
 from space.node.core.state import SandboxRecord
 from space.node.core.validation import check_id
-from space.node.storage.btrfs import snapshot_subvolume
+from space.node.storage.btrfs import BtrfsPool, snapshot_subvolume
 from space.node.storage.streams import (
     STREAM_CHUNK_BYTES,
     SubvolumeIds,
@@ -66,7 +67,17 @@ from space.node.storage.streams import (
     subvolume_ids,
 )
 
-__all__ = ["EXPORT_TTL_S", "Moves", "Source", "frames_of"]
+__all__ = [
+    "EXPORT_TTL_S",
+    "Moves",
+    "Source",
+    "clear_staging",
+    "frames_of",
+    "install_received",
+    "portable_record",
+    "record_from",
+    "stream_bound",
+]
 
 #: How long an export holds its sandbox and its ticket is good for.
 EXPORT_TTL_S = 600.0
@@ -135,10 +146,10 @@ class Moves:
                 sandbox_id=sandbox_id,
                 ticket=ticket,
                 expires_at=expires_at,
-                record=_portable(sandbox.record),
+                record=portable_record(sandbox.record),
                 parents=sorted(parents),
                 key_id=self._key_id,
-                max_stream_bytes=_stream_bound(sandbox.record.spec),
+                max_stream_bytes=stream_bound(sandbox.record.spec),
             )
 
     def _export_of(self, sandbox_id: str, ticket: str) -> _Export:
@@ -258,7 +269,7 @@ class Moves:
         try:
             frames = _Frames(source.stream_export(record.sandbox_id, ticket.ticket, parent))
             # The target's own bound, whatever the ticket says.
-            max_bytes = min(ticket.max_stream_bytes, _stream_bound(record.spec))
+            max_bytes = min(ticket.max_stream_bytes, stream_bound(record.spec))
             received = await receive_stream(
                 pool.broker, pool.root, staging, frames, max_bytes=max_bytes
             )
@@ -268,29 +279,41 @@ class Moves:
         # what the source hashed as it sent.
         if frames.trailer != (received.sha256, received.stream_bytes):
             raise InvalidArgument("the stream failed its checksum", sandbox_id=record.sandbox_id)
-        await adopt_received(pool.broker, received.path, writable=True)
-        volume = pool.sandbox_path(record.volume)
-        await registry.remove_leftovers(record.sandbox_id, volume=record.volume)
-        await asyncio.to_thread(os.rename, received.path, volume)
-        try:
-            spec = record.spec
-            await pool.limit(volume, volume_limit_mib(spec.disk_mib, spec.memory_mib) << 20)
-            registry.store.save(record)
-            sandbox = registry.live(record)
-            registry.sandboxes[record.sandbox_id] = sandbox
-            await registry.network.apply(sandbox)
-        except BaseException:
-            sandbox = registry.sandboxes.get(record.sandbox_id) or registry.live(record)
-            await asyncio.shield(registry.destroy(sandbox))
-            raise
+        await install_received(registry, record, received.path)
         return received.stream_bytes
 
     async def _clear(self, staging: Path) -> None:
-        pool = self._registry.pool
-        with contextlib.suppress(OSError, NodeError):
-            for entry in await asyncio.to_thread(lambda: list(staging.iterdir())):
-                await pool.delete_staged(entry)
-            await asyncio.to_thread(shutil.rmtree, staging, True)
+        await clear_staging(self._registry.pool, staging)
+
+
+async def install_received(registry: Registry, record: SandboxRecord, received: Path) -> None:
+    """Make the received subvolume ``received`` the volume of ``record`` (HIBERNATED)
+    and register the sandbox here, its network set up. Called under the sandbox's lock;
+    on any failure nothing of it is left."""
+    pool = registry.pool
+    await adopt_received(pool.broker, received, writable=True)
+    volume = pool.sandbox_path(record.volume)
+    await registry.remove_leftovers(record.sandbox_id, volume=record.volume)
+    await asyncio.to_thread(os.rename, received, volume)
+    try:
+        spec = record.spec
+        await pool.limit(volume, volume_limit_mib(spec.disk_mib, spec.memory_mib) << 20)
+        registry.store.save(record)
+        sandbox = registry.live(record)
+        registry.sandboxes[record.sandbox_id] = sandbox
+        await registry.network.apply(sandbox)
+    except BaseException:
+        sandbox = registry.sandboxes.get(record.sandbox_id) or registry.live(record)
+        await asyncio.shield(registry.destroy(sandbox))
+        raise
+
+
+async def clear_staging(pool: BtrfsPool, staging: Path) -> None:
+    """Delete a staging directory under ``incoming/`` and what was received in it."""
+    with contextlib.suppress(OSError, NodeError):
+        for entry in await asyncio.to_thread(lambda: list(staging.iterdir())):
+            await pool.delete_staged(entry)
+        await asyncio.to_thread(shutil.rmtree, staging, True)
 
 
 def _entries(directory: Path) -> list[Path]:
@@ -347,14 +370,14 @@ class _Frames:
         return data
 
 
-def _stream_bound(spec: SandboxSpec) -> int:
-    """The most bytes a stream of a sandbox of ``spec`` may take: its volume's bound
-    (disk and saved memory) and btrfs send's framing."""
-    limit = volume_limit_mib(spec.disk_mib, spec.memory_mib) << 20
+def stream_bound(shape: SandboxSpec | SnapshotInfo) -> int:
+    """The most bytes a stream of a sandbox (or snapshot) of ``shape`` may take: its
+    volume's bound (disk and saved memory) and btrfs send's framing."""
+    limit = volume_limit_mib(shape.disk_mib, shape.memory_mib) << 20
     return max(int(limit * _STREAM_SLACK), _MIN_STREAM_BYTES)
 
 
-def _portable(record: SandboxRecord) -> dict[str, object]:
+def portable_record(record: SandboxRecord) -> dict[str, object]:
     """What of a record travels: not where it ran here, nor what was under way."""
     data = record.to_json()
     for key in ("run_dir", "vmm_pid", "pending", "error", "head_snapshot"):
@@ -365,15 +388,20 @@ def _portable(record: SandboxRecord) -> dict[str, object]:
 
 def _record_of(ticket: ExportTicket) -> SandboxRecord:
     """The sandbox record a ticket carries, checked. Raises InvalidArgument."""
-    data = ticket.record
-    if not isinstance(data, dict) or len(data) > _MAX_RECORD_KEYS:
-        raise InvalidArgument("a ticket's record is an object")
     if not 0 < ticket.max_stream_bytes <= 1 << 40:
         raise InvalidArgument("a ticket's max_stream_bytes is out of range")
+    return record_from(ticket.record, ticket.sandbox_id)
+
+
+def record_from(data: object, sandbox_id: str) -> SandboxRecord:
+    """The hibernated sandbox ``sandbox_id``'s record from another node (``portable_record``
+    made it), checked as hostile. Raises InvalidArgument."""
+    if not isinstance(data, dict) or len(data) > _MAX_RECORD_KEYS:
+        raise InvalidArgument("a moved sandbox's record is an object")
     try:
         record = SandboxRecord.from_json({**data, "run_dir": "", "vmm_pid": None})
     except (ValueError, KeyError, TypeError) as exc:
-        raise InvalidArgument(f"a ticket's record is malformed: {exc}") from exc
+        raise InvalidArgument(f"a moved sandbox's record is malformed: {exc}") from exc
     check_id(record.sandbox_id)
     spec = record.spec
     for name, allowed in RESOURCES.items():
@@ -382,8 +410,8 @@ def _record_of(ticket: ExportTicket) -> SandboxRecord:
             raise InvalidArgument(refusal, sandbox_id=spec.sandbox_id)
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in spec.env.items()):
         raise InvalidArgument("env must map strings to strings", sandbox_id=spec.sandbox_id)
-    if record.sandbox_id != ticket.sandbox_id or record.state != SandboxState.HIBERNATED:
-        raise InvalidArgument("a ticket's record is not its hibernated sandbox's")
+    if record.sandbox_id != sandbox_id or record.state != SandboxState.HIBERNATED:
+        raise InvalidArgument(f"the record is not of hibernated sandbox {sandbox_id}")
     return replace(record, run_dir="", volume=record.sandbox_id, pending=None, error=None)
 
 

@@ -21,6 +21,7 @@ import os
 import secrets
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 
+from space.node.agent._archives import Archives
 from space.node.agent._catalog import Catalog
 from space.node.agent._egress import Egress, SandboxNetwork
 from space.node.agent._guest import GuestOps
@@ -49,6 +50,7 @@ from space.node.api import (
     SnapshotInfo,
     TemplateInfo,
 )
+from space.node.artifacts import SealedStore, open_artifact_store
 from space.node.core.config import NodeConfig, resolve_node_id
 from space.node.core.data_dir import secure_data_dir
 from space.node.core.keys import NodeKeys
@@ -76,6 +78,7 @@ class Node:
         accel: Accelerator,
         gateway: GatewayProcess,
         keys: NodeKeys,
+        store: SealedStore | None = None,
     ) -> None:
         self.config = config
         self.node_id = node_id
@@ -100,6 +103,7 @@ class Node:
         self.templates = Templates(self._registry, self.pools)
         self.egress = Egress(self._registry)
         self.moves = Moves(self._registry, self._source, keys.key_id)
+        self.archives = Archives(self._registry, store, keys.key_id)
 
     # startup and shutdown
 
@@ -117,6 +121,7 @@ class Node:
         secure_data_dir(config.effective_run_dir)  # the VMs' sockets: root's alone
         keys = NodeKeys.load(config.effective_key_file, create=True)
         node_id = resolve_node_id(config)
+        store = await _open_store(config, say)
         broker = await start_broker(broker_scope(config))
         try:
             pool = await BtrfsPool.open(
@@ -159,6 +164,7 @@ class Node:
                 accel=accel,
                 gateway=gateway,
                 keys=keys,
+                store=store,
             )
             await node._start(say)
         except BaseException:
@@ -225,6 +231,7 @@ class Node:
             pools=self.pools.infos(),
             boot_id=self._boot_id,
             capacity=capacity,
+            archives=self.archives.enabled,
         )
 
     # sandboxes (each service documents its calls: raises, idempotence, persistence)
@@ -348,6 +355,25 @@ class Node:
     async def finish_export(self, sandbox_id: str, ticket: str, *, moved: bool) -> None:
         await self.moves.finish(sandbox_id, ticket, moved=moved)
 
+    # archives (issue 19)
+
+    async def archive_snapshot(self, snapshot_id: str) -> None:
+        await self.archives.archive_snapshot(snapshot_id)
+
+    async def fetch_snapshot(self, snapshot_id: str) -> SnapshotInfo:
+        return await self.archives.fetch_snapshot(snapshot_id)
+
+    async def archive_sandbox(self, sandbox_id: str) -> SandboxStatus:
+        return await self.archives.archive_sandbox(sandbox_id)
+
+    async def import_archive(self, sandbox_id: str, archive: str) -> ImportResult:
+        return await self.archives.import_archive(sandbox_id, archive)
+
+    async def delete_archive(self, name: str) -> None:
+        await self.archives.delete_archive(name)
+
+    # templates
+
     async def build_template(self, context: AsyncIterable[bytes]) -> BuildStream:
         return await self.templates.build_template(context)
 
@@ -356,6 +382,18 @@ class Node:
 
     async def delete_template(self, ref: str) -> None:
         await self.templates.delete_template(ref)
+
+
+async def _open_store(config: NodeConfig, say: Callable[[str], None]) -> SealedStore | None:
+    """The node's artifact store, checked at once: its master key loads (made if
+    absent) and the backend answers with our credentials. Raises what they raise
+    (KeyFileError, InvalidArgument, PermissionDenied, Unavailable): a node that was told
+    to keep archives does not start without them."""
+    store = open_artifact_store(config)
+    if store is not None and config.artifact_store is not None:
+        await store.list("space-probe/")  # a missing bucket is NotFound here, not on a HEAD
+        say(f"artifact store: {config.artifact_store.kind}, reachable")
+    return store
 
 
 def broker_scope(config: NodeConfig, owner: tuple[int, int] | None = None) -> Scope:

@@ -69,6 +69,7 @@ from space.node.api.interface import (
     SecretGrant,
     SnapshotInfo,
     TemplateInfo,
+    snapshot_archive,
 )
 from space.node.api.secret_grants import (
     MAX_GRANTS,
@@ -190,4 +191,5 @@ __all__ = [
     "ndjson_lines",
     "normalize_name",
     "parse_ip_literal",
+    "snapshot_archive",
 ]

@@ -43,6 +43,7 @@ __all__ = [
     "SecretGrant",
     "SnapshotInfo",
     "TemplateInfo",
+    "snapshot_archive",
 ]
 
 
@@ -95,6 +96,9 @@ class SandboxStatus:
     error: str | None = None
     #: The snapshot this sandbox last came from or took (its parent in the snapshot tree).
     head_snapshot: str | None = None
+    #: The artifact store's bundle holding the sandbox as it is now, if any (issue 19):
+    #: it can be restored from there on another node.
+    archive: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -421,6 +425,14 @@ class NodeInfo:
     boot_id: str = ""
     #: The node's capacity figures (None from a node that does not report them).
     capacity: CapacityInfo | None = None
+    #: Whether the node keeps snapshots and hibernated sandboxes in an artifact store.
+    archives: bool = False
+
+
+def snapshot_archive(snapshot_id: str) -> str:
+    """The artifact store's bundle of a snapshot (the node makes it, the control plane
+    has it deleted with the snapshot)."""
+    return f"snapshots/{snapshot_id}"
 
 
 class NodeService(Protocol):
@@ -479,6 +491,15 @@ class NodeService(Protocol):
     source then deletes its copy (``moved``) or lets it go on (not moved). Until that
     call the sandbox stays whole on the source, whatever failed. Egress policy rides
     with the record; secret grants do not (set them on the target).
+
+    Archives (issue 19) keep snapshots and hibernated sandboxes in the node's artifact
+    store (``info().archives``; Unavailable without one), restorable on any node with
+    the same node key: ``archive_snapshot`` (idempotent) and ``fetch_snapshot`` (a copy
+    here from the store, then listed like the node's own); ``archive_sandbox`` uploads
+    a HIBERNATED sandbox and answers its status naming the bundle (``archive``, cleared
+    by any change of state), ``import_archive`` registers it HIBERNATED on another node
+    from that bundle, and ``delete_archive`` deletes a bundle (the node never deletes
+    one of its own accord). Bundles are restorable only once complete (NotFound else).
     """
 
     async def info(self) -> NodeInfo: ...
@@ -554,6 +575,16 @@ class NodeService(Protocol):
     async def import_sandbox(self, ticket: ExportTicket, source_url: str) -> ImportResult: ...
 
     async def finish_export(self, sandbox_id: str, ticket: str, *, moved: bool) -> None: ...
+
+    async def archive_snapshot(self, snapshot_id: str) -> None: ...
+
+    async def fetch_snapshot(self, snapshot_id: str) -> SnapshotInfo: ...
+
+    async def archive_sandbox(self, sandbox_id: str) -> SandboxStatus: ...
+
+    async def import_archive(self, sandbox_id: str, archive: str) -> ImportResult: ...
+
+    async def delete_archive(self, name: str) -> None: ...
 
     async def build_template(self, context: AsyncIterable[bytes]) -> BuildStream: ...
 

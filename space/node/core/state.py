@@ -51,6 +51,10 @@ class SandboxRecord:
     #: may use it: QEMU reopens its disk by path when it saves state (issue 12), so a
     #: pool VM handed over keeps its volume's name and only the record changes.
     volume: str = ""
+    #: The artifact store's bundle of this sandbox as it is now (issue 19;
+    #: space.node.agent._archives): set once a hibernated sandbox's upload landed, and
+    #: cleared by any change of state (``with_state``), which makes the bundle stale.
+    archive: str | None = None
 
     def __post_init__(self) -> None:
         if not self.volume:
@@ -63,7 +67,7 @@ class SandboxRecord:
     def with_state(
         self, state: SandboxState, *, vmm_pid: int | None = None, error: str | None = None
     ) -> SandboxRecord:
-        return replace(self, state=state, vmm_pid=vmm_pid, error=error)
+        return replace(self, state=state, vmm_pid=vmm_pid, error=error, archive=None)
 
     def status(self) -> SandboxStatus:
         s = self.spec
@@ -78,6 +82,7 @@ class SandboxRecord:
             vmm_pid=self.vmm_pid,
             error=self.error,
             head_snapshot=self.head_snapshot,
+            archive=self.archive,
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -406,6 +406,31 @@ class RemoteNode(NodeService):
             timeout=self._lifecycle_timeout,
         )
 
+    # archives (issue 19): uploads and downloads take as long as a move's stream
+
+    async def archive_snapshot(self, snapshot_id: str) -> None:
+        url = f"/snapshots/{quote(snapshot_id)}/archive"
+        await self._json("POST", url, timeout=self._move_timeout)
+
+    async def fetch_snapshot(self, snapshot_id: str) -> SnapshotInfo:
+        url = f"/snapshots/{quote(snapshot_id)}/fetch"
+        return parse(SnapshotInfo, await self._json("POST", url, timeout=self._move_timeout))
+
+    async def archive_sandbox(self, sandbox_id: str) -> SandboxStatus:
+        url = f"/sandboxes/{quote(sandbox_id)}/archive"
+        body = await self._json("POST", url, sandbox_id, timeout=self._move_timeout)
+        return parse(SandboxStatus, body, sandbox_id)
+
+    async def import_archive(self, sandbox_id: str, archive: str) -> ImportResult:
+        url = f"/sandboxes/{quote(sandbox_id)}/import-archive"
+        body = await self._json(
+            "POST", url, sandbox_id, json={"archive": archive}, timeout=self._move_timeout
+        )
+        return parse(ImportResult, body, sandbox_id)
+
+    async def delete_archive(self, name: str) -> None:
+        await self._json("POST", "/archives/delete", json={"name": name})
+
     async def build_template(self, context: AsyncIterable[bytes]) -> RemoteBuildStream:
         """Upload ``context`` (streamed, never held whole) and follow the build's events.
 

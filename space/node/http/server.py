@@ -369,6 +369,37 @@ async def _finish_export(node: Node, sandbox_id: str, request: Request) -> Respo
     return Response(status_code=204)
 
 
+# archives (issue 19): bundle names hold "/", so they travel in bodies, not paths.
+
+
+@_router.post("/snapshots/{snapshot_id}/archive", status_code=204)
+async def _archive_snapshot(node: Node, snapshot_id: str) -> Response:
+    await node.archive_snapshot(snapshot_id)
+    return Response(status_code=204)
+
+
+@_router.post("/snapshots/{snapshot_id}/fetch")
+async def _fetch_snapshot(node: Node, snapshot_id: str) -> Any:
+    return encode(await node.fetch_snapshot(snapshot_id))
+
+
+@_router.post("/sandboxes/{sandbox_id}/archive")
+async def _archive_sandbox(node: Node, sandbox_id: str) -> Any:
+    return encode(await node.archive_sandbox(sandbox_id))
+
+
+@_router.post("/sandboxes/{sandbox_id}/import-archive")
+async def _import_archive(node: Node, sandbox_id: str, request: Request) -> Any:
+    archive = _str_field(await request.json(), "archive")
+    return encode(await node.import_archive(sandbox_id, archive))
+
+
+@_router.post("/archives/delete", status_code=204)
+async def _delete_archive(node: Node, request: Request) -> Response:
+    await node.delete_archive(_str_field(await request.json(), "name"))
+    return Response(status_code=204)
+
+
 @_router.post("/templates/builds")
 async def _build(node: Node, request: Request) -> StreamingResponse:
     # A bad archive or spec raises here, before the first event: the error JSON answers.
