@@ -35,7 +35,7 @@ async def _one(data: bytes) -> AsyncIterator[bytes]:
     yield data
 
 
-def _hibernated(nodes: TwoNodes, sandbox_id: str) -> None:
+def hibernated_sandbox(nodes: TwoNodes, sandbox_id: str) -> None:
     source = nodes.source
     nodes.run(source.create_sandbox(SandboxSpec(sandbox_id, memory_mib=256)))
     nodes.run(source.write_file(sandbox_id, "/home/user/f", _one(b"x" * 65536)))
@@ -63,7 +63,7 @@ def _series(nodes: TwoNodes, runs: int, *, incremental: bool) -> tuple[list[floa
     kind = "incr" if incremental else "full"
     for i in range(runs):
         sid = f"bench-move-{kind}-{i}"
-        _hibernated(nodes, sid)
+        hibernated_sandbox(nodes, sid)
         if incremental and i == 0:
             nodes.run(ship_origin(nodes.source, nodes.target, sid))
         seconds, size = _move(nodes, sid, incremental=incremental)

@@ -40,19 +40,23 @@ def archiving_nodes(records: Iterable[NodeRecord], reachable: Iterable[str]) -> 
 
 async def snapshot_nodes(ctx: ControlContext, snapshot: SnapshotRecord) -> list[str]:
     """The nodes a sandbox from ``snapshot`` may be made on, in the order to ask them:
-    its own node unless lost, then, if the store holds it, every other active node
-    with the store in placement order. ApiError(unavailable) if there is none."""
+    its own node if active; then, if the store holds it, every other active node with
+    the store in placement order; then its own node if draining. Never a lost node:
+    ApiError(unavailable) if that leaves none."""
 
     def read(session: Session) -> tuple[list[NodeRecord], dict[str, int]]:
         return node_rows.list_nodes(session), repo.active_counts(session)
 
     records, load = await ctx.db.run(read)
     reachable = ctx.nodes.ids()
-    nodes = [snapshot.node_id] if snapshot.node_id in reachable else []
+    ranked = rank_nodes(records, load, reachable=reachable)  # active nodes only
+    home = snapshot.node_id
+    nodes = [home] if home in ranked else []
     if snapshot.archived:
         with_store = set(archiving_nodes(records, reachable))
-        ranked = rank_nodes(records, load, reachable=reachable)
-        nodes += [n for n in ranked if n in with_store and n != snapshot.node_id]
+        nodes += [n for n in ranked if n in with_store and n != home]
+    if home in reachable and home not in nodes:
+        nodes.append(home)  # draining: still used, last
     if not nodes:
         raise ApiError(
             "unavailable",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import replace
 
 from sqlalchemy.orm import Session
@@ -27,7 +28,6 @@ from space.control import broker
 from space.control.archived import archiving_nodes
 from space.control.deps import ControlContext
 from space.control.errors import ApiError
-from space.control.lifecycle import record_status
 from space.control.scheduler import rank_nodes
 from space.control.store import archives as rows
 from space.control.store import nodes as node_rows
@@ -43,32 +43,43 @@ log = logging.getLogger(__name__)
 _STALE_PER_ROUND = 64
 
 
-async def archive_round(ctx: ControlContext) -> None:
-    """Upload what is not stored yet and delete what is stale (the module docstring).
-    A node that fails is logged and asked again next round."""
+async def archive_round(ctx: ControlContext, *, budget_s: float) -> None:
+    """Upload what is not stored yet and delete what is stale (the module docstring),
+    starting no upload after ``budget_s`` (the rest is next round's: a round must end
+    inside its job lease). A node that fails is logged and asked again next round."""
+    deadline = time.monotonic() + budget_s
     records = await ctx.db.run(node_rows.list_nodes)
     nodes = archiving_nodes(records, ctx.nodes.ids())
     for node_id in nodes:
         node = ctx.nodes.get(node_id)
         try:
-            await _archive_node(ctx, node_id, node)
+            await _archive_node(ctx, node_id, node, deadline)
         except (NodeError, ApiError) as exc:
             log.warning("could not archive on node %s: %s", node_id, exc)
     if nodes:
         await _delete_stale(ctx, ctx.nodes.get(nodes[0]))
 
 
-async def _archive_node(ctx: ControlContext, node_id: str, node: NodeService) -> None:
+async def _archive_node(
+    ctx: ControlContext, node_id: str, node: NodeService, deadline: float
+) -> None:
     sandboxes = await ctx.db.run(functools.partial(rows.hibernated_unarchived, node_id=node_id))
     for record in sandboxes:
+        if time.monotonic() > deadline:
+            return
         try:
             status = await node.archive_sandbox(record.id)
         except NodeError as exc:  # woken meanwhile, or deleted: the next round sees
             log.info("sandbox %s not archived: %s", record.id, exc)
             continue
-        await record_status(ctx, record, status)
+        if status.archive is not None:
+            # Only the name: the row's state is the requests' (a wake may have won).
+            name = functools.partial(rows.name_archive, record=record, archive=status.archive)
+            await ctx.db.run(name)
     snapshot_ids = await ctx.db.run(functools.partial(rows.unarchived_snapshots, node_id=node_id))
     for snapshot_id in snapshot_ids:
+        if time.monotonic() > deadline:
+            return
         await node.archive_snapshot(snapshot_id)
         await ctx.db.run(functools.partial(rows.mark_snapshot_archived, snapshot_id=snapshot_id))
 
@@ -124,7 +135,8 @@ async def _rehome(ctx: ControlContext, record: repo.SandboxRecord, target: str) 
             log.warning("could not delete the unclaimed copy of %s: %s", record.id, exc)
         return False
     log.warning("lost sandbox %s restored on %s from %s", record.id, target, record.archive)
-    moved = await record_status(ctx, replace(record, node_id=target), result.status)
+    # The row says so already (rehome_lost): nothing else to write.
+    moved = replace(record, node_id=target, state=result.status.state.value)
     try:
         await node.set_egress(record.id, record.egress)
         if record.secrets:

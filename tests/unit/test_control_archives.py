@@ -16,7 +16,7 @@ from space.control.reconcile import reconcile
 from space.node.api import snapshot_archive
 from tests.unit._fake_archives import FakeArchiveStore
 from tests.unit.fakes import FakeClock, FakeNode, Harness
-from tests.unit.test_control_nodes import _ctx, _heartbeat, _replica
+from tests.unit.test_control_nodes import _ctx, _heartbeat, _replica, _token
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("on_both_databases")]
 
@@ -60,7 +60,8 @@ async def _lose(h: Harness, clock: FakeClock, lost: str, *alive: str) -> None:
 async def test_a_hibernated_sandbox_is_archived_and_its_bundle_goes_when_it_wakes(
     tmp_path: Path,
 ) -> None:
-    async with _cluster(tmp_path, "n1") as (h, fakes, _clock):
+    store = FakeArchiveStore()
+    async with _cluster(tmp_path, "n1", store=store) as (h, fakes, _clock):
         headers = h.key("acme")
         sid = (await _create(h, headers))["id"]
         await background_round(_ctx(h))
@@ -69,7 +70,7 @@ async def test_a_hibernated_sandbox_is_archived_and_its_bundle_goes_when_it_wake
         await h.client.post(f"/v1/sandboxes/{sid}/hibernate", headers=headers)
         await background_round(_ctx(h))
         assert (await _get(h, f"/v1/sandboxes/{sid}", headers))["archived"]
-        (bundle,) = fakes["n1"].archive_store.objects  # type: ignore[union-attr]
+        (bundle,) = store.objects
         assert bundle.startswith(f"sandboxes/{sid}/")
         await background_round(_ctx(h))  # uploaded once, not every round
         assert [c for c in fakes["n1"].calls if c[0] == "archive_sandbox"] == [
@@ -79,13 +80,14 @@ async def test_a_hibernated_sandbox_is_archived_and_its_bundle_goes_when_it_wake
         woke = await h.client.post(f"/v1/sandboxes/{sid}/resume", headers=headers)
         assert woke.json()["state"] == "running" and not woke.json()["archived"]
         await background_round(_ctx(h))
-        assert fakes["n1"].archive_store.objects == {}  # type: ignore[union-attr]
+        assert store.objects == {}
 
 
 async def test_a_lost_nodes_archived_sandbox_wakes_on_another_node_with_its_files(
     tmp_path: Path,
 ) -> None:
-    async with _cluster(tmp_path, "n1", "n2") as (h, fakes, clock):
+    store = FakeArchiveStore()
+    async with _cluster(tmp_path, "n1", "n2", store=store) as (h, fakes, clock):
         headers = h.key("acme")
         await _heartbeat(h, "n2", archives=True, room=0)  # everything lands on n1 first
         policy = {"allow": [{"domain": "pypi.org"}]}
@@ -107,7 +109,7 @@ async def test_a_lost_nodes_archived_sandbox_wakes_on_another_node_with_its_file
         assert (
             fakes[other].egress[kept] == (await _get(h, f"/v1/sandboxes/{kept}", headers))["egress"]
         )
-        assert fakes[other].egress[kept]["allow"][0]["domain"] == "pypi.org"
+        assert "pypi.org" in str(fakes[other].egress[kept])
         woke = await h.client.post(f"/v1/sandboxes/{kept}/resume", headers=headers)
         assert woke.json()["state"] == "running" and woke.json()["node_id"] == other
 
@@ -123,7 +125,8 @@ async def test_a_lost_nodes_archived_sandbox_wakes_on_another_node_with_its_file
 
 
 async def test_negative_a_lost_sandbox_no_bundle_holds_stays_lost(tmp_path: Path) -> None:
-    async with _cluster(tmp_path, "n1", "n2") as (h, fakes, clock):
+    store = FakeArchiveStore()
+    async with _cluster(tmp_path, "n1", "n2", store=store) as (h, fakes, clock):
         headers = h.key("acme")
         await _heartbeat(h, "n2", archives=True, room=0)
         sid = (await _create(h, headers))["id"]
@@ -138,7 +141,8 @@ async def test_negative_a_lost_sandbox_no_bundle_holds_stays_lost(tmp_path: Path
 async def test_negative_a_sandbox_whose_row_changed_during_its_restore_is_not_taken(
     tmp_path: Path,
 ) -> None:
-    async with _cluster(tmp_path, "n1", "n2") as (h, fakes, clock):
+    store = FakeArchiveStore()
+    async with _cluster(tmp_path, "n1", "n2", store=store) as (h, fakes, clock):
         headers = h.key("acme")
         await _heartbeat(h, "n2", archives=True, room=0)  # everything lands on n1
         sid = (await _create(h, headers))["id"]
@@ -160,13 +164,14 @@ async def test_negative_a_sandbox_whose_row_changed_during_its_restore_is_not_ta
         gone = await h.client.get(f"/v1/sandboxes/{sid}", headers=headers)
         assert gone.status_code == 404
         await background_round(ctx)
-        assert fakes["n2"].archive_store.objects == {}  # type: ignore[union-attr]
+        assert store.objects == {}
 
 
 async def test_a_stored_snapshot_makes_sandboxes_on_another_node_and_restores_there(
     tmp_path: Path,
 ) -> None:
-    async with _cluster(tmp_path, "n1", "n2") as (h, fakes, clock):
+    store = FakeArchiveStore()
+    async with _cluster(tmp_path, "n1", "n2", store=store) as (h, fakes, clock):
         headers = h.key("acme")
         await _heartbeat(h, "n2", archives=True, room=0)
         sid = (await _create(h, headers))["id"]
@@ -178,9 +183,7 @@ async def test_a_stored_snapshot_makes_sandboxes_on_another_node_and_restores_th
         assert taken.status_code == 201 and not snap["archived"]
         await background_round(_ctx(h))
         listed = await _get(h, f"/v1/snapshots/{snap['id']}", headers)
-        assert (
-            listed["archived"] and snapshot_archive(snap["id"]) in fakes["n1"].archive_store.objects
-        )  # type: ignore[union-attr]
+        assert listed["archived"] and snapshot_archive(snap["id"]) in store.objects
 
         await _lose(h, clock, "n1", "n2")
         made = await _create(h, headers, from_snapshot=snap["id"])
@@ -203,7 +206,7 @@ async def test_a_stored_snapshot_makes_sandboxes_on_another_node_and_restores_th
         await background_round(_ctx(h))
         await reconcile(_ctx(h))
         assert snap["id"] not in fakes["n2"].snapshots
-        assert snapshot_archive(snap["id"]) not in fakes["n2"].archive_store.objects  # type: ignore[union-attr]
+        assert snapshot_archive(snap["id"]) not in store.objects
         # The lost node back: its own copy is nobody's any more.
         await _heartbeat(h, "n1", archives=True)
         assert snap["id"] not in fakes["n1"].snapshots
@@ -238,3 +241,25 @@ async def test_negative_a_snapshot_not_in_the_store_is_used_on_its_own_node_only
         assert refused.status_code == 503
         assert "artifact store" in refused.json()["error"]["message"]
         assert fakes["n2"].calls == [c for c in fakes["n2"].calls if c[0] != "fetch_snapshot"]
+
+
+async def test_a_stored_snapshot_of_a_draining_node_makes_sandboxes_elsewhere(
+    tmp_path: Path,
+) -> None:
+    store = FakeArchiveStore()
+    async with _cluster(tmp_path, "n1", "n2", store=store) as (h, fakes, _clock):
+        headers = h.key("acme")
+        await _heartbeat(h, "n2", archives=True, room=0)
+        sid = (await _create(h, headers))["id"]
+        snap = (
+            await h.client.post(
+                f"/v1/sandboxes/{sid}/snapshots", json={"name": "s"}, headers=headers
+            )
+        ).json()
+        await _heartbeat(h, "n2", archives=True)
+        await h.client.post("/v1/nodes/n1/drain", headers=_token(h))
+        made = await _create(h, headers, from_snapshot=snap["id"])
+        assert made["node_id"] == "n1"  # not stored yet: its draining node is the only one
+        await background_round(_ctx(h))  # stores it
+        made = await _create(h, headers, from_snapshot=snap["id"])
+        assert made["node_id"] == "n2" and ("fetch_snapshot", snap["id"]) in fakes["n2"].calls

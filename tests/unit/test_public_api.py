@@ -50,7 +50,7 @@ NODE_API_NAMES = {
     "decode_exec_request", "decode_grants", "decode_snapshot_id", "decode_templates",
     "encode", "encode_exec_request", "encode_grants", "encode_templates", "error_for_code",
     "error_line", "event_line", "host_addresses", "host_matches", "ndjson_lines", "normalize_name",
-    "parse_ip_literal",
+    "parse_ip_literal", "snapshot_archive",
 }  # fmt: skip
 
 

@@ -20,6 +20,7 @@ __all__ = [
     "hibernated_unarchived",
     "lost_archived",
     "mark_snapshot_archived",
+    "name_archive",
     "rehome_lost",
     "set_archive",
     "stale",
@@ -37,6 +38,26 @@ def set_archive(session: Session, sandbox_id: str, archive: str | None) -> None:
         return
     retire_archive(session, old)
     session.execute(update(SandboxRow).where(SandboxRow.id == sandbox_id).values(archive=archive))
+
+
+def name_archive(session: Session, record: SandboxRecord, archive: str) -> bool:
+    """Name ``archive`` as the bundle of the sandbox ``record`` if its row still says it
+    is hibernated on the node that uploaded it, naming none; else the bundle is stale
+    at once. True if named."""
+    result = session.execute(
+        update(SandboxRow)
+        .where(
+            SandboxRow.id == record.id,
+            SandboxRow.node_id == record.node_id,
+            SandboxRow.state == _HIBERNATED,
+            SandboxRow.archive.is_(None),
+        )
+        .values(archive=archive)
+    )
+    named = bool(getattr(result, "rowcount", 0) == 1)
+    if not named:
+        retire_archive(session, archive)
+    return named
 
 
 def stale(session: Session, limit: int) -> list[str]:

@@ -101,11 +101,12 @@ class Archives:
         is). Raises NotFound (no such snapshot here), Unavailable (no store, or it
         failed: a half-made bundle is deleted, or replaced by the next try)."""
         store = self._the_store()
-        info = self._registry.snapshots.get(check_id(snapshot_id, "snapshot id"))
-        if info is None:
-            raise NotFound(f"no snapshot {snapshot_id!r} on this node")
         bundle = snapshot_archive(check_id(snapshot_id, "snapshot id"))
-        async with self._registry.lock(f"archive/{bundle}"):
+        # Its lock keeps it from being deleted under the upload.
+        async with self._registry.lock(f"snapshot/{snapshot_id}"):
+            info = self._registry.snapshots.get(snapshot_id)
+            if info is None:
+                raise NotFound(f"no snapshot {snapshot_id!r} on this node")
             if await _complete(store, bundle):
                 return
             await delete_bundle(store, bundle)  # what an interrupted upload left
@@ -125,7 +126,7 @@ class Archives:
             if found is not None:
                 return found
             store = self._the_store()
-            bundle = await get_bundle(store, snapshot_archive(check_id(snapshot_id, "snapshot id")))
+            bundle = await get_bundle(store, snapshot_archive(snapshot_id))
             document = await self._info(bundle)
             try:
                 info = decode(SnapshotInfo, document.get("snapshot"))
