@@ -249,8 +249,8 @@ def serve(
     """Run the control plane and one node in this process (the embedded default)."""
     if warm_min > warm_max:
         fail(f"--warm-min ({warm_min}) must not exceed --warm-max ({warm_max})", 2)
-    cluster = cluster_settings(capacity)
     with server_errors():
+        cluster = cluster_settings(capacity)  # imports the node's packages
         from space.control.secrets import load_keyring
         from space.control.server import run_control_plane
         from space.control.settings import ControlSettings
@@ -350,8 +350,8 @@ def node(
         return
     if not control_url or token_file is None:
         fail("a node agent needs --control-url and --token-file", 2)
-    cluster = cluster_settings(capacity)
     with server_errors():
+        cluster = cluster_settings(capacity)  # imports the node's packages
         from space.control.nodes import capacity_report
         from space.control.server import heartbeat, register_remote_node
         from space.node.agent import Node
