@@ -68,7 +68,9 @@ from space.node.api.interface import (
     SandboxStatus,
     SecretGrant,
     SnapshotInfo,
+    TemplateImport,
     TemplateInfo,
+    TemplateTicket,
 )
 from space.node.api.secret_grants import (
     MAX_GRANTS,
@@ -157,7 +159,9 @@ __all__ = [
     "SandboxStatus",
     "SecretGrant",
     "SnapshotInfo",
+    "TemplateImport",
     "TemplateInfo",
+    "TemplateTicket",
     "Timeout",
     "Unavailable",
     "Verdict",
