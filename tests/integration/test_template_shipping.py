@@ -3,7 +3,8 @@
 A template built on the source is pulled by the target over the source's node API;
 the target's copy keeps the build's UUID as its received UUID, its sandboxes start with
 the built file, and a sandbox made from it on the source moves to the target
-incrementally against the shipped copy.
+incrementally against the shipped copy; a template built on the shipped one ships as
+its difference.
 """
 
 from __future__ import annotations
@@ -100,6 +101,9 @@ def test_a_template_built_on_one_node_ships_and_its_sandboxes_then_move_incremen
         reader = nodes.run(target.read_file(sid, "/home/user/moved.txt"))
         assert nodes.run(_read_all(reader)) == b"made on the source"
         nodes.run(target.delete_sandbox(sid))
+        _ships_a_derived_template_as_its_difference(
+            nodes, tmp_path, subvolume_ids(original).uuid, shipped.stream_bytes
+        )
         for node in (source, target):
             nodes.run(node.delete_template("shipped:v1"))
             assert not list((node.pool.root / "incoming").glob("*"))
@@ -152,3 +156,35 @@ def _timing_adoption(templates: Templates) -> list[float]:
 
     templates.adopt = timed  # type: ignore[method-assign]
     return took
+
+
+_DERIVED = textwrap.dedent("""\
+    name = "derived"
+    tag = "v1"
+    base = "template:shipped:v1"
+
+    [[steps]]
+    run = '''echo derived-on-the-source > /opt/derived'''
+    """)
+
+
+def _ships_a_derived_template_as_its_difference(
+    nodes: TwoNodes, tmp_path: Path, shipped_uuid: str, full_bytes: int
+) -> None:
+    """A template built on the shipped one ships incrementally against the target's
+    copy of it, and its sandboxes there see both builds' files."""
+    source, target = nodes.source, nodes.target
+    (tmp_path / "derived").mkdir()
+    _built(nodes.run(_build(source, _context(tmp_path / "derived", _DERIVED))))
+    ticket = nodes.run(source.export_template("derived:v1"))
+    assert ticket.parents[0] == shipped_uuid  # its base first
+    result = nodes.run(target.import_template(ticket, nodes.source_url))
+    print(f"then a template built on it: {result.stream_bytes} bytes against {result.parent}")
+    assert result.parent == shipped_uuid and result.stream_bytes < full_bytes / 2
+    nodes.run(target.create_sandbox(SandboxSpec("derived-sb", template="derived:v1")))
+    argv = ["cat", "/opt/built", "/opt/derived"]
+    out, code = nodes.run(_run(target, "derived-sb", ExecRequest(argv=argv)))
+    assert (out, code) == ("built-on-the-source\nderived-on-the-source\n", 0)
+    nodes.run(target.delete_sandbox("derived-sb"))
+    for node in (source, target):
+        nodes.run(node.delete_template("derived:v1"))

@@ -10,7 +10,10 @@ answers NodeInfo, the node's warm pools included. Snapshots live under ``/snapsh
 the sandbox (``/snapshots``, ``/restore``, ``/fork``). Templates live under ``/templates``:
 ``POST /templates/builds`` takes the build context (a tar, plain or gzip'd) as its raw
 body and answers the build's NDJSON events (its id in ``X-Build-Id``); ``GET`` lists,
-``DELETE /templates/{ref}`` deletes (``name``, ``name:tag``, ``name@digest``). A
+``DELETE /templates/{ref}`` deletes (``name``, ``name:tag``, ``name@digest``);
+shipping a build to another node (issue 19) is ``POST /templates/{ref}/export`` on the
+source, ``POST /templates/imports`` on the target, which reads the source's
+``GET /template-exports/{digest}/stream`` with the ticket (as a move's stream). A
 sandbox's egress policy is ``PUT /sandboxes/{id}/egress`` with ``{"policy": {...} |
 null}`` (204); ``GET /sandboxes/{id}/egress/log?limit=N`` (1 to MAX_EGRESS_LOG_EVENTS,
 default 100) answers ``{"events": [EgressEvent, ...], "dropped": N}``, oldest first
