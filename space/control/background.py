@@ -122,7 +122,7 @@ async def background_round(ctx: ControlContext, *, reconcile_nodes: bool = False
     if await _holds(ctx, _DRAIN):
         await drain_round(ctx)
     if await _holds(ctx, _SHIP):
-        await ship_round(ctx)
+        await ship_round(ctx, budget_s=job_lease_s(ctx.settings.reaper_interval_s) / 2)
     if reconcile_nodes and await _holds(ctx, _RECONCILE):
         await reconcile(ctx)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 from space.control.deps import ControlContext
@@ -77,13 +78,13 @@ def plan(holdings: dict[str, list[TemplateInfo]]) -> list[tuple[str, str, str]]:
     build's base arrives before it, and its stream is incremental against it): for
     every node of ``holdings`` (node id to its templates) and every tag another node
     holds, the newest build of that tag, unless the node has it under that tag."""
-    builds: dict[str, _Build] = {}
+    builds: dict[tuple[str, str], _Build] = {}  # by (name, digest)
     newest: dict[tuple[str, str], TemplateInfo] = {}
     for node_id in sorted(holdings):
         for info in holdings[node_id]:
             if info.name == BASE:
                 continue
-            build = builds.setdefault(info.digest, _Build(info))
+            build = builds.setdefault((info.name, info.digest), _Build(info))
             if node_id not in build.holders:
                 build.holders.append(node_id)
             key = (info.name, info.tag)
@@ -91,12 +92,12 @@ def plan(holdings: dict[str, list[TemplateInfo]]) -> list[tuple[str, str, str]]:
             if known is None or (known.created_at, known.digest) < (info.created_at, info.digest):
                 newest[key] = info
     for (_name, tag), info in newest.items():
-        builds[info.digest].tags.add(tag)
+        builds[(info.name, info.digest)].tags.add(tag)
     shipments = []
     for build in sorted(builds.values(), key=lambda b: (b.info.created_at, b.info.digest)):
         for node_id in sorted(holdings) if build.tags else ():
-            held = {(info.tag, info.digest) for info in holdings[node_id]}
-            if all((tag, build.info.digest) in held for tag in build.tags):
+            held = {(info.name, info.tag, info.digest) for info in holdings[node_id]}
+            if all((build.info.name, tag, build.info.digest) in held for tag in build.tags):
                 continue
             source = _source(holdings, build, node_id)
             if source is not None:
@@ -109,22 +110,37 @@ def _source(holdings: dict[str, list[TemplateInfo]], build: _Build, target: str)
     the tags it is the newest of (its ticket carries them), else any other holder."""
     others = [holder for holder in build.holders if holder != target]
     for holder in others:
-        tags = {i.tag for i in holdings[holder] if i.digest == build.info.digest}
+        tags = {
+            i.tag
+            for i in holdings[holder]
+            if (i.name, i.digest) == (build.info.name, build.info.digest)
+        }
         if build.tags <= tags:
             return holder
     return others[0] if others else None
 
 
-async def ship_round(ctx: ControlContext, *, only: str | None = None) -> list[tuple[str, str]]:
+async def ship_round(
+    ctx: ControlContext, *, only: str | None = None, budget_s: float | None = None
+) -> list[tuple[str, str]]:
     """Give every active node that other nodes reach the builds it lacks (``plan``;
     ``only``: of that digest alone); returns (``name@digest``, target) of each
     shipped. A node that does not list its templates in LIST_TIMEOUT_S is left out of
-    the round; a shipment that fails is logged and left for the next."""
+    the round; a shipment that fails is logged and left for the next. With
+    ``budget_s``, no shipment but the first starts once that long has passed since the
+    round began (the rest wait for the next round): a round under a job lease must end before
+    the lease runs out, or another replica starts the same shipments (harmless: a
+    target takes a build once, but it costs a wait)."""
+    started = time.monotonic()
     holdings = await _holdings(ctx, await _shipping_nodes(ctx))
-    shipped = []
+    shipped, tried = [], 0
     for ref, source, target in plan(holdings):
         if only is not None and not ref.endswith("@" + only):
             continue
+        if tried and budget_s is not None and time.monotonic() - started > budget_s:
+            log.info("template shipping: the round's %.0f s are spent; the rest next", budget_s)
+            break
+        tried += 1
         try:
             await ship_template(ctx, ref, source, target)
         except (NodeError, ApiError) as exc:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from space.control.background import background_round
-from space.control.shipping import plan
+from space.control.shipping import plan, ship_round
 from space.control.template_names import node_name
 from space.node.api import TemplateImport, TemplateInfo, TemplateTicket, Unavailable
 from tests.unit.fakes import FakeClock, FakeNode, Harness
@@ -40,7 +40,8 @@ class _ShippingNode(FakeNode):
         data = b"".join(
             [c async for c in source.stream_template(ticket.digest, ticket.ticket, None)]
         )
-        infos = [i for i in source.templates.values() if i.digest == ticket.digest]
+        wanted = (ticket.name, ticket.digest)
+        infos = [i for i in source.templates.values() if (i.name, i.digest) == wanted]
         for info in infos:
             known = self.templates.get((info.name, info.tag))
             if known is None or known.created_at <= info.created_at:
@@ -112,6 +113,19 @@ async def test_negative_a_failed_shipment_is_tried_again_next_round_and_loses_no
         assert key not in n2.templates and key in fakes["n1"].templates
         await background_round(_ctx(h))
         assert n2.templates[key] == fakes["n1"].templates[key]
+
+
+async def test_a_round_starts_no_shipment_past_its_budget(tmp_path: Path) -> None:
+    fakes = _cluster("n1", "n2")
+    async with _replica(tmp_path, fakes, FakeClock()) as h:
+        await _heartbeat(h, "n1")
+        for name in ("py", "app"):
+            lines(await build(h, h.key("acme"), archive(spec(name, "v1"))))
+        await _settled(h)
+        await _heartbeat(h, "n2")
+        assert len(await ship_round(_ctx(h), budget_s=0.0)) == 1  # the first one starts
+        assert len(await ship_round(_ctx(h))) == 1  # the rest, next round
+        assert len(await ship_round(_ctx(h))) == 0
 
 
 async def test_a_create_placed_on_a_node_without_the_template_goes_to_one_with_it(
