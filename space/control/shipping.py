@@ -127,10 +127,10 @@ async def ship_round(
     ``only``: of that digest alone); returns (``name@digest``, target) of each
     shipped. A node that does not list its templates in LIST_TIMEOUT_S is left out of
     the round; a shipment that fails is logged and left for the next. With
-    ``budget_s``, no shipment but the first starts once that long has passed since the
-    round began (the rest wait for the next round): a round under a job lease must end before
-    the lease runs out, or another replica starts the same shipments (harmless: a
-    target takes a build once, but it costs a wait)."""
+    ``budget_s``, no shipment but the first starts once that long has passed since
+    the round began (the rest wait for the next round): a round under a job lease
+    must end before the lease runs out, or another replica starts the same shipments
+    (harmless: a target takes a build once, but it costs a wait)."""
     started = time.monotonic()
     holdings = await _holdings(ctx, await _shipping_nodes(ctx))
     shipped, tried = [], 0

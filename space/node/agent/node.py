@@ -3,8 +3,10 @@
 ``Node`` implements space.node.api.NodeService by delegating to its services, each
 handed what it needs when the node is made: ``Sandboxes`` (lifecycle), ``GuestOps``
 (exec, processes, files), ``Snapshots``, ``Templates`` (builds, ready states),
-``Pools`` (warm pools) and ``Egress`` (policies, secrets, audit logs). They share one
-``Registry`` (space.node.agent._registry): the live sandboxes, their locks and stores.
+``Pools`` (warm pools), ``Egress`` (policies, secrets, audit logs), ``Moves`` and
+``Shipping`` (hibernated sandboxes and built templates to and from other nodes,
+issue 19). They share one ``Registry`` (space.node.agent._registry): the live
+sandboxes, their locks and stores.
 
 Every transition is written to ``data_dir/sandboxes/<id>.json`` before it is
 acknowledged; ``Node.start`` re-adopts every VM that survived the previous node
