@@ -74,9 +74,9 @@ async def _running(
         try:
             yield ctx
         finally:
-            rounds.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await rounds
+            for task in (rounds, *ctx.tasks):
+                task.cancel()
+            await asyncio.gather(rounds, *ctx.tasks, return_exceptions=True)
             await background.release_jobs(ctx)
             await nodes.aclose()
     finally:

@@ -10,11 +10,12 @@ replica must do for itself runs in each:
 What must happen once runs only in the replica holding that job's lease
 (space.control.store.job_leases), taken again each round: marking lost the nodes whose
 lease ran out (and their sandboxes), the reaper (space.control.reconcile.reap), moving
-suspended sandboxes off draining nodes (space.control.moves), the artifact store's
-work (space.control.archives: uploads, waking lost sandboxes elsewhere from it,
-deleting stale bundles), and reconciling every node with the database every
-``reconcile_interval_s``. A replica that dies stops
-renewing; another takes its jobs within ``job_lease_s``.
+suspended sandboxes off draining nodes (space.control.moves), shipping each node the
+template builds it lacks (space.control.shipping: a node that joined or came back gets
+them), the artifact store's work (space.control.archives: uploads, waking lost
+sandboxes elsewhere from it, deleting stale bundles), and reconciling every node with
+the database every ``reconcile_interval_s``. A replica that dies stops renewing;
+another takes its jobs within ``job_lease_s``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from space.control.moves import drain_round
 from space.control.nodes import LOCAL_URL, capacity_report
 from space.control.reconcile import reap, reconcile, reconcile_node
 from space.control.schemas import NodeCapacity
+from space.control.shipping import ship_round
 from space.control.store import job_leases
 from space.control.store import nodes as node_rows
 from space.node.api import NodeError
@@ -55,8 +57,8 @@ INFO_TIMEOUT_S = 10.0
 #: A job lease never runs out sooner than this: a round that calls slow nodes must
 #: finish before another replica may take the job.
 _MIN_JOB_LEASE_S = 15.0
-_NODE_LEASES, _REAPER, _RECONCILE, _DRAIN = "node-leases", "reaper", "reconcile", "drain"
-_ARCHIVES = "archives"
+_NODE_LEASES, _REAPER, _RECONCILE = "node-leases", "reaper", "reconcile"
+_DRAIN, _SHIP, _ARCHIVES = "drain", "ship-templates", "archives"
 
 
 async def start(ctx: ControlContext) -> None:
@@ -122,9 +124,12 @@ async def background_round(ctx: ControlContext, *, reconcile_nodes: bool = False
         await reap(ctx)
     if await _holds(ctx, _DRAIN):
         await drain_round(ctx)
+    budget_s = job_lease_s(ctx.settings.reaper_interval_s) / 2  # a round ends inside its lease
+    if await _holds(ctx, _SHIP):
+        await ship_round(ctx, budget_s=budget_s)
     if await _holds(ctx, _ARCHIVES):
         await rehome_round(ctx)
-        await archive_round(ctx, budget_s=job_lease_s(ctx.settings.reaper_interval_s) / 2)
+        await archive_round(ctx, budget_s=budget_s)
     if reconcile_nodes and await _holds(ctx, _RECONCILE):
         await reconcile(ctx)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import os
 import secrets
@@ -50,6 +51,9 @@ class ControlContext:
     #: Per tenant: builds in flight, and the lock that wakes, hibernations and creates
     #: take (space.control.quotas).
     slots: TenantSlots = field(init=False, default_factory=TenantSlots)
+    #: Work this replica runs in the background of a request (template shipping after
+    #: a build, space.control.shipping), cancelled when the app stops.
+    tasks: set[asyncio.Task[None]] = field(init=False, default_factory=set)
 
     def __post_init__(self) -> None:
         self.activity = Activity(self.db, self.clock)

@@ -173,7 +173,8 @@ async def create_sandbox(
     tenant past a quota (nothing recorded, no node asked), ApiError(not_found) for a
     snapshot that is not the tenant's, ApiError(unavailable) with no node,
     InsufficientCapacity when no node has room (each asked in ``_place``'s order; the
-    row is then deleted: the sandbox never existed), the node's refusal of the request
+    row is then deleted: the sandbox never existed; a node without the template, not
+    shipped there yet, passes it on too), the node's refusal of the request
     (not_found for an unknown template, invalid_argument, conflict, permission_denied,
     resource_exhausted: no row is kept, and the message names no node-internal template
     name), or another
@@ -243,6 +244,14 @@ async def _start(
         except InsufficientCapacity as exc:
             log.info("node %s has no room for sandbox %s: %s", node_id, record.id, exc)
             refusals.append(exc)
+            continue
+        except NotFound as exc:
+            if from_snapshot is not None or node_id == nodes[-1]:
+                await _creation_refused(ctx, record)
+                exc.message, exc.sandbox_id = scrub(exc.message), None
+                raise
+            # Its template is not shipped there yet (space.control.shipping).
+            log.info("node %s cannot make sandbox %s: %s", node_id, record.id, exc)
             continue
         except NodeError as exc:
             exc.message = scrub(exc.message)  # it is kept as the row's error too

@@ -7,8 +7,9 @@ Only ``active`` nodes are placed on (not draining, not lost). The order:
    state (a template built on the node);
 3. spread: fewest sandboxes first; ties by id.
 A node still admits by its own capacity (space/node/core/capacity.py) and refuses with
-InsufficientCapacity when it has no room; the control plane then asks the next node
-(space.control.lifecycle), so a report that went stale costs one refusal, not a
+InsufficientCapacity when it has no room, and with NotFound when the template has not
+been shipped there yet (space.control.shipping); the control plane then asks the next
+node (space.control.lifecycle), so a report that went stale costs one refusal, not a
 failed create.
 """
 

@@ -4,7 +4,9 @@ btrfs pool, one node key between them, the source's API served on loopback.
 Both run on one event loop of this process; the target reaches the source only
 through the source's HTTP API (``source_url``), as it would on another host.
 ``ship_origin`` gives the target a copy of the template subvolume a sandbox came from
-by send/receive (what template shipping does), so that moves can be incremental.
+by send/receive, so that moves can be incremental: template shipping
+(test_template_shipping.py) does that for built templates, but ``base`` is every node's
+own and never shipped, so the moves of sandboxes of ``base`` here copy it by hand.
 """
 
 from __future__ import annotations

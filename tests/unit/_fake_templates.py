@@ -25,7 +25,11 @@ from space.node.api import (
     Conflict,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
+    TemplateImport,
     TemplateInfo,
+    TemplateTicket,
+    Unavailable,
 )
 
 __all__ = ["BASE_DIGEST", "FakeBuildStream", "FakeTemplates"]
@@ -74,6 +78,8 @@ class FakeTemplates:
         self.templates: dict[tuple[str, str], TemplateInfo] = {("base", "latest"): _BASE}
         self.contexts: list[dict[str, bytes | None]] = []
         self.build_streams: list[FakeBuildStream] = []
+        #: Template tickets outstanding: ticket to digest.
+        self.template_tickets: dict[str, str] = {}
 
     async def build_template(self, context: AsyncIterable[bytes]) -> FakeBuildStream:
         entries = _unpack(b"".join([chunk async for chunk in context]))
@@ -146,3 +152,36 @@ class FakeTemplates:
             return any(k[0] == name and v.digest == digest for k, v in self.templates.items())
         name, _, tag = ref.partition(":")
         return (name, tag or "latest") in self.templates
+
+    async def export_template(self, ref: str) -> TemplateTicket:
+        name, _, digest = ref.partition("@")
+        tags = sorted(
+            k[1] for k, v in self.templates.items() if k[0] == name and v.digest == digest
+        )
+        if name == "base":
+            raise InvalidArgument("base is every node's own")
+        if not tags:
+            raise NotFound(f"no template {ref}")
+        ticket = f"ticket-{len(self.template_tickets)}-{digest[:8]}"
+        self.template_tickets[ticket] = digest
+        return TemplateTicket(
+            name=name,
+            digest=digest,
+            tags=tags,
+            ticket=ticket,
+            expires_at=time.time() + 600,
+            record={"digest": digest},
+            parents=[],
+            key_id="key",
+            max_stream_bytes=1 << 20,
+        )
+
+    async def stream_template(
+        self, digest: str, ticket: str, parent: str | None
+    ) -> AsyncIterator[bytes]:
+        if self.template_tickets.get(ticket) != digest:
+            raise PermissionDenied("no such template ticket")
+        yield b"a template's stream"
+
+    async def import_template(self, ticket: TemplateTicket, source_url: str) -> TemplateImport:
+        raise Unavailable("the fake node imports nothing")

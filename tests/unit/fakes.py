@@ -204,7 +204,7 @@ class FakeNode(FakeTemplates, FakeEgress, FakeMoves, FakeArchives):
         return NodeInfo(
             self.node_id,
             "tcg",
-            ["base"],
+            sorted({name for name, _tag in self.templates}),
             len(self.boxes),
             list(self.pools),
             self.boot_id,

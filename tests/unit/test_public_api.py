@@ -36,7 +36,7 @@ NODE_API_NAMES = {
     "BuildSucceeded", "CapacityInfo", "CidrRule", "Conflict", "DomainRule", "EgressEvent",
     "EgressLog",
     "EgressPolicy", "ExecEvent", "ExecExited", "ExecOutput", "ExecRequest", "ExecStream",
-    "ExportTicket", "ImportResult",
+    "ExportTicket", "ImportResult", "TemplateImport", "TemplateTicket",
     "FILE_STAT_HEADER", "FileReader", "FileStat", "GuestError", "InsufficientCapacity",
     "InvalidArgument", "MAX_BUILD_LOG_BYTES", "MAX_EGRESS_LOG_EVENTS", "MAX_FORK_CHILDREN",
     "MAX_GRANTS", "NDJSON", "NODE_API_PREFIX", "NodeError", "NodeInfo", "NodeService", "NotFound",

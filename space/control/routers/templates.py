@@ -1,9 +1,11 @@
 """``/v1/templates``: build (NDJSON log), list and delete a tenant's templates (issue 4).
 
-Placement: a build runs on every node the registry knows (the one embedded node by
-default), all from one spooled copy of the context, so a sandbox finds its template
-wherever it is placed; it succeeds only if every node's build does. Names are scoped by
-tenant on the nodes (space.control.template_names); ``base`` is shared and read-only.
+Placement (issue 19): a build runs once, on the node placement ranks first among
+those other nodes reach, and is then shipped to the others in the background
+(space.control.shipping); an embedded node (which no other node reaches) builds for
+itself, from the same spooled copy of the context. The build succeeds only if every
+node that builds it succeeds. Names are scoped by tenant on the nodes
+(space.control.template_names); ``base`` is shared and read-only.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Request, Response
 from fastapi.responses import StreamingResponse
+from sqlalchemy.orm import Session
 from starlette.background import BackgroundTask
 
 from space.control import quota_checks
@@ -32,7 +35,11 @@ from space.control.deps import Context, ControlContext, Tenant
 from space.control.errors import ApiError
 from space.control.node_text import scrub
 from space.control.quotas import BuildSlot
+from space.control.scheduler import rank_nodes
 from space.control.schemas import TemplateOut
+from space.control.shipping import ship_after_build
+from space.control.store import nodes as node_rows
+from space.control.store import repo
 from space.control.template_names import (
     BASE,
     REF_PATTERN,
@@ -74,7 +81,7 @@ async def build_template(request: Request, tenant: Tenant, ctx: Context) -> Stre
     that disconnects stops listening only: the builds finish on their nodes.
     """
     _check_declared_length(request)
-    node_ids = _all_nodes(ctx)
+    node_ids = await _build_nodes(ctx)
     # From the headers alone: a tenant at its builds quota has no byte of its context read.
     slot = await quota_checks.take_build(ctx, tenant)
     try:
@@ -88,7 +95,7 @@ async def build_template(request: Request, tenant: Tenant, ctx: Context) -> Stre
         context.close()
         slot.release()
         raise
-    lines = _build_lines(tenant, streams, context, slot)
+    lines = _build_lines(ctx, tenant, streams, context, slot)
     # The stream frees the slot as it ends; the background task too, for a response
     # whose stream never started (its client left first).
     return StreamingResponse(lines, media_type=NDJSON, background=BackgroundTask(slot.release))
@@ -176,6 +183,21 @@ def _check_declared_length(request: Request) -> None:
         )
 
 
+async def _build_nodes(ctx: ControlContext) -> list[str]:
+    """Where a build runs: every embedded node, and the first in placement order of
+    the others (which get it shipped). ApiError(unavailable) with no node."""
+    node_ids = _all_nodes(ctx)
+    embedded = set(ctx.nodes.embedded())
+
+    def read(session: Session) -> tuple[list[node_rows.NodeRecord], dict[str, int]]:
+        return node_rows.list_nodes(session), repo.active_counts(session)
+
+    records, load = await ctx.db.run(read)
+    ranked = rank_nodes(records, load, reachable=node_ids)
+    others = [n for n in ranked + node_ids if n not in embedded]
+    return [n for n in node_ids if n in embedded] + others[:1]
+
+
 def _all_nodes(ctx: ControlContext) -> list[str]:
     node_ids = ctx.nodes.ids()
     if not node_ids:
@@ -244,11 +266,16 @@ async def _pump(node_id: str, stream: BuildStream, queue: asyncio.Queue[_Item]) 
 
 
 async def _build_lines(
-    tenant: str, streams: dict[str, BuildStream], context: Binary, slot: BuildSlot
+    ctx: ControlContext,
+    tenant: str,
+    streams: dict[str, BuildStream],
+    context: Binary,
+    slot: BuildSlot,
 ) -> AsyncIterator[bytes]:
     """Log lines as they come from any node (prefixed by node id if several), then one
-    ``template`` or ``error`` line. Closing it early closes the streams and the context;
-    ending either way frees the tenant's build slot."""
+    ``template`` or ``error`` line; a build that succeeded is shipped to the other nodes
+    in the background. Closing it early closes the streams and the context; ending
+    either way frees the tenant's build slot."""
     queue: asyncio.Queue[_Item] = asyncio.Queue(_QUEUE_EVENTS)
     pumps = [asyncio.create_task(_pump(n, s, queue)) for n, s in streams.items()]
     prefix = len(streams) > 1
@@ -261,6 +288,9 @@ async def _build_lines(
                     yield _line({"type": "log", "line": _says(node_id, event.line, prefix)})
                 elif event is not None:
                     outcomes[node_id] = event
+        built = [o for o in outcomes.values() if isinstance(o, BuildSucceeded)]
+        if len(built) == len(streams):
+            ship_after_build(ctx, built[0].template.digest)
         yield _line(_result(tenant, list(streams), outcomes, prefix))
     finally:
         for pump in pumps:

@@ -131,14 +131,17 @@ class Catalog:
             seen.setdefault(template.digest, template)
         return list(seen.values())
 
-    def add(self, name: str, tag: str, build: Build) -> tuple[Template, list[Template]]:
-        """Record a complete build of ``name`` and point ``tag`` at it (durably).
+    def add(
+        self, name: str, tag: str, build: Build, *, more_tags: tuple[str, ...] = ()
+    ) -> tuple[Template, list[Template]]:
+        """Record a complete build of ``name`` and point ``tag`` (and ``more_tags``) at
+        it (durably).
 
         Returns the template and the builds no tag names any more (the one the tag
         named before, unless another tag still does), for the caller to delete.
         """
         record = self._records.get(name) or _Record(name, {}, {})
-        tags = {**record.tags, tag: build.digest}
+        tags = {**record.tags, **dict.fromkeys((tag, *more_tags), build.digest)}
         builds = {**record.builds, build.digest: build}
         named = set(tags.values())
         record = _Record(name, tags, {d: b for d, b in builds.items() if d in named})
@@ -146,6 +149,26 @@ class Catalog:
         self._records[name] = record
         orphans = [self._template(name, "", b) for d, b in builds.items() if d not in named]
         return self._template(name, tag, build), orphans
+
+    def build_of(self, name: str, digest: str) -> tuple[Build, list[str]] | None:
+        """The build ``digest`` of ``name`` and the tags naming it, or None."""
+        record = self._records.get(name)
+        if record is None or digest not in record.builds:
+            return None
+        return record.builds[digest], sorted(t for t, d in record.tags.items() if d == digest)
+
+    def newer_tags(self, name: str, tags: list[str], build: Build) -> list[str]:
+        """Which of ``tags`` a received ``build`` of ``name`` may take: those naming no
+        build here, or an older one (by ``created_at``), or it already. So builds
+        shipped out of order never move a tag back (issue 19)."""
+        record = self._records.get(name)
+        held = {} if record is None else record.tags
+        builds = {} if record is None else record.builds
+        return [
+            tag
+            for tag in tags
+            if tag not in held or builds[held[tag]].created_at <= build.created_at
+        ]
 
     def template(self, name: str, tag: str, build: Build) -> Template:
         """``build`` of ``name`` as a Template (its subvolume published), tagged or not."""

@@ -33,7 +33,7 @@ import secrets
 import shutil
 import struct
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
@@ -72,6 +72,7 @@ __all__ = [
     "Moves",
     "Source",
     "clear_staging",
+    "framed",
     "frames_of",
     "install_received",
     "portable_record",
@@ -180,13 +181,10 @@ class Moves:
             registry.pool.sandbox_path(sandbox.record.volume), frozen, read_only=True
         )
         try:
-            digest, total = hashlib.sha256(), 0
-            async for chunk in send_stream(registry.pool.broker, frozen, parent_path):
-                # hashlib lets go of the GIL for large buffers: the loop runs on meanwhile.
-                await asyncio.to_thread(digest.update, chunk)
-                total += len(chunk)
-                yield _DATA + _LENGTH.pack(len(chunk)) + chunk
-            yield _END + _TRAILER.pack(digest.digest(), total)
+            frames = framed(send_stream(registry.pool.broker, frozen, parent_path))
+            async with contextlib.aclosing(frames):
+                async for frame in frames:
+                    yield frame
         finally:
             await asyncio.shield(registry.pool.delete_staged(frozen))
 
@@ -455,15 +453,18 @@ def _shared_parent(pool_root: Path, parents: list[str]) -> str | None:
     return None
 
 
+async def framed(chunks: AsyncIterable[bytes]) -> AsyncGenerator[bytes, None]:
+    """The send stream ``chunks`` framed (see the module docstring): what a source
+    answers, for moves and template shipping (space.node.agent._shipping)."""
+    digest, total = hashlib.sha256(), 0
+    async for chunk in chunks:
+        # hashlib lets go of the GIL for large buffers: the loop runs on meanwhile.
+        await asyncio.to_thread(digest.update, chunk)
+        total += len(chunk)
+        yield _DATA + _LENGTH.pack(len(chunk)) + chunk
+    yield _END + _TRAILER.pack(digest.digest(), total)
+
+
 def frames_of(chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
     """The send stream framed as ``stream`` frames it (for tests)."""
-
-    async def framed() -> AsyncIterator[bytes]:
-        digest, total = hashlib.sha256(), 0
-        async for chunk in chunks:
-            digest.update(chunk)
-            total += len(chunk)
-            yield _DATA + _LENGTH.pack(len(chunk)) + chunk
-        yield _END + _TRAILER.pack(digest.digest(), total)
-
-    return framed()
+    return framed(chunks)

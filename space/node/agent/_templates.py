@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from space.node.agent._builder import Planned, build_layers
 from space.node.agent._builds import Builds
+from space.node.agent._catalog import Build
 from space.node.agent._pool import Pools
 from space.node.agent._ready import ensure_ready
 from space.node.agent._registry import Registry
@@ -78,6 +79,19 @@ class Templates:
         except NodeError as exc:
             say(f"template {template.name}: no ready state ({exc}); sandboxes will boot")
 
+    async def adopt(
+        self, name: str, tags: list[str], build: Build, say: Callable[[str], None]
+    ) -> Template:
+        """Take a build received from another node (space.node.agent._shipping, whose
+        subvolume is published already): make its ready state here (a failure is said,
+        and its sandboxes boot), then point ``tags`` (at least one) at it; a build no
+        tag names any more goes, as after a build."""
+        await self.ready_at_start(self.catalog.template(name, tags[0], build), say)
+        template, orphans = self.catalog.add(name, tags[0], build, more_tags=tuple(tags[1:]))
+        for orphan in orphans:
+            await self._drop_build(orphan)
+        return template
+
     async def _make_ready(self, template: Template) -> Template:
         """Give ``template`` its ready state (made once per build) and its warm pool."""
         if not self._registry.config.ready_state:
@@ -102,6 +116,11 @@ class Templates:
         for orphan in orphans:
             await self._drop_build(orphan)
         return template
+
+    async def discard(self, template: Template) -> None:
+        """Delete a build no tag names (its pool, ready state and subvolume): one
+        received whose adoption failed. Idempotent."""
+        await self._drop_build(template)
 
     async def _drop_build(self, template: Template) -> None:
         await self._pools.drop(template.digest)

@@ -3,8 +3,10 @@
 ``Node`` implements space.node.api.NodeService by delegating to its services, each
 handed what it needs when the node is made: ``Sandboxes`` (lifecycle), ``GuestOps``
 (exec, processes, files), ``Snapshots``, ``Templates`` (builds, ready states),
-``Pools`` (warm pools) and ``Egress`` (policies, secrets, audit logs). They share one
-``Registry`` (space.node.agent._registry): the live sandboxes, their locks and stores.
+``Pools`` (warm pools), ``Egress`` (policies, secrets, audit logs), ``Moves`` and
+``Shipping`` (hibernated sandboxes and built templates to and from other nodes,
+issue 19). They share one ``Registry`` (space.node.agent._registry): the live
+sandboxes, their locks and stores.
 
 Every transition is written to ``data_dir/sandboxes/<id>.json`` before it is
 acknowledged; ``Node.start`` re-adopts every VM that survived the previous node
@@ -20,16 +22,18 @@ import contextlib
 import os
 import secrets
 from collections.abc import AsyncIterable, AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 from space.node.agent._archives import Archives
 from space.node.agent._catalog import Catalog
 from space.node.agent._egress import Egress, SandboxNetwork
 from space.node.agent._guest import GuestOps
-from space.node.agent._moves import Moves, Source
+from space.node.agent._moves import Moves
 from space.node.agent._pool import Pools
 from space.node.agent._recovery import recover
 from space.node.agent._registry import Registry
 from space.node.agent._sandboxes import Sandboxes
+from space.node.agent._shipping import Shipping
 from space.node.agent._snapshots import Snapshots
 from space.node.agent._templates import Templates
 from space.node.api import (
@@ -48,7 +52,9 @@ from space.node.api import (
     SandboxStatus,
     SecretGrant,
     SnapshotInfo,
+    TemplateImport,
     TemplateInfo,
+    TemplateTicket,
 )
 from space.node.artifacts import SealedStore, open_artifact_store
 from space.node.core.config import NodeConfig, resolve_node_id
@@ -61,6 +67,9 @@ from space.node.privileged import Scope, broker_for, start_broker
 from space.node.storage.btrfs import BtrfsPool
 from space.node.vmm.accel import Accelerator, detect_accelerator
 from space.node.vmm.jail import jail_for
+
+if TYPE_CHECKING:
+    from space.node.http.client import RemoteNode
 
 __all__ = ["Node"]
 
@@ -102,7 +111,8 @@ class Node:
         self.guest = GuestOps(self._registry, self.sandboxes)
         self.templates = Templates(self._registry, self.pools)
         self.egress = Egress(self._registry)
-        self.moves = Moves(self._registry, self._source, keys.key_id)
+        self.moves = Moves(self._registry, self._peer, keys.key_id)
+        self.shipping = Shipping(self._registry, self.templates, self._peer, keys.key_id)
         self.archives = Archives(self._registry, store, keys.key_id)
 
     # startup and shutdown
@@ -331,11 +341,11 @@ class Node:
     async def set_secrets(self, sandbox_id: str, grants: list[SecretGrant]) -> None:
         await self.egress.set_secrets(sandbox_id, grants)
 
-    # templates
+    # moves and template shipping (issue 19)
 
-    # moves (issue 19)
-
-    def _source(self, url: str, ticket: str) -> Source:
+    def _peer(self, url: str, ticket: str) -> RemoteNode:
+        """Another node's API, for a move's or a template's stream (its ticket the
+        credential)."""
         from space.node.http.client import RemoteNode  # the HTTP layer sits above
 
         peer_ca = self.config.peer_ca_file
@@ -371,6 +381,15 @@ class Node:
 
     async def delete_archive(self, name: str) -> None:
         await self.archives.delete_archive(name)
+
+    async def export_template(self, ref: str) -> TemplateTicket:
+        return await self.shipping.export(ref)
+
+    def stream_template(self, digest: str, ticket: str, parent: str | None) -> AsyncIterator[bytes]:
+        return self.shipping.stream(digest, ticket, parent)
+
+    async def import_template(self, ticket: TemplateTicket, source_url: str) -> TemplateImport:
+        return await self.shipping.import_(ticket, source_url)
 
     # templates
 

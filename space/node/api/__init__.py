@@ -68,7 +68,9 @@ from space.node.api.interface import (
     SandboxStatus,
     SecretGrant,
     SnapshotInfo,
+    TemplateImport,
     TemplateInfo,
+    TemplateTicket,
     snapshot_archive,
 )
 from space.node.api.secret_grants import (
@@ -158,7 +160,9 @@ __all__ = [
     "SandboxStatus",
     "SecretGrant",
     "SnapshotInfo",
+    "TemplateImport",
     "TemplateInfo",
+    "TemplateTicket",
     "Timeout",
     "Unavailable",
     "Verdict",

@@ -42,7 +42,9 @@ __all__ = [
     "SandboxStatus",
     "SecretGrant",
     "SnapshotInfo",
+    "TemplateImport",
     "TemplateInfo",
+    "TemplateTicket",
     "snapshot_archive",
 ]
 
@@ -414,6 +416,44 @@ class ImportResult:
 
 
 @dataclass(frozen=True, slots=True)
+class TemplateTicket:
+    """A built template offered to another node (issue 19: a template is built once and
+    shipped), from ``export_template`` on a node that holds it (the source), for
+    ``import_template`` on the target.
+
+    ``ticket`` is the credential the target presents to the source's
+    ``stream_template`` (never the node token); it expires at ``expires_at`` (Unix
+    time). ``record`` is the build's catalog record on the source (digest, base,
+    created_at, shape, env, workdir, start) and ``tags`` the tags naming it there.
+    ``parents`` name, nearest first, the read-only template subvolumes the stream may
+    be incremental against (by the UUID a send stream names them with). ``key_id``
+    fingerprints the node key its disk is sealed with; ``max_stream_bytes`` bounds
+    what the target accepts.
+    """
+
+    name: str
+    digest: str
+    tags: list[str]
+    ticket: str = field(repr=False)
+    expires_at: float
+    record: dict[str, object]
+    parents: list[str]
+    key_id: str
+    max_stream_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class TemplateImport:
+    """A template shipped in by ``import_template``: it as the target lists it, the
+    bytes of the stream that came (0: it was here already) and the parent the stream
+    was incremental against (None: a full stream, or none)."""
+
+    template: TemplateInfo
+    stream_bytes: int
+    parent: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class NodeInfo:
     node_id: str
     accelerator: Literal["kvm", "tcg"]
@@ -500,6 +540,14 @@ class NodeService(Protocol):
     by any change of state), ``import_archive`` registers it HIBERNATED on another node
     from that bundle, and ``delete_archive`` deletes a bundle (the node never deletes
     one of its own accord). Bundles are restorable only once complete (NotFound else).
+    Template shipping (issue 19) is the same pull for a built template:
+    ``export_template(ref)`` on a node holding the build answers a TemplateTicket
+    (``base`` is every node's own: InvalidArgument); ``import_template(ticket,
+    source_url)`` on another reads the source's ``stream_template`` (the ticket its
+    credential), checks its SHA-256 and the files, makes the template's ready state
+    here and then points the ticket's tags at it (each only if the build it names
+    here is older). A failure leaves nothing; a build the node has already is
+    answered at once (idempotent).
     """
 
     async def info(self) -> NodeInfo: ...
@@ -585,6 +633,13 @@ class NodeService(Protocol):
     async def import_archive(self, sandbox_id: str, archive: str) -> ImportResult: ...
 
     async def delete_archive(self, name: str) -> None: ...
+    async def export_template(self, ref: str) -> TemplateTicket: ...
+
+    def stream_template(
+        self, digest: str, ticket: str, parent: str | None
+    ) -> AsyncIterator[bytes]: ...
+
+    async def import_template(self, ticket: TemplateTicket, source_url: str) -> TemplateImport: ...
 
     async def build_template(self, context: AsyncIterable[bytes]) -> BuildStream: ...
 

@@ -32,7 +32,9 @@ from space.node.api import (
     SandboxStatus,
     SecretGrant,
     SnapshotInfo,
+    TemplateImport,
     TemplateInfo,
+    TemplateTicket,
     Unavailable,
     decode_templates,
     encode,
@@ -430,6 +432,47 @@ class RemoteNode(NodeService):
 
     async def delete_archive(self, name: str) -> None:
         await self._json("POST", "/archives/delete", json={"name": name})
+
+    # template shipping (issue 19)
+
+    async def export_template(self, ref: str) -> TemplateTicket:
+        """Raises TemplateRefError (InvalidArgument) for a malformed ``ref``, sending
+        nothing."""
+        parse_ref(ref)
+        body = await self._json("POST", f"/templates/{quote(ref, safe=':@')}/export")
+        return parse(TemplateTicket, body)
+
+    async def stream_template(
+        self, digest: str, ticket: str, parent: str | None
+    ) -> AsyncIterator[bytes]:
+        """The framed stream of a template's build (space.node.agent._shipping), read
+        with the ticket as the credential (not this client's token)."""
+        params = {} if parent is None else {"parent": parent}
+        response = await self._send(
+            "GET",
+            f"/template-exports/{quote(digest, safe='')}/stream",
+            params=params,
+            headers={"Authorization": f"Bearer {ticket}"},
+            timeout=self._stream_timeout,
+        )
+        try:
+            async for chunk in response.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as exc:
+            raise transport_error(exc, None) from exc
+        finally:
+            await response.aclose()
+
+    async def import_template(self, ticket: TemplateTicket, source_url: str) -> TemplateImport:
+        """Reads the whole stream and makes the ready state before it answers: the
+        move timeout bounds it."""
+        body = await self._json(
+            "POST",
+            "/templates/imports",
+            json={"ticket": encode(ticket), "source_url": source_url},
+            timeout=self._move_timeout,
+        )
+        return parse(TemplateImport, body)
 
     async def build_template(self, context: AsyncIterable[bytes]) -> RemoteBuildStream:
         """Upload ``context`` (streamed, never held whole) and follow the build's events.

@@ -10,7 +10,10 @@ answers NodeInfo, the node's warm pools included. Snapshots live under ``/snapsh
 the sandbox (``/snapshots``, ``/restore``, ``/fork``). Templates live under ``/templates``:
 ``POST /templates/builds`` takes the build context (a tar, plain or gzip'd) as its raw
 body and answers the build's NDJSON events (its id in ``X-Build-Id``); ``GET`` lists,
-``DELETE /templates/{ref}`` deletes (``name``, ``name:tag``, ``name@digest``). A
+``DELETE /templates/{ref}`` deletes (``name``, ``name:tag``, ``name@digest``);
+shipping a build to another node (issue 19) is ``POST /templates/{ref}/export`` on the
+source, ``POST /templates/imports`` on the target, which reads the source's
+``GET /template-exports/{digest}/stream`` with the ticket (as a move's stream). A
 sandbox's egress policy is ``PUT /sandboxes/{id}/egress`` with ``{"policy": {...} |
 null}`` (204); ``GET /sandboxes/{id}/egress/log?limit=N`` (1 to MAX_EGRESS_LOG_EVENTS,
 default 100) answers ``{"events": [EgressEvent, ...], "dropped": N}``, oldest first
@@ -56,6 +59,7 @@ from space.node.api import (
     NodeService,
     PermissionDenied,
     SandboxSpec,
+    TemplateTicket,
     build_lines,
     decode,
     decode_child_ids,
@@ -97,17 +101,19 @@ STREAMED_ROUTES: tuple[StreamedRoute, ...] = (
 )
 
 
-#: The one route a node token does not open: a move's stream, which takes the
-#: export's ticket instead (checked by the node before a byte is sent; issue 19).
-_EXPORT_STREAM = re.compile(re.escape(NODE_API_PREFIX) + r"/exports/[^/]+/stream")
+#: The routes a node token does not open: a move's and a template's stream, which take
+#: their ticket instead (checked by the node before a byte is sent; issue 19).
+_TICKET_STREAM = re.compile(
+    re.escape(NODE_API_PREFIX) + r"/(exports|template-exports)/[^/]+/stream"
+)
 
 
 def _token_check(token: str) -> Authenticate:
-    """Every request needs the node token, checked from its headers alone (a move's
-    stream, its ticket)."""
+    """Every request needs the node token, checked from its headers alone (a move's or
+    a template's stream, its ticket)."""
 
     async def check(scope: Scope, headers: Headers) -> None:
-        if scope.get("method") == "GET" and _EXPORT_STREAM.fullmatch(scope.get("path", "")):
+        if scope.get("method") == "GET" and _TICKET_STREAM.fullmatch(scope.get("path", "")):
             return
         require_bearer(headers, token, "node token")
 
@@ -335,10 +341,18 @@ async def _export(node: Node, sandbox_id: str) -> Any:
 async def _export_stream(
     node: Node, sandbox_id: str, request: Request, parent: str | None = None
 ) -> StreamingResponse:
+    ticket = _ticket(request, "a move's stream takes its export ticket", sandbox_id)
+    return await _ticket_stream(node.stream_export(sandbox_id, ticket, parent))
+
+
+def _ticket(request: Request, refusal: str, sandbox_id: str | None = None) -> str:
     scheme, _, ticket = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not ticket:
-        raise PermissionDenied("a move's stream takes its export ticket", sandbox_id=sandbox_id)
-    stream = node.stream_export(sandbox_id, ticket, parent)
+        raise PermissionDenied(refusal, sandbox_id=sandbox_id)
+    return ticket
+
+
+async def _ticket_stream(stream: AsyncIterator[bytes]) -> StreamingResponse:
     first = await anext(stream)  # the ticket and parent are checked before the answer
 
     async def body() -> AsyncIterator[bytes]:
@@ -398,6 +412,29 @@ async def _import_archive(node: Node, sandbox_id: str, request: Request) -> Any:
 async def _delete_archive(node: Node, request: Request) -> Response:
     await node.delete_archive(_str_field(await request.json(), "name"))
     return Response(status_code=204)
+
+
+@_router.post("/templates/imports")
+async def _import_template(node: Node, request: Request) -> Any:
+    body = await request.json()
+    source_url = _str_field(body, "source_url")
+    if not isinstance(body, dict) or not isinstance(body.get("ticket"), dict):
+        raise InvalidArgument("a template import takes {ticket, source_url}")
+    ticket = decode(TemplateTicket, body["ticket"])
+    return encode(await node.import_template(ticket, source_url))
+
+
+@_router.post("/templates/{ref}/export")
+async def _export_template(node: Node, ref: str) -> Any:
+    return encode(await node.export_template(ref))
+
+
+@_router.get("/template-exports/{digest}/stream")
+async def _template_stream(
+    node: Node, digest: str, request: Request, parent: str | None = None
+) -> StreamingResponse:
+    ticket = _ticket(request, "a template's stream takes its ticket")
+    return await _ticket_stream(node.stream_template(digest, ticket, parent))
 
 
 @_router.post("/templates/builds")
