@@ -10,7 +10,7 @@ received in staging by the root broker, the sandbox registered hibernated). Prin
 median and p90 of each, the bundle's stored bytes, and the wake on the target of the
 last one. Beside it, for scale, the same sandbox's direct move (full stream) is in
 bench/bench_move.py. Everything is removed at the end, also on failure.
-Usage: `.venv/bin/python bench/bench_archive.py [--runs 5]` as root.
+Usage: `PYTHONPATH=. .venv/bin/python bench/bench_archive.py [--runs 5]` as root.
 """
 
 from __future__ import annotations
