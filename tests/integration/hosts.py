@@ -4,7 +4,8 @@ namespaces, control-plane replicas on one PostgreSQL database.
 A bridge in the host's namespace (10.213.0.1/24) is the LAN; each node host is a
 network namespace the test makes, hanging off it by a veth pair (10.213.0.11, .12,
 ...), running `space node` (root, then its own `space` user) with its own data
-directory, loop-file btrfs pool, node key and VMs. The replicas are `space control`
+directory, loop-file btrfs pool and VMs, and one node key for all (``--node-key-file``:
+nodes that move sandboxes between them must share it, issue 19). The replicas are `space control`
 processes on the host's end of the bridge, each with its own data directory, sharing
 the database, the node token and the master key; every node is told every replica's
 URL (no load balancer: it tries them in turn). Traffic stays on the bridge and in the
@@ -28,7 +29,14 @@ from typing import Any
 import httpx
 
 from .. import logs
-from .platform import SPACE, let_through, loops_backed_by, mounts_under, release
+from .platform import (
+    SPACE,
+    let_through,
+    loops_backed_by,
+    mounts_under,
+    release,
+    shared_node_key,
+)
 
 __all__ = ["Cluster", "NodeHost", "Replica", "cluster"]
 
@@ -122,6 +130,8 @@ class NodeHost:
     netns: str
     veth: str
     data_dir: Path
+    #: The node key every node of the cluster shares.
+    key_file: Path
     process: subprocess.Popen[bytes] | None = None
     node_id: str = ""
     #: Where this start's lines begin in its log (an earlier start's are before).
@@ -149,6 +159,7 @@ class NodeHost:
             "nsenter", f"--net=/run/netns/{self.netns}", *SPACE, "node", *controls,
             "--token-file", str(token_file), "--listen", f"{self.address}:8081",
             "--data-dir", str(self.data_dir), "--pool-size-gib", str(pool_size_gib),
+            "--node-key-file", str(self.key_file),
         ]  # fmt: skip
         with log_path.open("ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
@@ -219,13 +230,14 @@ class Cluster:
         self.token_file.write_text(secrets.token_urlsafe(32) + "\n")
         self.token_file.chmod(0o600)
         master_key = shared / "master.key"
+        key_file = shared_node_key(self.root / "node-key")
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{BRIDGE_ADDRESS}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
         for index in range(1, nodes + 1):
             host = NodeHost(
                 index, f"spc-{self.tag}-n{index}", f"spv{self.tag}n{index}",
-                self.root / f"node{index}",
+                self.root / f"node{index}", key_file,
             )  # fmt: skip
             self.hosts.append(host)
             _ip("netns", "add", host.netns)

@@ -13,11 +13,15 @@ them, and the node holds no volume or VM that no record names.
 The follow-ups ride on the same cells: the fork cell of the ``fork-child`` origin forks
 a fork, the snapshot cell of ``restored`` snapshots a restored sandbox, and
 ``re-adopted`` is a warm-pool hit that lived through a node restart before its
-hibernate cell.
+hibernate cell, and ``moved-in`` was made on one node, hibernated and moved to another
+by a drain (issue 19) before it was woken there.
 
-Two platforms serve the origins: ``plain`` (no warm pool, so a create of the ready shape
-is a clone of the ready state) and ``pooled`` (``--warm-min 1 --warm-max 2``). Both
-reach a fake internet in a network namespace the test makes (tests/egress_world.py).
+Three platforms serve the origins: ``plain`` (no warm pool, so a create of the ready
+shape is a clone of the ready state), ``pooled`` (``--warm-min 1 --warm-max 2``) and
+``moving``: a `space serve` whose embedded node is drained (an embedded node's
+sandboxes do not move) and two `space node` agents on loopback registered with it,
+sharing one node key. All reach a fake internet in a network namespace the test makes
+(tests/egress_world.py).
 """
 
 from __future__ import annotations
@@ -29,14 +33,16 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from space import Sandbox
 from space.sdk import NotFound, Secrets, SnapshotInfo, Template, allow
 
 from ..egress_world import UPSTREAM, World, egress_world
-from .platform import Platform, qemu_pids, running_platform
+from .platform import Platform, qemu_pids, remote_node, running_platform, shared_node_key
 
 pytestmark = pytest.mark.vm
 
@@ -51,13 +57,18 @@ ORIGINS = (
     "re-adopted",
     "user-template",
     "egress-secret",
+    "moved-in",
 )
 #: Origins served by the platform with a warm pool.
 POOLED = {"pool-hit", "re-adopted"}
+#: Origins served by the platform whose sandboxes move between its node agents.
+MOVING = {"moved-in"}
 #: Origins whose sandbox (or the sandbox it came from) has an egress policy and a
 #: secret: their every cell also fetches over HTTPS with the secret swapped in. The
 #: others have no policy, and every cell checks they have no network at all.
-NETWORKED = {"egress-secret", "fork-child", "from-snapshot", "restored", "woken", "re-adopted"}
+NETWORKED = {
+    "egress-secret", "fork-child", "from-snapshot", "restored", "woken", "re-adopted", "moved-in",
+}  # fmt: skip
 
 _COUNTER = (
     "i=0; while true; do i=$((i+1)); echo $i > /tmp/c.new; mv -f /tmp/c.new /tmp/c; sleep 0.1; done"
@@ -75,10 +86,12 @@ _WAIT_S = 60.0
 
 @dataclass
 class Site:
-    """One platform and a key of the tenant the matrix runs as."""
+    """One platform, a key of the tenant the matrix runs as, and the data dirs of the
+    platform's nodes (its embedded node's first)."""
 
     platform: Platform
     key: str
+    node_dirs: list[Path]
 
     def connect(self, sandbox_id: str) -> Sandbox:
         return Sandbox.connect(sandbox_id, api_url=self.platform.url, api_key=self.key)
@@ -111,17 +124,20 @@ def world() -> Iterator[World]:
         yield world
 
 
+def _egress_options(world: World) -> list[str]:
+    return ["--egress-resolver", world.resolver, "--egress-upstream-ca", str(world.upstream_ca)]
+
+
 def _site(data_dir: Path, world: World, *extra: str) -> Iterator[Site]:
-    options = [
-        "--egress-resolver", world.resolver,
-        "--egress-upstream-ca", str(world.upstream_ca),
-        "--reaper-interval", "0.5",
-        *extra,
-    ]  # fmt: skip
+    options = [*_egress_options(world), "--reaper-interval", "0.5", *extra]
     with running_platform(data_dir, options) as platform:
-        key = platform.create_key("conformance")
-        Secrets.set("API_TOKEN", _SECRET, ["tls.allowed.test"], api_url=platform.url, api_key=key)
-        yield Site(platform, key)
+        yield _keyed(platform, [data_dir])
+
+
+def _keyed(platform: Platform, node_dirs: list[Path]) -> Site:
+    key = platform.create_key("conformance")
+    Secrets.set("API_TOKEN", _SECRET, ["tls.allowed.test"], api_url=platform.url, api_key=key)
+    return Site(platform, key, node_dirs)
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +150,42 @@ def pooled(tmp_path_factory: pytest.TempPathFactory, world: World) -> Iterator[S
     yield from _site(
         tmp_path_factory.mktemp("conformance-pooled"), world, "--warm-min", "1", "--warm-max", "2"
     )
+
+
+@pytest.fixture(scope="module")
+def moving(tmp_path_factory: pytest.TempPathFactory, world: World) -> Iterator[Site]:
+    root = tmp_path_factory.mktemp("conformance-moving")
+    node_options = [*_egress_options(world), "--node-key-file", str(shared_node_key(root / "key"))]
+    dirs = [root / "control", root / "node-a", root / "node-b"]
+    with contextlib.ExitStack() as stack:
+        platform = stack.enter_context(
+            running_platform(dirs[0], [*_egress_options(world), "--reaper-interval", "0.5"])
+        )
+        for node_dir in dirs[1:]:
+            stack.enter_context(remote_node(platform, node_dir, node_options))
+        site = _keyed(platform, dirs)
+        (embedded,) = [n["node_id"] for n in _nodes(site) if n["url"] == "local"]
+        _node_call(site, "drain", embedded)
+        yield site
+
+
+def _nodes(site: Site) -> list[dict[str, Any]]:
+    answer = httpx.get(f"{site.platform.url}/v1/nodes", headers=_node_token(site), timeout=30)
+    answer.raise_for_status()
+    nodes: list[dict[str, Any]] = answer.json()["nodes"]
+    return nodes
+
+
+def _node_call(site: Site, action: str, node_id: str) -> None:
+    """Drain or activate a node (the operator's call, with the node token)."""
+    url = f"{site.platform.url}/v1/nodes/{node_id}/{action}"
+    answer = httpx.post(url, headers=_node_token(site), timeout=30)
+    assert answer.status_code == 200, answer.text
+
+
+def _node_token(site: Site) -> dict[str, str]:
+    token = (site.platform.data_dir / "node-token").read_text().strip()
+    return {"Authorization": f"Bearer {token}"}
 
 
 @pytest.fixture(scope="module")
@@ -224,13 +276,38 @@ def _make(origin: str, site: Site, request: pytest.FixtureRequest) -> tuple[Sand
         site.platform.stop()
         site.platform.start()
         sandbox = site.connect(sandbox.sandbox_id)
+    elif origin == "moved-in":
+        _move_by_drain(site, sandbox)
     return sandbox, []
+
+
+def _move_by_drain(site: Site, sandbox: Sandbox) -> None:
+    """Hibernate ``sandbox``, drain its node until the sandbox is on the other node,
+    activate its node again and wake the sandbox where it went."""
+    source = sandbox.get_info().node_id
+    assert source is not None
+    assert sandbox.hibernate().state == "hibernated"
+    _node_call(site, "drain", source)
+    try:
+        _wait(lambda: sandbox.get_info().node_id != source, "the drain to move it", timeout_s=240)
+    finally:
+        _node_call(site, "activate", source)
+    assert sandbox.get_info().state == "hibernated"
+    assert len(_records_of(site, sandbox.sandbox_id)) == 1  # the source's copy is gone
+    assert sandbox.resume().state == "running"
+
+
+def _records_of(site: Site, sandbox_id: str) -> list[Path]:
+    """The node records of ``sandbox_id`` on the nodes of ``site``."""
+    records = [d / "sandboxes" / f"{sandbox_id}.json" for d in site.node_dirs]
+    return [record for record in records if record.is_file()]
 
 
 @pytest.fixture(scope="class", params=ORIGINS)
 def subject(request: pytest.FixtureRequest, world: World) -> Iterator[Subject]:
     origin: str = request.param
-    site: Site = request.getfixturevalue("pooled" if origin in POOLED else "plain")
+    fixture = "pooled" if origin in POOLED else "moving" if origin in MOVING else "plain"
+    site: Site = request.getfixturevalue(fixture)
     sandbox, snapshots = _make(origin, site, request)
     subject = Subject(origin, site, sandbox, world, networked=origin in NETWORKED)
     subject.snapshots += snapshots
@@ -244,7 +321,7 @@ def subject(request: pytest.FixtureRequest, world: World) -> Iterator[Subject]:
                     site.connect(leftover.sandbox_id).kill()
         for snapshot_id in subject.snapshots:
             Sandbox.delete_snapshot(snapshot_id, api_url=site.platform.url, api_key=site.key)
-        _check_no_strays(site.platform)
+        _check_no_strays(site)
 
 
 # ---------------------------------------------------------------- checks
@@ -288,12 +365,17 @@ def _check_whole(subject: Subject, sandbox: Sandbox | None = None) -> None:
         assert _SECRET in subject.world.hits_of("tls")[-1].data.decode()
     else:
         assert sandbox.commands.run(["getent", "hosts", "tls.allowed.test"]).exit_code != 0
-    _check_no_strays(subject.site.platform)
+    _check_no_strays(subject.site)
 
 
-def _check_no_strays(platform: Platform) -> None:
-    """Every sandbox volume and QEMU on the node belongs to a record the node keeps."""
-    data_dir = platform.data_dir
+def _check_no_strays(site: Site) -> None:
+    """On every node of ``site``, every sandbox volume and QEMU belongs to a record
+    that node keeps."""
+    for data_dir in site.node_dirs:
+        _check_node_has_no_strays(data_dir)
+
+
+def _check_node_has_no_strays(data_dir: Path) -> None:
     records = [json.loads(p.read_text()) for p in (data_dir / "sandboxes").glob("*.json")]
     volumes = {r.get("volume") or r["spec"]["sandbox_id"] for r in records}
     run_dirs = {Path(r["run_dir"]).name for r in records}
@@ -399,13 +481,12 @@ class TestEveryOperation:
         _check_whole(subject)
 
     def test_delete(self, subject: Subject) -> None:
-        sandbox, platform = subject.sandbox, subject.site.platform
-        record = platform.data_dir / "sandboxes" / f"{sandbox.sandbox_id}.json"
-        assert record.is_file()
+        sandbox, site = subject.sandbox, subject.site
+        assert len(_records_of(site, sandbox.sandbox_id)) == 1  # on one node, only there
         assert sandbox.kill() is True
-        assert _gone(subject.site, sandbox.sandbox_id)
-        assert not record.exists()
-        _check_no_strays(platform)
+        assert _gone(site, sandbox.sandbox_id)
+        assert _records_of(site, sandbox.sandbox_id) == []
+        _check_no_strays(site)
 
 
 def _gone(site: Site, sandbox_id: str) -> bool:

@@ -6,7 +6,10 @@ The tests share one cluster and run in order: placement spreads and any replica 
 any sandbox; an idempotent create retried on the other replica makes one sandbox; a
 replica killed (-9) during creates leaves no orphan VM or row once the survivor has
 settled them; a node killed (-9) turns its sandboxes ``lost``, new creates go
-elsewhere, and when it starts again its sandboxes come back running.
+elsewhere, and when it starts again its sandboxes come back running; a paused sandbox
+with a file and a running process moves off a node drained with ``space node drain``
+(the nodes share one node key) and goes on where it went, the drained node gets no new
+sandboxes until ``space node activate``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -26,6 +30,7 @@ from space import Sandbox
 from ..ports import free_port
 from ..postgres import PostgresCluster
 from .hosts import Cluster, NodeHost, cluster
+from .platform import SPACE
 
 pytestmark = pytest.mark.vm
 
@@ -222,3 +227,90 @@ def _lose_and_bring_back(hosts: Cluster, key: str, survivor: str, opened: list[S
     finally:
         _delete_all(hosts, key)
     _wait("nothing left on the nodes", lambda: _on_nodes(hosts, hosts.hosts) == {})
+
+
+_COUNTER = (
+    "i=0; while true; do i=$((i+1)); echo $i > /tmp/c.new; mv -f /tmp/c.new /tmp/c; sleep 0.2; done"
+)
+
+
+def _space_node(hosts: Cluster, command: str, node_id: str) -> str:
+    """``space node COMMAND NODE_ID`` against the surviving replica; its output."""
+    out = subprocess.run(
+        [*SPACE, "node", command, node_id, "--control-url", hosts.replicas[-1].url,
+         "--token-file", str(hosts.token_file)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def _node_states(hosts: Cluster) -> dict[str, str]:
+    headers = {"Authorization": f"Bearer {hosts.token}"}
+    nodes = httpx.get(hosts.replicas[-1].url + "/v1/nodes", headers=headers, timeout=30)
+    return {n["node_id"]: n["state"] for n in nodes.json()["nodes"]}
+
+
+def _count(sandbox: Sandbox) -> int:
+    """The counter's value (0 before it first wrote it)."""
+    result = sandbox.commands.run("cat /tmp/c 2>/dev/null || echo 0")
+    assert result.exit_code == 0, result
+    return int(result.stdout.strip() or 0)
+
+
+def test_a_drained_node_s_paused_sandbox_moves_and_goes_on_on_another_node(
+    hosts: Cluster, key: str
+) -> None:
+    survivor = hosts.replicas[-1].url
+    with _clients() as opened:
+        try:
+            sandbox = Sandbox.create(api_url=survivor, api_key=key)
+            opened.append(sandbox)
+            source = _rows(hosts, key)[sandbox.sandbox_id]["node_id"]
+            try:
+                _drain_and_go_on(hosts, key, sandbox, source)
+                new = [Sandbox.create(api_url=survivor, api_key=key) for _ in range(2)]
+                opened += new
+                rows = _rows(hosts, key)
+                assert all(rows[s.sandbox_id]["node_id"] != source for s in new)
+                assert source not in _on_nodes(hosts, hosts.hosts).values()
+            finally:
+                activated = _space_node(hosts, "activate", source)
+        finally:
+            _delete_all(hosts, key)
+    assert source in activated and _node_states(hosts)[source] == "active"
+    _wait("nothing left on the nodes", lambda: _on_nodes(hosts, hosts.hosts) == {})
+
+
+def _drain_and_go_on(hosts: Cluster, key: str, sandbox: Sandbox, source: str) -> None:
+    """Pause ``sandbox`` (a file, a counter running) on ``source``, drain ``source``
+    with the CLI, and check that it moved, and goes on where it went when resumed."""
+    sandbox.files.write("/home/user/moved.txt", "made before the drain")
+    sandbox.commands.run(_COUNTER, background=True, timeout_s=None)
+    _wait("the counter runs", lambda: _count(sandbox) > 2, timeout_s=30)
+    before = _count(sandbox)
+    sandbox.pause()
+    drained = _space_node(hosts, "drain", source)
+    assert source in drained and "draining" in drained
+    _wait(
+        "the sandbox is on another node",
+        lambda: _rows(hosts, key)[sandbox.sandbox_id]["node_id"] != source,
+        timeout_s=180,
+    )
+    row = _rows(hosts, key)[sandbox.sandbox_id]
+    assert row["state"] == "hibernated"
+    holders = [
+        host.node_id
+        for host in hosts.hosts
+        for status in hosts.node_api(host, "sandboxes")
+        if status["sandbox_id"] == sandbox.sandbox_id
+    ]
+    assert holders == [row["node_id"]]  # there, and no longer on the source
+    assert _node_states(hosts)[source] == "draining"
+
+    sandbox.resume()
+    assert sandbox.files.read("/home/user/moved.txt") == "made before the drain"
+    woke_at = _count(sandbox)
+    assert woke_at >= before  # the same process, from where it was suspended
+    _wait("the counter goes on", lambda: _count(sandbox) > woke_at, timeout_s=30)
+    assert _rows(hosts, key)[sandbox.sandbox_id]["node_id"] == row["node_id"]
