@@ -50,6 +50,8 @@ _HANDLERS: dict[str, Handler] = {
     Op.PROCESS_LIST: lambda d, s, f: _exec.op_list(s, d.processes),
     Op.PROCESS_ATTACH: lambda d, s, f: _exec.op_attach(s, f, d.processes),
     Op.PROCESS_KILL: lambda d, s, f: _exec.op_kill(f, d.processes),
+    Op.PROCESS_INPUT: lambda d, s, f: _exec.op_input(s, f, d.processes),
+    Op.PROCESS_RESIZE: lambda d, s, f: _exec.op_resize(f, d.processes),
     Op.FILE_READ: lambda d, s, f: _files.op_read(s, f, d.accounts),
     Op.FILE_WRITE: lambda d, s, f: _files.op_write(s, f, d.accounts),
     Op.FILE_LIST: lambda d, s, f: _files.op_list(s, f, d.accounts),

@@ -29,7 +29,7 @@ from space.sdk._commands import DEFAULT_COMMAND_TIMEOUT_S, AsyncCommandHandle, A
 from space.sdk._events import OutputCallback
 from space.sdk._files import AsyncFiles, ByteStream
 from space.sdk._http import ConnectionConfig
-from space.sdk._models import CommandResult
+from space.sdk._models import CommandResult, PtySize
 from space.sdk._network import AsyncNetwork
 from space.sdk._sandbox import AsyncSandbox, AsyncSandboxes
 from space.sdk._secrets import AsyncSecrets, AsyncSecretStore
@@ -186,6 +186,9 @@ class CommandHandle(_Facade[AsyncCommandHandle]):
 
     wait = _blocking(AsyncCommandHandle.wait)
     kill = _blocking(AsyncCommandHandle.kill)
+    send_stdin = _blocking(AsyncCommandHandle.send_stdin)
+    close_stdin = _blocking(AsyncCommandHandle.close_stdin)
+    resize = _blocking(AsyncCommandHandle.resize)
 
 
 class Commands(_Facade[AsyncCommands]):
@@ -205,6 +208,10 @@ class Commands(_Facade[AsyncCommands]):
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         check: bool = False,
+        open_stdin: bool = False,
+        pty: PtySize | None = None,
+        tag: str | None = None,
+        on_start: Callable[[CommandHandle], object] | None = None,
     ) -> CommandResult: ...
 
     @overload
@@ -221,9 +228,16 @@ class Commands(_Facade[AsyncCommands]):
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         check: bool = False,
+        open_stdin: bool = False,
+        pty: PtySize | None = None,
+        tag: str | None = None,
+        on_start: Callable[[CommandHandle], object] | None = None,
     ) -> CommandHandle: ...
 
     def run(self, cmd: str | Sequence[str], **options: Any) -> CommandResult | CommandHandle:
+        on_start = options.pop("on_start", None)
+        if on_start is not None:  # runs on the loop thread: it must not call back in
+            options["on_start"] = lambda handle: on_start(CommandHandle(handle))
         result: CommandResult | AsyncCommandHandle = _LOOP.run(self._inner.run(cmd, **options))
         if isinstance(result, AsyncCommandHandle):
             return CommandHandle(result)
@@ -231,12 +245,15 @@ class Commands(_Facade[AsyncCommands]):
 
     run.__doc__ = AsyncCommands.run.__doc__
 
-    def connect(self, process_id: str) -> CommandHandle:
-        """A handle on an existing process; NotFound if none."""
-        return CommandHandle(_LOOP.run(self._inner.connect(process_id)))
+    def connect(self, process_id: str | None = None, *, tag: str | None = None) -> CommandHandle:
+        """A handle on an existing process, by id or tag; NotFound if none."""
+        return CommandHandle(_LOOP.run(self._inner.connect(process_id, tag=tag)))
 
     list = _blocking(AsyncCommands.list)
     kill = _blocking(AsyncCommands.kill)
+    send_stdin = _blocking(AsyncCommands.send_stdin)
+    close_stdin = _blocking(AsyncCommands.close_stdin)
+    resize_pty = _blocking(AsyncCommands.resize_pty)
 
 
 class Files(_Facade[AsyncFiles]):

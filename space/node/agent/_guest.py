@@ -20,6 +20,7 @@ from space.node.api import (
     FileReader,
     FileStat,
     ProcessInfo,
+    PtySize,
     SandboxState,
     Unavailable,
 )
@@ -52,6 +53,14 @@ class GuestOps:
 
     async def kill_process(self, sandbox_id: str, process_id: str, signal: int = 9) -> None:
         await (await self.channel(sandbox_id)).kill_process(process_id, signal)
+
+    async def write_stdin(
+        self, sandbox_id: str, process_id: str, data: bytes, *, eof: bool = False
+    ) -> int:
+        return await (await self.channel(sandbox_id)).write_stdin(process_id, data, eof=eof)
+
+    async def resize_pty(self, sandbox_id: str, process_id: str, size: PtySize) -> None:
+        await (await self.channel(sandbox_id)).resize_pty(process_id, size)
 
     async def read_file(self, sandbox_id: str, path: str, user: str = "user") -> FileReader:
         return await (await self.channel(sandbox_id)).read_file(path, user)

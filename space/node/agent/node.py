@@ -44,6 +44,7 @@ from space.node.api import (
     NodeError,
     NodeInfo,
     ProcessInfo,
+    PtySize,
     SandboxSpec,
     SandboxStatus,
     SecretGrant,
@@ -290,6 +291,14 @@ class Node:
 
     async def kill_process(self, sandbox_id: str, process_id: str, signal: int = 9) -> None:
         await self.guest.kill_process(sandbox_id, process_id, signal)
+
+    async def write_stdin(
+        self, sandbox_id: str, process_id: str, data: bytes, *, eof: bool = False
+    ) -> int:
+        return await self.guest.write_stdin(sandbox_id, process_id, data, eof=eof)
+
+    async def resize_pty(self, sandbox_id: str, process_id: str, size: PtySize) -> None:
+        await self.guest.resize_pty(sandbox_id, process_id, size)
 
     async def read_file(self, sandbox_id: str, path: str, user: str = "user") -> FileReader:
         return await self.guest.read_file(sandbox_id, path, user)

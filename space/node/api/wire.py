@@ -31,6 +31,7 @@ from space.node.api.interface import (
     ExecOutput,
     ExecRequest,
     ExecStream,
+    PtySize,
     SecretGrant,
     TemplateInfo,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "decode_egress_policy",
     "decode_exec_request",
     "decode_grants",
+    "decode_pty_size",
     "decode_snapshot_id",
     "decode_templates",
     "encode",
@@ -140,7 +142,19 @@ def decode_exec_request(body: object) -> ExecRequest:
         timeout_s=request.timeout_s,
         background=request.background,
         stdin=raw,
+        open_stdin=request.open_stdin,
+        pty=request.pty,
+        tag=request.tag,
     )
+
+
+def decode_pty_size(body: object) -> PtySize:
+    """A ``{"rows": int, "cols": int}`` body; InvalidArgument when malformed (the range
+    is the channel's to check)."""
+    try:
+        return decode(PtySize, body)
+    except ValidationError as exc:
+        raise InvalidArgument(f"malformed pty size: {exc}") from exc
 
 
 def decode_snapshot_id(body: object) -> str:

@@ -28,6 +28,7 @@ from space.node.api import (
     NodeInfo,
     NodeService,
     ProcessInfo,
+    PtySize,
     SandboxSpec,
     SandboxStatus,
     SecretGrant,
@@ -266,6 +267,25 @@ class RemoteNode(NodeService):
     async def kill_process(self, sandbox_id: str, process_id: str, signal: int = 9) -> None:
         url = f"/sandboxes/{sandbox_id}/processes/{process_id}/kill"
         await self._json("POST", url, sandbox_id, json={"signal": signal})
+
+    async def write_stdin(
+        self, sandbox_id: str, process_id: str, data: bytes, *, eof: bool = False
+    ) -> int:
+        url = f"/sandboxes/{sandbox_id}/processes/{process_id}/stdin"
+        params = {"eof": "true" if eof else "false"}
+        # The guest waits up to 30 s for the process to read, and longer for a busy guest.
+        timeout = self._lifecycle_timeout
+        body = await self._json(
+            "POST", url, sandbox_id, content=data, params=params, timeout=timeout
+        )
+        written = body.get("bytes") if isinstance(body, dict) else None
+        if isinstance(written, bool) or not isinstance(written, int) or written < 0:
+            raise Unavailable("node answered no byte count", sandbox_id=sandbox_id)
+        return written
+
+    async def resize_pty(self, sandbox_id: str, process_id: str, size: PtySize) -> None:
+        url = f"/sandboxes/{sandbox_id}/processes/{process_id}/resize"
+        await self._json("POST", url, sandbox_id, json=encode(size))
 
     async def read_file(self, sandbox_id: str, path: str, user: str = "user") -> RemoteFileReader:
         url = f"/sandboxes/{sandbox_id}/files"

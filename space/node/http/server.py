@@ -10,7 +10,10 @@ answers NodeInfo, the node's warm pools included. Snapshots live under ``/snapsh
 the sandbox (``/snapshots``, ``/restore``, ``/fork``). Templates live under ``/templates``:
 ``POST /templates/builds`` takes the build context (a tar, plain or gzip'd) as its raw
 body and answers the build's NDJSON events (its id in ``X-Build-Id``); ``GET`` lists,
-``DELETE /templates/{ref}`` deletes (``name``, ``name:tag``, ``name@digest``). A
+``DELETE /templates/{ref}`` deletes (``name``, ``name:tag``, ``name@digest``). A process
+started with ``open_stdin`` or ``pty`` takes input as the raw body of ``POST
+/sandboxes/{id}/processes/{pid}/stdin`` (``?eof=true`` closes it; answers ``{"bytes":
+n}``) and a new window size as ``POST .../resize`` ``{"rows", "cols"}`` (204). A
 sandbox's egress policy is ``PUT /sandboxes/{id}/egress`` with ``{"policy": {...} |
 null}`` (204); ``GET /sandboxes/{id}/egress/log?limit=N`` (1 to MAX_EGRESS_LOG_EVENTS,
 default 100) answers ``{"events": [EgressEvent, ...], "dropped": N}``, oldest first
@@ -62,6 +65,7 @@ from space.node.api import (
     decode_egress_policy,
     decode_exec_request,
     decode_grants,
+    decode_pty_size,
     decode_snapshot_id,
     encode,
     encode_templates,
@@ -227,6 +231,22 @@ async def _kill(node: Node, sandbox_id: str, process_id: str, request: Request) 
     if not isinstance(signal, int):
         raise InvalidArgument("signal must be an integer")
     await node.kill_process(sandbox_id, process_id, signal)
+    return Response(status_code=204)
+
+
+@_router.post("/sandboxes/{sandbox_id}/processes/{process_id}/stdin")
+async def _stdin(
+    node: Node, sandbox_id: str, process_id: str, request: Request, eof: bool = False
+) -> Any:
+    """The raw body to the process's stdin (the edge bounds it; the channel checks it
+    against MAX_INPUT_BYTES); ``?eof=true`` closes stdin after it."""
+    data = await request.body()
+    return {"bytes": await node.write_stdin(sandbox_id, process_id, data, eof=eof)}
+
+
+@_router.post("/sandboxes/{sandbox_id}/processes/{process_id}/resize", status_code=204)
+async def _resize(node: Node, sandbox_id: str, process_id: str, request: Request) -> Response:
+    await node.resize_pty(sandbox_id, process_id, decode_pty_size(await request.json()))
     return Response(status_code=204)
 
 
