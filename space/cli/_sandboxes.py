@@ -5,6 +5,7 @@ The snapshot, hibernate, restore, fork and timeouts commands are in _lifecycle.p
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
@@ -22,6 +23,7 @@ from space.cli._common import (
     reports_errors,
 )
 from space.cli._egress import ALLOW_HELP, policy_of
+from space.cli._terminal import run_terminal, stdout_writer
 from space.sdk import CommandResult, Sandbox, SandboxInfo
 
 __all__ = ["cp", "create", "exec_", "ls", "pause", "resume", "rm"]
@@ -178,6 +180,12 @@ def resume(sandbox_ids: tuple[str, ...], api_url: str | None, api_key: str | Non
 @click.option("--user", default=None)
 @click.option("--timeout-s", default=300.0, show_default=True, type=float, help="0: none.")
 @click.option("--interactive", "-i", is_flag=True, help="Send this terminal's stdin.")
+@click.option(
+    "--tty",
+    "-t",
+    is_flag=True,
+    help="With -i: a terminal session (PTY, raw keys, Ctrl-C, resize), e.g. -it ID -- bash.",
+)
 @api_options
 @reports_errors
 def exec_(
@@ -188,6 +196,7 @@ def exec_(
     user: str | None,
     timeout_s: float,
     interactive: bool,
+    tty: bool,
     api_url: str | None,
     api_key: str | None,
 ) -> None:
@@ -195,9 +204,25 @@ def exec_(
 
     One word runs through the shell (``space exec ID -- 'ls | wc -l'``); several run as
     an argv, without a shell. Output streams live; the exit status is the command's
-    (128+N for signal N, 124 when it timed out).
+    (128+N for signal N, 124 when it timed out). ``-it`` runs it on a terminal: keys go
+    as typed (Ctrl-C included), the window size follows ours, and the command is killed
+    if this client goes away.
     """
+    if tty and not (interactive and _stdin_is_a_terminal()):
+        fail("-t wants -i and a terminal on stdin", 2)
     with connected(sandbox_id, api_url, api_key) as sandbox:
+        if tty:
+            result = run_terminal(
+                sandbox,
+                command[0] if len(command) == 1 else list(command),
+                env=_parse_env(env),
+                cwd=cwd,
+                user=user,
+                timeout_s=timeout_s or None,
+                stdin_fd=sys.stdin.fileno(),
+                write=stdout_writer(),
+            )
+            sys.exit(exit_status(result))
         result = sandbox.commands.run(
             command[0] if len(command) == 1 else list(command),
             env=_parse_env(env),
@@ -228,6 +253,13 @@ def _parse_env(pairs: tuple[str, ...]) -> dict[str, str]:
             fail(f"--env wants KEY=VALUE, got {pair!r}", 2)
         env[key] = value
     return env
+
+
+def _stdin_is_a_terminal() -> bool:
+    try:
+        return os.isatty(sys.stdin.fileno())
+    except (OSError, ValueError):  # no file descriptor at all (a test's buffer)
+        return False
 
 
 def _read_stdin() -> bytes:
