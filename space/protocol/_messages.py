@@ -93,6 +93,8 @@ class Op(enum.StrEnum):
     FILE_MKDIR = "file.mkdir"
     FILE_REMOVE = "file.remove"
     FILE_RENAME = "file.rename"
+    #: A directory's changes, streamed until cancelled (issue 20).
+    FILE_WATCH = "file.watch"
     SYSTEM_INFO = "system.info"
     SYSTEM_IDENTITY = "system.identity"
 

@@ -52,6 +52,7 @@ from space.sdk._sync import (
     Template,
 )
 from space.sdk._templates import AsyncTemplate
+from space.sdk._watch import AsyncDirWatcher, FilesystemEvent
 from space.sdk.errors import (
     AuthenticationError,
     BuildError,
@@ -71,6 +72,7 @@ from space.sdk.errors import (
 __all__ = [
     "AsyncCommandHandle",
     "AsyncCommands",
+    "AsyncDirWatcher",
     "AsyncFiles",
     "AsyncNetwork",
     "AsyncSandbox",
@@ -90,6 +92,7 @@ __all__ = [
     "EgressLog",
     "FileInfo",
     "Files",
+    "FilesystemEvent",
     "InsufficientCapacity",
     "InternalError",
     "InvalidArgument",

@@ -34,6 +34,7 @@ from space.sdk._network import AsyncNetwork
 from space.sdk._sandbox import AsyncSandbox, AsyncSandboxes
 from space.sdk._secrets import AsyncSecrets, AsyncSecretStore
 from space.sdk._templates import AsyncTemplate, AsyncTemplates
+from space.sdk._watch import AsyncDirWatcher, FilesystemEvent
 from space.sdk.errors import InvalidArgument
 
 __all__ = [
@@ -277,6 +278,11 @@ class Files(_Facade[AsyncFiles]):
 
     read.__doc__ = AsyncFiles.read.__doc__
 
+    def watch_dir(self, path: str, *, recursive: bool = False) -> Iterator[FilesystemEvent]:
+        """Changes of a directory as they happen (see AsyncFiles.watch_dir); closing the
+        iterator (or leaving it unfinished) stops the watch."""
+        return _watch_events(_LOOP.run(self._inner.watch_dir(path, recursive=recursive)))
+
     write = _blocking(AsyncFiles.write)
     list = _blocking(AsyncFiles.list)
     stat = _blocking(AsyncFiles.stat)
@@ -446,6 +452,22 @@ class Space(_Facade[AsyncSpace]):
 
 async def _made(factory: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
     return factory(*args, **kwargs)
+
+
+def _watch_events(watcher: AsyncDirWatcher) -> Iterator[FilesystemEvent]:
+    """A sync iterator over a watch; closing or abandoning it stops the watch."""
+    try:
+        while (event := _LOOP.run(_next_event(watcher))) is not None:
+            yield event
+    finally:
+        _LOOP.close_soon(watcher.aclose())
+
+
+async def _next_event(watcher: AsyncDirWatcher) -> FilesystemEvent | None:
+    try:
+        return await anext(watcher)
+    except StopAsyncIteration:
+        return None
 
 
 def _iterate(stream: ByteStream) -> Iterator[bytes]:

@@ -1,5 +1,6 @@
-"""Interactive processes on a real guest (issue 20): stdin in pieces, a PTY session
-with resize and Ctrl-C, through the node's NodeService on a booted VM."""
+"""Interactive processes and directory watches on a real guest (issue 20): stdin in
+pieces, a PTY session with resize and Ctrl-C, a recursive watch, through the node's
+NodeService on a booted VM."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from space.node.api import (
     NotFound,
     PtySize,
     SandboxSpec,
+    WatchEvent,
+    WatchStream,
 )
 
 from .conftest import NodeHarness
@@ -82,7 +85,38 @@ async def _pty_session(node: Node, sid: str) -> None:
     assert b"GOT-INT" in seen + out and exited.exit_code == 7
 
 
-def test_stdin_in_pieces_and_a_pty_session_with_resize_and_ctrl_c(
+async def _changes(stream: WatchStream, wanted: set[tuple[str, str]]) -> list[WatchEvent]:
+    seen: list[WatchEvent] = []
+    iterator = aiter(stream)
+    async with asyncio.timeout(60):
+        while not wanted <= {(e.type, e.name) for e in seen}:
+            seen.append(await anext(iterator))
+    return seen
+
+
+async def _recursive_watch(node: Node, sid: str) -> None:
+    async def run(cmd: str) -> None:
+        assert (await _end(await node.exec(sid, ExecRequest(cmd=cmd))))[1].exit_code == 0
+
+    await run("mkdir -p w/old")
+    stream = await node.watch_dir(sid, "w", recursive=True)
+    assert stream.path == "/home/user/w"
+    await run("echo 1 > w/old/f && mkdir -p w/new/inner && sleep 0.5 && echo 2 > w/new/inner/g")
+    await run("chmod 600 w/old/f && mv w/old/f w/old/h && rm w/old/h")
+    seen = await _changes(
+        stream,
+        {
+            ("create", "old/f"), ("write", "old/f"), ("create", "new"),
+            ("write", "new/inner/g"), ("chmod", "old/f"), ("rename", "old/f"),
+            ("create", "old/h"), ("remove", "old/h"),
+        },
+    )  # fmt: skip
+    assert next(e for e in seen if e.name == "new").is_dir
+    await stream.aclose()
+    await run("rm -rf w")
+
+
+def test_stdin_a_pty_session_with_resize_and_ctrl_c_and_a_recursive_watch(
     node: NodeHarness, record_property: Callable[[str, object], None]
 ) -> None:
     sid = "it-interactive"
@@ -90,6 +124,9 @@ def test_stdin_in_pieces_and_a_pty_session_with_resize_and_ctrl_c(
     try:
         latencies = node.run(_stdin_in_pieces(node.node, sid))
         node.run(_pty_session(node.node, sid))
+        started = time.monotonic()
+        node.run(_recursive_watch(node.node, sid))
+        record_property("recursive_watch_s", round(time.monotonic() - started, 2))
     finally:
         node.run(node.node.delete_sandbox(sid))
     median_ms = statistics.median(latencies) * 1000

@@ -1,4 +1,4 @@
-"""FakeNode's interactive stdin and PTY sizes (issue 20).
+"""FakeNode's interactive stdin, PTY sizes and directory watches (issue 20).
 
 A process started with ``open_stdin`` or ``pty`` takes ``write_stdin``: ``stdin`` holds
 what each (sandbox id, process id) got, ``stdin_closed`` the ones closed (eof);
@@ -9,6 +9,7 @@ InvalidArgument (more than MAX_INPUT_BYTES, a size out of range).
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 from space.node.api import (
@@ -18,10 +19,11 @@ from space.node.api import (
     NotFound,
     ProcessInfo,
     PtySize,
+    WatchEvent,
 )
 from space.protocol import MAX_INPUT_BYTES, MAX_PTY_SIZE
 
-__all__ = ["FakeStdio"]
+__all__ = ["FakeStdio", "FakeWatchStream", "FakeWatches"]
 
 _Key = tuple[str, str]
 
@@ -81,3 +83,44 @@ class FakeStdio:
 def _check_size(size: PtySize) -> None:
     if not (1 <= size.rows <= MAX_PTY_SIZE and 1 <= size.cols <= MAX_PTY_SIZE):
         raise InvalidArgument(f"pty rows and cols must be 1 to {MAX_PTY_SIZE}")
+
+
+class FakeWatchStream:
+    """A watch that yields its scripted events, then ends (the directory removed)."""
+
+    def __init__(self, path: str, events: list[WatchEvent]) -> None:
+        self.path = path
+        self._events = events
+        self.closed = False
+
+    async def __aiter__(self) -> AsyncIterator[WatchEvent]:
+        for event in self._events:
+            yield event
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+class FakeWatches:
+    """FakeNode's watch_dir: ``watch_events[sandbox_id]`` is what a watch yields (set it
+    in a test); ``watch_streams`` every watch opened. NotFound for a path that is no
+    directory or file of the box, InvalidArgument for a file."""
+
+    def __init__(self) -> None:
+        self.watch_events: dict[str, list[WatchEvent]] = {}
+        self.watch_streams: list[tuple[str, str, bool, FakeWatchStream]] = []
+
+    def _box(self, method: str, sandbox_id: str) -> Any:
+        raise NotImplementedError  # FakeNode's
+
+    async def watch_dir(
+        self, sandbox_id: str, path: str, *, recursive: bool = False, user: str = "user"
+    ) -> FakeWatchStream:
+        box = self._box("watch_dir", sandbox_id)
+        if path in box.files:
+            raise InvalidArgument(f"{path} is not a directory", sandbox_id=sandbox_id)
+        if path not in box.dirs:
+            raise NotFound(f"no directory {path}", sandbox_id=sandbox_id)
+        stream = FakeWatchStream(path, list(self.watch_events.get(sandbox_id, [])))
+        self.watch_streams.append((sandbox_id, path, recursive, stream))
+        return stream

@@ -43,7 +43,7 @@ from space.node.api import (
 from tests.unit._fake_archives import FakeArchives, FakeArchiveStore
 from tests.unit._fake_egress import FakeEgress
 from tests.unit._fake_moves import FakeMoves
-from tests.unit._fake_stdio import FakeStdio
+from tests.unit._fake_stdio import FakeStdio, FakeWatches
 from tests.unit._fake_templates import FakeTemplates
 
 CHUNK = 1024 * 1024
@@ -140,7 +140,7 @@ class _Snapshot:
     contents: _Box
 
 
-class FakeNode(FakeTemplates, FakeEgress, FakeMoves, FakeArchives, FakeStdio):
+class FakeNode(FakeTemplates, FakeEgress, FakeMoves, FakeArchives, FakeStdio, FakeWatches):
     """An in-memory NodeService. ``calls`` records (method, sandbox_id) of every call.
 
     ``pools`` and ``capacity`` are what ``info`` reports as the node's warm pools and
@@ -160,6 +160,7 @@ class FakeNode(FakeTemplates, FakeEgress, FakeMoves, FakeArchives, FakeStdio):
         FakeMoves.__init__(self)
         FakeArchives.__init__(self, store)
         FakeStdio.__init__(self)
+        FakeWatches.__init__(self)
         self.node_id = node_id
         self.boxes: dict[str, _Box] = {}
         self.calls: list[tuple[str, str]] = []

@@ -1,5 +1,6 @@
-"""Interactive stdin, PTY sizes and process tags (issue 20) through each host layer over
-a FakeNode: the node's HTTP API and RemoteNode, the REST API, the SDK."""
+"""Interactive stdin, PTY sizes, process tags and directory watches (issue 20) through
+each host layer over a FakeNode: the node's HTTP API and RemoteNode, the REST API, the
+SDK."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from space.node.api import (
     NotFound,
     PtySize,
     SandboxSpec,
+    WatchEvent,
 )
 from space.sdk import PtySize as SdkPtySize
 from space.sdk.errors import Conflict as SdkConflict
@@ -181,3 +183,45 @@ async def test_sdk_on_start_gives_a_foreground_run_its_handle(api: LiveApi) -> N
         result = await sandbox.commands.run("cat", open_stdin=True, on_start=handles.append)
     assert result.exit_code == 0 and handles[0].process_id == "p1"
     assert api.exec_bodies[-1]["open_stdin"] is True
+
+
+_CHANGES = [
+    WatchEvent("create", "/home/user/d/a", "a", False),
+    WatchEvent("dropped", count=7),
+    WatchEvent("rename", "/home/user/d/sub", "sub", True),
+]
+
+
+async def test_remote_node_streams_watch_events_and_closing_releases_the_watch() -> None:
+    node = FakeNode()
+    async with remote(node) as client:
+        await client.create_sandbox(SandboxSpec("sb-1"))
+        node.boxes["sb-1"].dirs.add("/home/user/d")
+        node.boxes["sb-1"].files["/home/user/f"] = b""
+        node.watch_events["sb-1"] = _CHANGES
+        stream = await client.watch_dir("sb-1", "/home/user/d", recursive=True)
+        events = [event async for event in stream]
+        await stream.aclose()
+        with pytest.raises(NotFound):
+            await client.watch_dir("sb-1", "/home/user/missing")
+        with pytest.raises(InvalidArgument):
+            await client.watch_dir("sb-1", "/home/user/f")
+    assert (stream.path, events) == ("/home/user/d", _CHANGES)
+    assert node.watch_streams[0][2] is True and node.watch_streams[0][3].closed
+
+
+async def test_rest_watch_answers_ndjson_and_the_sdk_iterates_it(api: LiveApi) -> None:
+    async with await _create(api) as sandbox:
+        api.node.boxes[sandbox.sandbox_id].dirs.add("/home/user/d")
+        api.node.watch_events[sandbox.sandbox_id] = _CHANGES
+        async with await sandbox.files.watch_dir("/home/user/d", recursive=True) as watcher:
+            events = [event async for event in watcher]
+        with pytest.raises(SdkNotFound):
+            await sandbox.files.watch_dir("/home/user/missing")
+    assert watcher.path == "/home/user/d"
+    assert [(e.type, e.name, e.is_dir, e.count) for e in events] == [
+        ("create", "a", False, 0),
+        ("dropped", "", False, 7),
+        ("rename", "sub", True, 0),
+    ]
+    assert api.node.watch_streams[0][3].closed  # released when the stream ended

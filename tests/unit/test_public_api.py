@@ -9,7 +9,8 @@ import space.sdk
 import space.sdk.errors
 
 SDK_NAMES = {
-    "AsyncCommandHandle", "AsyncCommands", "AsyncFiles", "AsyncSandbox", "AsyncTemplate",
+    "AsyncCommandHandle", "AsyncCommands", "AsyncDirWatcher", "AsyncFiles", "FilesystemEvent",
+    "AsyncSandbox", "AsyncTemplate",
     "BuildError", "Template", "TemplateInfo",
     "AuthenticationError", "ByteStream", "CommandExitError", "CommandHandle",
     "CommandResult", "Commands", "Conflict", "ConnectionConfig", "FileInfo", "Files",
@@ -41,7 +42,7 @@ NODE_API_NAMES = {
     "InvalidArgument", "MAX_BUILD_LOG_BYTES", "MAX_EGRESS_LOG_EVENTS", "MAX_FORK_CHILDREN",
     "MAX_GRANTS", "NDJSON", "NODE_API_PREFIX", "NodeError", "NodeInfo", "NodeService", "NotFound",
     "PermissionDenied", "PolicyBounds", "PoolInfo", "ProcessInfo", "PtySize", "ResourceExhausted",
-    "STATUS_BY_CODE",
+    "STATUS_BY_CODE", "WatchEvent", "WatchStream", "decode_watch_event", "watch_lines",
     "SandboxSpec", "SandboxState", "SandboxStatus", "SecretGrant", "SnapshotInfo", "TENANT_PREFIX",
     "TemplateInfo", "Timeout", "Unavailable", "Verdict", "blocked_category",
     "build_event_line", "build_lines", "check_grants", "check_header_name",

@@ -23,6 +23,7 @@ from space.node.api import (
     PtySize,
     SandboxState,
     Unavailable,
+    WatchStream,
 )
 from space.node.channel import GuestChannel
 from space.node.network.trust import TRUST_ENV
@@ -76,6 +77,12 @@ class GuestOps:
     ) -> FileStat:
         channel = await self.channel(sandbox_id)
         return await channel.write_file(path, data, user=user, mode=mode)
+
+    async def watch_dir(
+        self, sandbox_id: str, path: str, *, recursive: bool = False, user: str = "user"
+    ) -> WatchStream:
+        channel = await self.channel(sandbox_id)
+        return await channel.watch_dir(path, recursive=recursive, user=user)
 
     async def list_dir(self, sandbox_id: str, path: str, user: str = "user") -> list[FileStat]:
         return await (await self.channel(sandbox_id)).list_dir(path, user)

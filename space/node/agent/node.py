@@ -50,6 +50,7 @@ from space.node.api import (
     SecretGrant,
     SnapshotInfo,
     TemplateInfo,
+    WatchStream,
 )
 from space.node.artifacts import SealedStore, open_artifact_store
 from space.node.core.config import NodeConfig, resolve_node_id
@@ -299,6 +300,11 @@ class Node:
 
     async def resize_pty(self, sandbox_id: str, process_id: str, size: PtySize) -> None:
         await self.guest.resize_pty(sandbox_id, process_id, size)
+
+    async def watch_dir(
+        self, sandbox_id: str, path: str, *, recursive: bool = False, user: str = "user"
+    ) -> WatchStream:
+        return await self.guest.watch_dir(sandbox_id, path, recursive=recursive, user=user)
 
     async def read_file(self, sandbox_id: str, path: str, user: str = "user") -> FileReader:
         return await self.guest.read_file(sandbox_id, path, user)

@@ -70,6 +70,8 @@ from space.node.api.interface import (
     SecretGrant,
     SnapshotInfo,
     TemplateInfo,
+    WatchEvent,
+    WatchStream,
     snapshot_archive,
 )
 from space.node.api.secret_grants import (
@@ -101,6 +103,7 @@ from space.node.api.wire import (
     decode_pty_size,
     decode_snapshot_id,
     decode_templates,
+    decode_watch_event,
     encode,
     encode_exec_request,
     encode_grants,
@@ -108,6 +111,7 @@ from space.node.api.wire import (
     error_line,
     event_line,
     ndjson_lines,
+    watch_lines,
 )
 
 __all__ = [
@@ -165,6 +169,8 @@ __all__ = [
     "Timeout",
     "Unavailable",
     "Verdict",
+    "WatchEvent",
+    "WatchStream",
     "blocked_category",
     "build_event_line",
     "build_lines",
@@ -183,6 +189,7 @@ __all__ = [
     "decode_pty_size",
     "decode_snapshot_id",
     "decode_templates",
+    "decode_watch_event",
     "encode",
     "encode_exec_request",
     "encode_grants",
@@ -196,4 +203,5 @@ __all__ = [
     "normalize_name",
     "parse_ip_literal",
     "snapshot_archive",
+    "watch_lines",
 ]

@@ -44,6 +44,8 @@ __all__ = [
     "SecretGrant",
     "SnapshotInfo",
     "TemplateInfo",
+    "WatchEvent",
+    "WatchStream",
     "snapshot_archive",
 ]
 
@@ -264,6 +266,37 @@ class FileReader(Protocol):
     stat: FileStat
 
     def __aiter__(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
+WatchEventType = Literal["create", "write", "remove", "rename", "chmod", "dropped"]
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    """One change in a watched directory (issue 20), or ``dropped``: ``count`` changes
+    lost because the watcher fell behind. ``path`` is absolute in the guest, ``name``
+    relative to the watched directory; ``rename`` is the old name (the new one comes as
+    ``create``)."""
+
+    type: WatchEventType
+    path: str = ""
+    name: str = ""
+    is_dir: bool = False
+    count: int = 0
+
+
+class WatchStream(Protocol):
+    """A directory being watched: ``path`` (resolved) is watched, events follow.
+
+    Iterating yields WatchEvents as they happen and ends when the directory itself is
+    removed. ``aclose`` stops the watch and releases it in the guest.
+    """
+
+    path: str
+
+    def __aiter__(self) -> AsyncIterator[WatchEvent]: ...
 
     async def aclose(self) -> None: ...
 
@@ -509,6 +542,11 @@ class NodeService(Protocol):
     Conflict for one that has exited, has its stdin closed, or has none open (for
     resize_pty: has no PTY), InvalidArgument for too much data or a size out of range.
 
+    watch_dir watches a guest directory (and, if ``recursive``, its subdirectories) and
+    returns once the watch is in place; NotFound for a missing path, InvalidArgument for
+    one that is not a directory, ResourceExhausted past the guest's bounds (64 watches,
+    8,192 directories). Closing the stream releases the watch.
+
     Moves (issue 19) pull a hibernated sandbox from its node (the source) to another
     (the target): ``export_sandbox`` on the source (the sandbox HIBERNATED; Conflict
     otherwise) holds it still (no wake, restore or second export: Conflict) and
@@ -571,6 +609,10 @@ class NodeService(Protocol):
     ) -> int: ...
 
     async def resize_pty(self, sandbox_id: str, process_id: str, size: PtySize) -> None: ...
+
+    async def watch_dir(
+        self, sandbox_id: str, path: str, *, recursive: bool = False, user: str = "user"
+    ) -> WatchStream: ...
 
     async def read_file(self, sandbox_id: str, path: str, user: str = "user") -> FileReader: ...
 

@@ -49,6 +49,7 @@ from space.node.channel._streams import (
     GuestStream,
     ResultParser,
 )
+from space.node.channel._watch import ChannelWatchStream
 from space.protocol import (
     MAX_INPUT_BYTES,
     MAX_PTY_SIZE,
@@ -344,6 +345,34 @@ class GuestChannel(ChannelCore):
         value = await self._call(stream, lambda: self._next_item(stream))
         assert isinstance(value, FileStat)
         return value
+
+    async def watch_dir(
+        self, path: str, *, recursive: bool = False, user: str = "user"
+    ) -> ChannelWatchStream:
+        """Watch a guest directory; returns once the guest's watches are in place.
+
+        Raises NotFound (no such path), InvalidArgument (not a directory),
+        ResourceExhausted (the guest's bounds), Timeout, Unavailable. Iterating waits
+        for the next change as long as the guest is alive; ``aclose`` releases the watch.
+        """
+
+        def watching(event: dict[str, object]) -> object:
+            parse.expect_event(event, "watching")
+            return parse.require_str(event, "path", max_chars=4096)
+
+        request = {"op": "file.watch", "path": path, "recursive": recursive, "user": user}
+        stream = await self._open_stream(
+            request, lambda m: None, watching, max_events=1, accepts_data=True
+        )
+        resolved = await self._call(stream, lambda: self._next_item(stream))
+        assert isinstance(resolved, str)
+        return ChannelWatchStream(
+            resolved,
+            lambda: self._call(stream, lambda: self._next_item(stream)),
+            lambda: self._abandon(stream),
+            self._fail,
+            self._sandbox_id,
+        )
 
     async def list_dir(self, path: str, user: str = "user") -> list[FileStat]:
         """Entries of a guest directory (lstat; at most 10,000)."""

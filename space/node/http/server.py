@@ -13,7 +13,9 @@ body and answers the build's NDJSON events (its id in ``X-Build-Id``); ``GET`` l
 ``DELETE /templates/{ref}`` deletes (``name``, ``name:tag``, ``name@digest``). A process
 started with ``open_stdin`` or ``pty`` takes input as the raw body of ``POST
 /sandboxes/{id}/processes/{pid}/stdin`` (``?eof=true`` closes it; answers ``{"bytes":
-n}``) and a new window size as ``POST .../resize`` ``{"rows", "cols"}`` (204). A
+n}``) and a new window size as ``POST .../resize`` ``{"rows", "cols"}`` (204); ``GET
+/sandboxes/{id}/files/watch?path=&recursive=`` answers a directory's changes as NDJSON
+(``watch_lines``). A
 sandbox's egress policy is ``PUT /sandboxes/{id}/egress`` with ``{"policy": {...} |
 null}`` (204); ``GET /sandboxes/{id}/egress/log?limit=N`` (1 to MAX_EGRESS_LOG_EVENTS,
 default 100) answers ``{"events": [EgressEvent, ...], "dropped": N}``, oldest first
@@ -70,6 +72,7 @@ from space.node.api import (
     encode,
     encode_templates,
     ndjson_lines,
+    watch_lines,
 )
 from space.node.api.http_connections import (
     HEADER_TIMEOUT_S,
@@ -280,6 +283,14 @@ async def _write(
 ) -> Any:
     stat = await node.write_file(sandbox_id, path, _chunks(request), user=user, mode=mode)
     return encode(stat)
+
+
+@_router.get("/sandboxes/{sandbox_id}/files/watch")
+async def _watch(
+    node: Node, sandbox_id: str, path: str, recursive: bool = False, user: str = "user"
+) -> StreamingResponse:
+    stream = await node.watch_dir(sandbox_id, path, recursive=recursive, user=user)
+    return StreamingResponse(watch_lines(stream), media_type=NDJSON)
 
 
 @_router.get("/sandboxes/{sandbox_id}/files/list")
