@@ -196,9 +196,8 @@ class _Watcher:
                 "path": path,
                 "name": os.path.relpath(path, self.root),
                 "is_dir": is_dir,
-            },
-            ensure_ascii=False,
-        )
+            }
+        )  # ASCII: a name that is no UTF-8 (surrogate escapes) travels as \udcXX
         if line in self.pending:
             return  # coalesced with the same event still waiting
         if len(self.pending) >= MAX_PENDING_EVENTS:

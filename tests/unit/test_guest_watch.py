@@ -143,3 +143,20 @@ def test_a_waiting_event_absorbs_its_repeats_and_a_full_queue_counts_drops() -> 
     assert (len(watcher.pending), watcher.dropped) == (_watch.MAX_PENDING_EVENTS, 6)
     first = watcher.take().split(b"\n")[0]
     assert first == b'{"type": "dropped", "count": 6}' and watcher.dropped == 0
+
+
+def test_a_name_that_is_no_utf8_is_reported_without_breaking_the_channel(
+    tmp_path: Path,
+) -> None:
+    watched = tmp_path / "bytes"
+    watched.mkdir()
+
+    async def body(channel: GuestChannel, guest: Guest) -> None:
+        stream = await channel.watch_dir(str(watched))
+        os.close(os.open(os.path.join(os.fsencode(watched), b"caf\xe9"), os.O_CREAT | os.O_WRONLY))
+        (event,) = await collect(stream, 1)
+        assert (event.type, os.fsencode(event.name)) == ("create", b"caf\xe9")
+        await stream.aclose()
+        assert not channel.closed
+
+    run_with_channel(tmp_path, body)
