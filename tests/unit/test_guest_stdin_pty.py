@@ -4,6 +4,7 @@ subprocess (--stdio) driven through GuestChannel."""
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from space.node.channel import GuestChannel
 from space.protocol import MAX_INPUT_BYTES, MAX_PTY_SIZE
 
 from ._guest_harness import Guest, run_with_channel
+from .fakes import wait_for
 
 
 async def read_until(stream: ExecStream, needle: bytes, seen: bytearray) -> None:
@@ -146,5 +148,29 @@ def test_negative_pty_sizes_out_of_range_and_resizes_without_a_pty_are_refused(
         await channel.kill_process(plain.process_id)
         with pytest.raises(InvalidArgument, match="tag"):
             await channel.exec(ExecRequest(argv=["true"], tag="no spaces"))
+
+    run_with_channel(tmp_path, body)
+
+
+def _alive(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}")
+
+
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_closing_a_pty_exec_kills_its_process_and_spaced_keeps_no_descriptor(
+    tmp_path: Path,
+) -> None:
+    async def body(channel: GuestChannel, guest: Guest) -> None:
+        spaced = guest.proc.pid
+        before = _open_fds(spaced)
+        stream = await channel.exec(ExecRequest(argv=["sleep", "300"], pty=PtySize()))
+        assert _alive(stream.pid)
+        await stream.aclose()  # the client went away
+        await wait_for(lambda: not _alive(stream.pid) and _open_fds(spaced) <= before, 10)
+        with pytest.raises(NotFound):
+            await channel.write_stdin(stream.process_id, b"x")
 
     run_with_channel(tmp_path, body)
