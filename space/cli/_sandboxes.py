@@ -10,6 +10,7 @@ import re
 import sys
 import time
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 import click
 
@@ -23,15 +24,13 @@ from space.cli._common import (
     reports_errors,
 )
 from space.cli._egress import ALLOW_HELP, policy_of
-from space.cli._terminal import run_terminal, stdout_writer
+from space.cli._terminal import run_piped, run_terminal, stdout_writer
 from space.sdk import CommandResult, Sandbox, SandboxInfo
 
 __all__ = ["cp", "create", "exec_", "ls", "pause", "resume", "rm"]
 
 #: Exit status of ``space exec`` when the command hit its timeout (as timeout(1) does).
 EXIT_TIMED_OUT = 124
-#: ``-i`` forwards at most this much of stdin (the API carries stdin as one text field).
-MAX_STDIN_BYTES = 16 << 20
 #: ``ID:/path`` names a path in a sandbox; anything else is local (``./a:b`` stays local).
 _REMOTE = re.compile(r"^(?P<id>[A-Za-z0-9][A-Za-z0-9_-]*):(?P<path>.+)$")
 
@@ -179,7 +178,9 @@ def resume(sandbox_ids: tuple[str, ...], api_url: str | None, api_key: str | Non
 @click.option("--cwd", default=None)
 @click.option("--user", default=None)
 @click.option("--timeout-s", default=300.0, show_default=True, type=float, help="0: none.")
-@click.option("--interactive", "-i", is_flag=True, help="Send this terminal's stdin.")
+@click.option(
+    "--interactive", "-i", is_flag=True, help="Stream our stdin to the command as it comes."
+)
 @click.option(
     "--tty",
     "-t",
@@ -223,16 +224,19 @@ def exec_(
                 write=stdout_writer(),
             )
             sys.exit(exit_status(result))
-        result = sandbox.commands.run(
-            command[0] if len(command) == 1 else list(command),
-            env=_parse_env(env),
-            cwd=cwd,
-            user=user,
-            stdin=_read_stdin() if interactive else None,
-            timeout_s=timeout_s or None,
-            on_stdout=lambda text: click.echo(text, nl=False),
-            on_stderr=lambda text: click.echo(text, nl=False, err=True),
-        )
+        options: dict[str, Any] = {
+            "env": _parse_env(env),
+            "cwd": cwd,
+            "user": user,
+            "timeout_s": timeout_s or None,
+            "on_stdout": lambda text: click.echo(text, nl=False),
+            "on_stderr": lambda text: click.echo(text, nl=False, err=True),
+        }
+        argv = command[0] if len(command) == 1 else list(command)
+        if interactive:
+            result = run_piped(sandbox, argv, stdin=sys.stdin.buffer, **options)
+        else:
+            result = sandbox.commands.run(argv, **options)
     sys.exit(exit_status(result))
 
 
@@ -260,13 +264,6 @@ def _stdin_is_a_terminal() -> bool:
         return os.isatty(sys.stdin.fileno())
     except (OSError, ValueError):  # no file descriptor at all (a test's buffer)
         return False
-
-
-def _read_stdin() -> bytes:
-    data = sys.stdin.buffer.read(MAX_STDIN_BYTES + 1)
-    if len(data) > MAX_STDIN_BYTES:
-        fail(f"stdin is larger than {MAX_STDIN_BYTES} bytes", 2)
-    return data
 
 
 @click.command()

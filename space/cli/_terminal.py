@@ -1,4 +1,9 @@
-"""``space exec -it``: a terminal session in a sandbox (issue 20).
+"""``space exec -i`` and ``-it`` (issue 20): our stdin streamed to a command as it
+comes, or a terminal session in a sandbox.
+
+With ``-i`` alone, stdin (a pipe, a file, a terminal line by line) is read in pieces
+and each piece written to the command's stdin as it arrives, then closed at its end:
+``tail -f log | space exec -i ID -- grep x`` works, whatever the size.
 
 The command runs on a pseudo-terminal in the guest the size of ours; our terminal goes
 to raw mode (every key, Ctrl-C included, is sent as typed: a 0x03 reaches the guest's
@@ -21,17 +26,43 @@ import threading
 import tty
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import FrameType
-from typing import Any
+from typing import Any, BinaryIO
 
 from space.sdk import CommandHandle, CommandResult, PtySize, Sandbox
-from space.sdk.errors import Conflict, NotFound
+from space.sdk.errors import Conflict, NotFound, SpaceError
 
-__all__ = ["run_terminal"]
+__all__ = ["run_piped", "run_terminal", "stdout_writer"]
 
 #: Most bytes read from the terminal per request (a paste arrives in a few of them).
 _READ_BYTES = 64 * 1024
 #: How often the input loop looks at the session's end and at a pending resize.
 _POLL_S = 0.1
+
+
+def run_piped(
+    sandbox: Sandbox, command: str | Sequence[str], *, stdin: BinaryIO, **options: Any
+) -> CommandResult:
+    """Run ``command`` (``options`` as commands.run's) with ``stdin`` streamed to it."""
+
+    def started(handle: CommandHandle) -> None:  # on the SDK's loop: hand over at once
+        feeder = threading.Thread(
+            target=_feed, args=(handle, stdin), name="space-exec-stdin", daemon=True
+        )
+        feeder.start()
+
+    result: CommandResult = sandbox.commands.run(
+        command, open_stdin=True, on_start=started, **options
+    )
+    return result
+
+
+def _feed(handle: CommandHandle, stdin: BinaryIO) -> None:
+    try:
+        while chunk := stdin.read1(_READ_BYTES):  # type: ignore[attr-defined]
+            handle.send_stdin(chunk)
+        handle.close_stdin()
+    except SpaceError:
+        pass  # the command ended first (or the run failed, which the run reports)
 
 
 def run_terminal(

@@ -1,14 +1,17 @@
-"""``space exec -it`` (issue 20): a PTY the size of our terminal, raw mode restored."""
+"""``space exec -it`` and ``-i`` (issue 20): a PTY the size of our terminal, raw mode
+restored; stdin streamed in pieces."""
 
 from __future__ import annotations
 
 import fcntl
+import io
 import os
 import struct
 import termios
 
-from space.cli._terminal import run_terminal
+from space.cli._terminal import _feed, run_terminal
 from space.sdk import Sandbox
+from space.sdk.errors import Conflict
 from tests.unit._live_api import LiveApi
 from tests.unit.test_cli import _space, fake, sid
 
@@ -46,3 +49,31 @@ def test_negative_exec_t_without_a_terminal_exits_2_and_runs_nothing(
     result = _space(fake, "exec", sid, "-it", "--", "bash", stdin=b"")
     assert result.exit_code == 2 and "terminal" in result.output
     assert fake.exec_bodies == []
+
+
+class _Handle:
+    def __init__(self, refuse_after: int | None = None) -> None:
+        self.sent: list[bytes] = []
+        self.closed = False
+        self._refuse_after = refuse_after
+
+    def send_stdin(self, data: bytes) -> None:
+        if self._refuse_after is not None and len(self.sent) >= self._refuse_after:
+            raise Conflict("the process has exited")
+        self.sent.append(data)
+
+    def close_stdin(self) -> None:
+        self.closed = True
+
+
+def test_exec_i_streams_stdin_in_pieces_then_closes_it() -> None:
+    data = os.urandom(200_000)  # several reads
+    handle = _Handle()
+    _feed(handle, io.BufferedReader(io.BytesIO(data)))  # type: ignore[arg-type]
+    assert b"".join(handle.sent) == data and len(handle.sent) > 1 and handle.closed
+
+
+def test_negative_exec_i_stops_feeding_a_command_that_ended_first() -> None:
+    handle = _Handle(refuse_after=1)
+    _feed(handle, io.BufferedReader(io.BytesIO(os.urandom(200_000))))  # type: ignore[arg-type]
+    assert len(handle.sent) == 1 and not handle.closed
