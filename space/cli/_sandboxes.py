@@ -24,7 +24,7 @@ from space.cli._common import (
     reports_errors,
 )
 from space.cli._egress import ALLOW_HELP, policy_of
-from space.cli._terminal import run_piped, run_terminal, stdout_writer
+from space.cli._terminal import run_piped, run_terminal, stdin_reader, stdout_writer
 from space.sdk import CommandResult, Sandbox, SandboxInfo
 
 __all__ = ["cp", "create", "exec_", "ls", "pause", "resume", "rm"]
@@ -234,7 +234,7 @@ def exec_(
         }
         argv = command[0] if len(command) == 1 else list(command)
         if interactive:
-            result = run_piped(sandbox, argv, stdin=sys.stdin.buffer, **options)
+            result = run_piped(sandbox, argv, read=stdin_reader(sys.stdin.buffer), **options)
         else:
             result = sandbox.commands.run(argv, **options)
     sys.exit(exit_status(result))

@@ -31,7 +31,7 @@ from typing import Any, BinaryIO
 from space.sdk import CommandHandle, CommandResult, PtySize, Sandbox
 from space.sdk.errors import Conflict, NotFound, SpaceError
 
-__all__ = ["run_piped", "run_terminal", "stdout_writer"]
+__all__ = ["run_piped", "run_terminal", "stdin_reader", "stdout_writer"]
 
 #: Most bytes read from the terminal per request (a paste arrives in a few of them).
 _READ_BYTES = 64 * 1024
@@ -39,14 +39,30 @@ _READ_BYTES = 64 * 1024
 _POLL_S = 0.1
 
 
+def stdin_reader(stdin: BinaryIO) -> Callable[[int], bytes]:
+    """How to read ``stdin`` in pieces: ``os.read`` on its descriptor, which holds no
+    lock of the interpreter's (a daemon thread blocked in a buffered read can make the
+    interpreter's exit fail), else the stream's own ``read1`` (no descriptor: a test's)."""
+    try:
+        fd = stdin.fileno()
+    except (OSError, ValueError):
+        return stdin.read1  # type: ignore[attr-defined,no-any-return]
+    return lambda size: os.read(fd, size)
+
+
 def run_piped(
-    sandbox: Sandbox, command: str | Sequence[str], *, stdin: BinaryIO, **options: Any
+    sandbox: Sandbox,
+    command: str | Sequence[str],
+    *,
+    read: Callable[[int], bytes],
+    **options: Any,
 ) -> CommandResult:
-    """Run ``command`` (``options`` as commands.run's) with ``stdin`` streamed to it."""
+    """Run ``command`` (``options`` as commands.run's) with what ``read`` gives streamed
+    to its stdin, piece by piece, then closed (``read`` answers b"" at the end)."""
 
     def started(handle: CommandHandle) -> None:  # on the SDK's loop: hand over at once
         feeder = threading.Thread(
-            target=_feed, args=(handle, stdin), name="space-exec-stdin", daemon=True
+            target=_feed, args=(handle, read), name="space-exec-stdin", daemon=True
         )
         feeder.start()
 
@@ -56,9 +72,9 @@ def run_piped(
     return result
 
 
-def _feed(handle: CommandHandle, stdin: BinaryIO) -> None:
+def _feed(handle: CommandHandle, read: Callable[[int], bytes]) -> None:
     try:
-        while chunk := stdin.read1(_READ_BYTES):  # type: ignore[attr-defined]
+        while chunk := read(_READ_BYTES):  # as it comes, not the whole
             handle.send_stdin(chunk)
         handle.close_stdin()
     except SpaceError:

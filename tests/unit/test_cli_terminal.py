@@ -9,7 +9,7 @@ import os
 import struct
 import termios
 
-from space.cli._terminal import _feed, run_terminal
+from space.cli._terminal import _feed, run_terminal, stdin_reader
 from space.sdk import Sandbox
 from space.sdk.errors import Conflict
 from tests.unit._live_api import LiveApi
@@ -63,17 +63,23 @@ class _Handle:
         self.sent.append(data)
 
     def close_stdin(self) -> None:
+        if self._refuse_after is not None and len(self.sent) >= self._refuse_after:
+            raise Conflict("the process has exited")
         self.closed = True
 
 
 def test_exec_i_streams_stdin_in_pieces_then_closes_it() -> None:
     data = os.urandom(200_000)  # several reads
     handle = _Handle()
-    _feed(handle, io.BufferedReader(io.BytesIO(data)))  # type: ignore[arg-type]
+    _feed(handle, stdin_reader(io.BufferedReader(io.BytesIO(data))))  # type: ignore[arg-type]
     assert b"".join(handle.sent) == data and len(handle.sent) > 1 and handle.closed
 
 
 def test_negative_exec_i_stops_feeding_a_command_that_ended_first() -> None:
     handle = _Handle(refuse_after=1)
-    _feed(handle, io.BufferedReader(io.BytesIO(os.urandom(200_000))))  # type: ignore[arg-type]
+    read_fd, write_fd = os.pipe()  # a real descriptor: read with os.read
+    os.write(write_fd, os.urandom(60_000))
+    os.close(write_fd)
+    with open(read_fd, "rb") as stdin:
+        _feed(handle, stdin_reader(stdin))  # type: ignore[arg-type]
     assert len(handle.sent) == 1 and not handle.closed
