@@ -31,6 +31,7 @@ from space.sdk._models import (
     FileInfo,
     PoolInfo,
     ProcessInfo,
+    PtySize,
     SandboxInfo,
     SecretBinding,
     SecretInfo,
@@ -51,6 +52,7 @@ from space.sdk._sync import (
     Template,
 )
 from space.sdk._templates import AsyncTemplate
+from space.sdk._watch import AsyncDirWatcher, FilesystemEvent
 from space.sdk.errors import (
     AuthenticationError,
     BuildError,
@@ -70,6 +72,7 @@ from space.sdk.errors import (
 __all__ = [
     "AsyncCommandHandle",
     "AsyncCommands",
+    "AsyncDirWatcher",
     "AsyncFiles",
     "AsyncNetwork",
     "AsyncSandbox",
@@ -89,6 +92,7 @@ __all__ = [
     "EgressLog",
     "FileInfo",
     "Files",
+    "FilesystemEvent",
     "InsufficientCapacity",
     "InternalError",
     "InvalidArgument",
@@ -97,6 +101,7 @@ __all__ = [
     "PermissionDenied",
     "PoolInfo",
     "ProcessInfo",
+    "PtySize",
     "ResourceExhausted",
     "Sandbox",
     "SandboxInfo",

@@ -10,6 +10,10 @@ checking the sandbox is whole (``_check_whole``): it runs, the file and the back
 process its origin started are there, its network and secret still work where it has
 them, and the node holds no volume or VM that no record names.
 
+The stdin, pty and watch cells (issue 20) feed a background ``cat`` in pieces and find
+it by tag, drive a PTY session through a resize and a Ctrl-C, and watch a directory
+recursively, on every origin.
+
 The follow-ups ride on the same cells: the fork cell of the ``fork-child`` origin forks
 a fork, the snapshot cell of ``restored`` snapshots a restored sandbox, and
 ``re-adopted`` is a warm-pool hit that lived through a node restart before its
@@ -39,7 +43,7 @@ import httpx
 import pytest
 
 from space import Sandbox
-from space.sdk import NotFound, Secrets, SnapshotInfo, Template, allow
+from space.sdk import NotFound, PtySize, Secrets, SnapshotInfo, Template, allow
 
 from ..egress_world import UPSTREAM, World, egress_world
 from .platform import Platform, qemu_pids, remote_node, running_platform, shared_node_key
@@ -409,6 +413,51 @@ class TestEveryOperation:
         assert [f.name for f in sandbox.files.list("/home/user/cell")] == ["moved"]
         sandbox.files.remove("/home/user/cell", recursive=True)
         assert not sandbox.files.exists("/home/user/cell")
+        _check_whole(subject)
+
+    def test_stdin(self, subject: Subject) -> None:
+        sandbox = subject.sandbox
+        handle = sandbox.commands.run("cat", background=True, open_stdin=True, tag="cell-in")
+        handle.send_stdin("one ")
+        handle.send_stdin(b"two")
+        sandbox.commands.connect(tag="cell-in").close_stdin()
+        result = handle.wait(timeout_s=_WAIT_S)
+        assert (result.stdout, result.exit_code) == ("one two", 0)
+        _check_whole(subject)
+
+    def test_pty(self, subject: Subject) -> None:
+        sandbox, log = subject.sandbox, "/tmp/cell-pty.log"
+        script = (
+            f"trap 'echo GOT-INT; exit 7' INT; stty size | tee {log}; "
+            f'while read l; do echo "line:$l"; stty size | tee -a {log}; done'
+        )
+        handle = sandbox.commands.run(["sh", "-c", script], background=True, pty=PtySize(30, 100))
+
+        def logged(text: str) -> bool:  # by cat: a file read races the writes to it
+            return text in _sh(sandbox, f"cat {log} 2>/dev/null || true")
+
+        _wait(lambda: logged("30 100"), "the PTY's first size")
+        handle.resize(PtySize(50, 132))
+        handle.send_stdin("hello\n")
+        _wait(lambda: logged("50 132"), "the PTY's new size")
+        handle.send_stdin("\x03")  # Ctrl-C, through the guest's terminal
+        result = handle.wait(timeout_s=_WAIT_S)
+        assert (result.exit_code, result.stderr) == (7, "")
+        assert "line:hello" in result.stdout and "GOT-INT" in result.stdout
+        _check_whole(subject)
+
+    def test_watch(self, subject: Subject) -> None:
+        sandbox = subject.sandbox
+        sandbox.files.make_dir("/home/user/watched/sub")
+        events = sandbox.files.watch_dir("/home/user/watched", recursive=True)
+        sandbox.files.write("/home/user/watched/sub/f", "x")
+        seen = set()
+        for event in events:
+            seen.add((event.type, event.name))
+            if ("create", "sub/f") in seen:
+                break
+        events.close()  # type: ignore[attr-defined]
+        sandbox.files.remove("/home/user/watched", recursive=True)
         _check_whole(subject)
 
     def test_pause_resume(self, subject: Subject) -> None:

@@ -63,6 +63,7 @@ from space.node.api.interface import (
     NodeService,
     PoolInfo,
     ProcessInfo,
+    PtySize,
     SandboxSpec,
     SandboxState,
     SandboxStatus,
@@ -71,6 +72,8 @@ from space.node.api.interface import (
     TemplateImport,
     TemplateInfo,
     TemplateTicket,
+    WatchEvent,
+    WatchStream,
     snapshot_archive,
 )
 from space.node.api.secret_grants import (
@@ -99,8 +102,10 @@ from space.node.api.wire import (
     decode_egress_policy,
     decode_exec_request,
     decode_grants,
+    decode_pty_size,
     decode_snapshot_id,
     decode_templates,
+    decode_watch_event,
     encode,
     encode_exec_request,
     encode_grants,
@@ -108,6 +113,7 @@ from space.node.api.wire import (
     error_line,
     event_line,
     ndjson_lines,
+    watch_lines,
 )
 
 __all__ = [
@@ -154,6 +160,7 @@ __all__ = [
     "PolicyBounds",
     "PoolInfo",
     "ProcessInfo",
+    "PtySize",
     "ResourceExhausted",
     "SandboxSpec",
     "SandboxState",
@@ -166,6 +173,8 @@ __all__ = [
     "Timeout",
     "Unavailable",
     "Verdict",
+    "WatchEvent",
+    "WatchStream",
     "blocked_category",
     "build_event_line",
     "build_lines",
@@ -181,8 +190,10 @@ __all__ = [
     "decode_egress_policy",
     "decode_exec_request",
     "decode_grants",
+    "decode_pty_size",
     "decode_snapshot_id",
     "decode_templates",
+    "decode_watch_event",
     "encode",
     "encode_exec_request",
     "encode_grants",
@@ -196,4 +207,5 @@ __all__ = [
     "normalize_name",
     "parse_ip_literal",
     "snapshot_archive",
+    "watch_lines",
 ]
