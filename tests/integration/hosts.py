@@ -21,7 +21,7 @@ import secrets
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -132,6 +132,8 @@ class NodeHost:
     data_dir: Path
     #: The node key every node of the cluster shares.
     key_file: Path
+    #: More `space node` options, the same at every start (the cluster's artifact store).
+    options: list[str] = field(default_factory=list)
     process: subprocess.Popen[bytes] | None = None
     node_id: str = ""
     #: Where this start's lines begin in its log (an earlier start's are before).
@@ -159,7 +161,7 @@ class NodeHost:
             "nsenter", f"--net=/run/netns/{self.netns}", *SPACE, "node", *controls,
             "--token-file", str(token_file), "--listen", f"{self.address}:8081",
             "--data-dir", str(self.data_dir), "--pool-size-gib", str(pool_size_gib),
-            "--node-key-file", str(self.key_file),
+            "--node-key-file", str(self.key_file), *self.options,
         ]  # fmt: skip
         with log_path.open("ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
@@ -224,7 +226,16 @@ class Cluster:
     def token(self) -> str:
         return self.token_file.read_text().strip()
 
-    def open(self, nodes: int, replicas: int, ports: list[int], pool_size_gib: int = 8) -> None:
+    def open(
+        self,
+        nodes: int,
+        replicas: int,
+        ports: list[int],
+        pool_size_gib: int = 8,
+        node_options: Callable[[], list[str]] | None = None,
+    ) -> None:
+        """Make the bridge, the namespaces, the replicas and the nodes; ``node_options``
+        is asked, once the bridge is up, for more options of every node."""
         shared = self.root / "shared"
         shared.mkdir(parents=True, mode=0o700)
         self.token_file.write_text(secrets.token_urlsafe(32) + "\n")
@@ -247,6 +258,9 @@ class Cluster:
             _ip("-n", host.netns, "addr", "add", f"{host.address}/24", "dev", "eth0")
             _ip("-n", host.netns, "link", "set", "eth0", "up")
             _ip("-n", host.netns, "link", "set", "lo", "up")
+        options = [] if node_options is None else node_options()
+        for host in self.hosts:
+            host.options = options
         for index in range(replicas):
             replica = Replica(
                 self.root / f"control{index + 1}", ports[index], self.database_url,
@@ -311,11 +325,13 @@ def cluster(
     replicas: int,
     ports: list[int],
     pool_size_gib: int = 8,
+    node_options: Callable[[], list[str]] | None = None,
 ) -> Iterator[Cluster]:
-    """A Cluster, opened; closed (and checked clean) on exit."""
+    """A Cluster, opened (``node_options`` as ``Cluster.open``); closed (and checked
+    clean) on exit."""
     made = Cluster(root, database_url)
     try:
-        made.open(nodes, replicas, ports, pool_size_gib)
+        made.open(nodes, replicas, ports, pool_size_gib, node_options)
         yield made
     finally:
         leaked = made.close()

@@ -174,13 +174,49 @@ def running_platform(
         assert not loops_backed_by(data_dir), "loop devices left behind"
 
 
+@dataclass
+class NodeAgent:
+    """A `space node` process on loopback, registered with a platform; ``kill`` and
+    ``start`` play a crash and a restart (the same options, the same data dir)."""
+
+    data_dir: Path
+    command: list[str]
+    process: subprocess.Popen[bytes] | None = None
+    node_id: str = ""
+
+    def start(self) -> None:
+        """Start it and wait until it registered."""
+        log_path = self.data_dir / "node.log"
+        begin = log_path.stat().st_size if log_path.exists() else 0
+        with log_path.open("ab") as log:
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while b"registered with" not in log_path.read_bytes()[begin:]:
+            assert self.process.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, "node did not register in time"
+            time.sleep(0.2)
+        self.node_id = (self.data_dir / "node_id").read_text().strip()
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the agent alone (``SIGKILL``: its VMs and root broker are left as a
+        crash leaves them) and reap it."""
+        if self.process is not None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+            self.process = None
+
+
 @contextlib.contextmanager
 def remote_node(
     platform: Platform, data_dir: Path, extra_args: list[str] | None = None
-) -> Iterator[str]:
+) -> Iterator[NodeAgent]:
     """Run `space node` on loopback, registered with ``platform`` (``extra_args``: more
-    of its options); yield its node id once registered. On exit it is stopped and its
-    data dir checked clean (no QEMU, gateway, mount or loop device left)."""
+    of its options); yield it once registered. On exit it is stopped and its data dir
+    checked clean (no QEMU, gateway, mount or loop device left)."""
     data_dir.mkdir(parents=True)
     logs.register(data_dir)
     command = [
@@ -189,22 +225,12 @@ def remote_node(
         "--listen", f"127.0.0.1:{free_port()}", "--data-dir", str(data_dir),
         *(extra_args or []),
     ]  # fmt: skip
-    with (data_dir / "node.log").open("ab") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    agent = NodeAgent(data_dir, command)
     try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while b"registered with" not in (data_dir / "node.log").read_bytes():
-            assert process.poll() is None, (data_dir / "node.log").read_text()
-            assert time.monotonic() < deadline, "node did not register in time"
-            time.sleep(0.2)
-        yield (data_dir / "node_id").read_text().strip()
+        agent.start()
+        yield agent
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
+        agent.kill(signal.SIGTERM)
         leaked = release(data_dir)
         assert not leaked, f"left behind by the node agent in {data_dir}: {leaked}"
         assert not mounts_under(data_dir), "mounts left behind"

@@ -18,14 +18,17 @@ The follow-ups ride on the same cells: the fork cell of the ``fork-child`` origi
 a fork, the snapshot cell of ``restored`` snapshots a restored sandbox, and
 ``re-adopted`` is a warm-pool hit that lived through a node restart before its
 hibernate cell, and ``moved-in`` was made on one node, hibernated and moved to another
-by a drain (issue 19) before it was woken there.
+by a drain (issue 19) before it was woken there; ``rehomed`` was hibernated, kept in the
+artifact store and woken on the other node from there after its own node agent was
+killed (then started again); ``stored-snapshot`` was made on the other node from a
+snapshot the store holds while the snapshot's own node was drained.
 
 Three platforms serve the origins: ``plain`` (no warm pool, so a create of the ready
 shape is a clone of the ready state), ``pooled`` (``--warm-min 1 --warm-max 2``) and
 ``moving``: a `space serve` whose embedded node is drained (an embedded node's
 sandboxes do not move) and two `space node` agents on loopback registered with it,
-sharing one node key. All reach a fake internet in a network namespace the test makes
-(tests/egress_world.py).
+sharing one node key and one artifact store (a directory). All reach a fake internet in
+a network namespace the test makes (tests/egress_world.py).
 """
 
 from __future__ import annotations
@@ -46,7 +49,14 @@ from space import Sandbox
 from space.sdk import NotFound, PtySize, Secrets, SnapshotInfo, Template, allow
 
 from ..egress_world import UPSTREAM, World, egress_world
-from .platform import Platform, qemu_pids, remote_node, running_platform, shared_node_key
+from .platform import (
+    NodeAgent,
+    Platform,
+    qemu_pids,
+    remote_node,
+    running_platform,
+    shared_node_key,
+)
 
 pytestmark = pytest.mark.vm
 
@@ -62,16 +72,19 @@ ORIGINS = (
     "user-template",
     "egress-secret",
     "moved-in",
+    "rehomed",
+    "stored-snapshot",
 )
 #: Origins served by the platform with a warm pool.
 POOLED = {"pool-hit", "re-adopted"}
 #: Origins served by the platform whose sandboxes move between its node agents.
-MOVING = {"moved-in"}
+MOVING = {"moved-in", "rehomed", "stored-snapshot"}
 #: Origins whose sandbox (or the sandbox it came from) has an egress policy and a
 #: secret: their every cell also fetches over HTTPS with the secret swapped in. The
 #: others have no policy, and every cell checks they have no network at all.
 NETWORKED = {
     "egress-secret", "fork-child", "from-snapshot", "restored", "woken", "re-adopted", "moved-in",
+    "rehomed", "stored-snapshot",
 }  # fmt: skip
 
 _COUNTER = (
@@ -96,6 +109,8 @@ class Site:
     platform: Platform
     key: str
     node_dirs: list[Path]
+    #: The site's `space node` agents by node id (to crash and restart one).
+    agents: dict[str, NodeAgent] = field(default_factory=dict)
 
     def connect(self, sandbox_id: str) -> Sandbox:
         return Sandbox.connect(sandbox_id, api_url=self.platform.url, api_key=self.key)
@@ -159,15 +174,25 @@ def pooled(tmp_path_factory: pytest.TempPathFactory, world: World) -> Iterator[S
 @pytest.fixture(scope="module")
 def moving(tmp_path_factory: pytest.TempPathFactory, world: World) -> Iterator[Site]:
     root = tmp_path_factory.mktemp("conformance-moving")
-    node_options = [*_egress_options(world), "--node-key-file", str(shared_node_key(root / "key"))]
+    # One node key and one artifact store (a directory, the master key beside it) for
+    # both agents, in files their user reads.
+    store_key = shared_node_key(root / "artifacts")
+    node_options = [
+        *_egress_options(world), "--node-key-file", str(shared_node_key(root / "key")),
+        "--artifact-store", f"file://{store_key.parent / 'store'}",
+        "--artifact-key-file", str(store_key),
+    ]  # fmt: skip
+    # A node that stops heartbeating is lost within seconds (the rehomed origin).
+    serve_options = [
+        *_egress_options(world), "--reaper-interval", "0.5",
+        "--node-heartbeat", "1", "--node-lease", "6", "--reconcile-interval", "3",
+    ]  # fmt: skip
     dirs = [root / "control", root / "node-a", root / "node-b"]
     with contextlib.ExitStack() as stack:
-        platform = stack.enter_context(
-            running_platform(dirs[0], [*_egress_options(world), "--reaper-interval", "0.5"])
-        )
-        for node_dir in dirs[1:]:
-            stack.enter_context(remote_node(platform, node_dir, node_options))
+        platform = stack.enter_context(running_platform(dirs[0], serve_options))
+        agents = [stack.enter_context(remote_node(platform, d, node_options)) for d in dirs[1:]]
         site = _keyed(platform, dirs)
+        site.agents = {agent.node_id: agent for agent in agents}
         (embedded,) = [n["node_id"] for n in _nodes(site) if n["url"] == "local"]
         _node_call(site, "drain", embedded)
         yield site
@@ -282,6 +307,10 @@ def _make(origin: str, site: Site, request: pytest.FixtureRequest) -> tuple[Sand
         sandbox = site.connect(sandbox.sandbox_id)
     elif origin == "moved-in":
         _move_by_drain(site, sandbox)
+    elif origin == "rehomed":
+        _rehome_after_crash(site, sandbox)
+    elif origin == "stored-snapshot":
+        return _from_stored_snapshot(site, sandbox)
     return sandbox, []
 
 
@@ -299,6 +328,48 @@ def _move_by_drain(site: Site, sandbox: Sandbox) -> None:
     assert sandbox.get_info().state == "hibernated"
     assert len(_records_of(site, sandbox.sandbox_id)) == 1  # the source's copy is gone
     assert sandbox.resume().state == "running"
+
+
+def _rehome_after_crash(site: Site, sandbox: Sandbox) -> None:
+    """Hibernate ``sandbox`` until the artifact store holds it, kill -9 its node agent
+    until the platform woke it on the other node from the store, start the agent again
+    (its stale copy is deleted) and wake the sandbox where it went."""
+    home = sandbox.get_info().node_id
+    assert home is not None
+    assert sandbox.hibernate().state == "hibernated"
+    _wait(lambda: sandbox.get_info().archived, "the store to hold it", timeout_s=240)
+    agent = site.agents[home]
+    agent.kill()
+    try:
+        _wait(lambda: sandbox.get_info().node_id != home, "it to wake elsewhere", timeout_s=240)
+    finally:
+        agent.start()
+    assert sandbox.get_info().state == "hibernated"
+    _wait(lambda: len(_records_of(site, sandbox.sandbox_id)) == 1, "the stale copy to go")
+    assert sandbox.resume().state == "running"
+
+
+def _from_stored_snapshot(site: Site, sandbox: Sandbox) -> tuple[Sandbox, list[str]]:
+    """Snapshot ``sandbox`` until the artifact store holds the snapshot, delete the
+    sandbox, and make one from the snapshot while its node is drained: on the other
+    node, which copies the snapshot from the store first."""
+    snapshot = sandbox.snapshot("origin-stored-snapshot")
+    home = sandbox.get_info().node_id
+    assert home is not None
+
+    def stored() -> bool:
+        listed = Sandbox.list_snapshots(api_url=site.platform.url, api_key=site.key)
+        return any(s.snapshot_id == snapshot.snapshot_id and s.archived for s in listed)
+
+    _wait(stored, "the store to hold the snapshot", timeout_s=240)
+    sandbox.kill()
+    _node_call(site, "drain", home)
+    try:
+        made = site.create(from_snapshot=snapshot)
+    finally:
+        _node_call(site, "activate", home)
+    assert made.get_info().node_id != home
+    return made, [snapshot.snapshot_id]
 
 
 def _records_of(site: Site, sandbox_id: str) -> list[Path]:

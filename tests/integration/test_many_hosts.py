@@ -9,28 +9,37 @@ settled them; a node killed (-9) turns its sandboxes ``lost``, new creates go
 elsewhere, and when it starts again its sandboxes come back running; a paused sandbox
 with a file and a running process moves off a node drained with ``space node drain``
 (the nodes share one node key) and goes on where it went, the drained node gets no new
-sandboxes until ``space node activate``.
+sandboxes until ``space node activate``; the nodes keep snapshots and hibernated
+sandboxes in an S3 bucket (moto's server on the host's end of the bridge): a snapshot
+makes a sandbox on another node once its own is killed, and a hibernated sandbox of the
+killed node wakes on another with its file and process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import pwd
 import secrets
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+import boto3
 import httpx
 import pytest
 
 from space import Sandbox
+from space.node.agent.node_user import DEFAULT_USER
 
 from ..ports import free_port
 from ..postgres import PostgresCluster
-from .hosts import Cluster, NodeHost, cluster
-from .platform import SPACE
+from ..unit._moto import ACCESS_KEY_ID, REGION, SECRET_ACCESS_KEY, moto_server
+from .hosts import BRIDGE_ADDRESS, Cluster, NodeHost, cluster
+from .platform import SPACE, shared_node_key
 
 pytestmark = pytest.mark.vm
 
@@ -40,11 +49,39 @@ _TENANT = "many-hosts"
 @pytest.fixture(scope="module")
 def hosts(postgres: PostgresCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("hosts")
-    with (
-        postgres.database() as url,
-        cluster(root, url, nodes=3, replicas=2, ports=[free_port(), free_port()]) as made,
-    ):
+    with postgres.database() as url, contextlib.ExitStack() as stack:
+
+        def store_options() -> list[str]:
+            # Once the bridge is up: the S3 endpoint listens on the host's end of it.
+            return _s3_store(root, stack.enter_context(moto_server(host=BRIDGE_ADDRESS)))
+
+        ports = [free_port(), free_port()]
+        made = stack.enter_context(
+            cluster(root, url, nodes=3, replicas=2, ports=ports, node_options=store_options)
+        )
         yield made
+
+
+def _s3_store(root: Path, endpoint: str) -> list[str]:
+    """A bucket of ``endpoint`` (moto's S3 server) as every node's artifact store, and
+    the `space node` options naming it: its credentials and the store's master key in
+    files the node agents' user reads."""
+    bucket = f"space-{secrets.token_hex(4)}"
+    boto3.client(
+        "s3", endpoint_url=endpoint, region_name=REGION,
+        aws_access_key_id=ACCESS_KEY_ID, aws_secret_access_key=SECRET_ACCESS_KEY,
+    ).create_bucket(Bucket=bucket)  # fmt: skip
+    master_key = shared_node_key(root / "artifact-key")  # the same format: 32 bytes, base64
+    credentials = master_key.parent / "s3.credentials"
+    credentials.write_text(f"{ACCESS_KEY_ID}\n{SECRET_ACCESS_KEY}\n")
+    credentials.chmod(0o600)
+    agent = pwd.getpwnam(DEFAULT_USER)
+    os.chown(credentials, agent.pw_uid, agent.pw_gid)
+    return [
+        "--artifact-store", f"s3://{bucket}", "--artifact-s3-endpoint", endpoint,
+        "--artifact-s3-credentials-file", str(credentials),
+        "--artifact-key-file", str(master_key),
+    ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -314,3 +351,61 @@ def _drain_and_go_on(hosts: Cluster, key: str, sandbox: Sandbox, source: str) ->
     assert woke_at >= before  # the same process, from where it was suspended
     _wait("the counter goes on", lambda: _count(sandbox) > woke_at, timeout_s=30)
     assert _rows(hosts, key)[sandbox.sandbox_id]["node_id"] == row["node_id"]
+
+
+def test_a_killed_nodes_snapshot_and_hibernated_sandbox_come_back_elsewhere_from_s3(
+    hosts: Cluster, key: str
+) -> None:
+    survivor = hosts.replicas[-1].url
+    snapshots: list[str] = []
+    with _clients() as opened:
+        try:
+            sandbox = Sandbox.create(api_url=survivor, api_key=key)
+            opened.append(sandbox)
+            sandbox.files.write("/home/user/kept.txt", "made before the node died")
+            sandbox.commands.run(_COUNTER, background=True, timeout_s=None)
+            _wait("the counter runs", lambda: _count(sandbox) > 2, timeout_s=30)
+            snapshot = sandbox.snapshot("before-the-crash")
+            snapshots.append(snapshot.snapshot_id)
+            before = _count(sandbox)
+            sandbox.hibernate()
+
+            def row() -> dict[str, Any]:
+                return _rows(hosts, key)[sandbox.sandbox_id]
+
+            def stored() -> bool:
+                path = f"/v1/snapshots/{snapshot.snapshot_id}"
+                return bool(_api(hosts, key, "GET", path).json()["archived"])
+
+            _wait("the sandbox is in the store", lambda: row()["archived"], timeout_s=180)
+            _wait("the snapshot is in the store", stored, timeout_s=180)
+            home = row()["node_id"]
+            (victim,) = [host for host in hosts.hosts if host.node_id == home]
+            victim.kill()  # -9: its lease runs out, and it is lost
+
+            _wait(
+                "the sandbox is woken elsewhere from the store",
+                lambda: row()["node_id"] != home and row()["state"] == "hibernated",
+                timeout_s=180,
+            )
+            sandbox.resume()
+            assert sandbox.files.read("/home/user/kept.txt") == "made before the node died"
+            woke_at = _count(sandbox)
+            assert woke_at >= before
+            _wait("its counter goes on", lambda: _count(sandbox) > woke_at, timeout_s=30)
+
+            child = Sandbox.create(api_url=survivor, api_key=key, from_snapshot=snapshot)
+            opened.append(child)
+            assert _rows(hosts, key)[child.sandbox_id]["node_id"] not in (home, None)
+            assert child.files.read("/home/user/kept.txt") == "made before the node died"
+            started = _count(child)
+            _wait("the snapshot's counter goes on", lambda: _count(child) > started, 30)
+        finally:
+            _delete_all(hosts, key)
+            for snapshot_id in snapshots:
+                Sandbox.delete_snapshot(snapshot_id, api_url=survivor, api_key=key)
+            for host in hosts.hosts:  # the killed one back: its stale copy goes
+                if host.process is None:
+                    host.start(hosts.replicas, hosts.token_file)
+                    host.wait_registered()
+    _wait("nothing left on the nodes", lambda: _on_nodes(hosts, hosts.hosts) == {}, 120)

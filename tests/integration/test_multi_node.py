@@ -22,7 +22,8 @@ pytestmark = pytest.mark.vm
 def test_a_registered_remote_node_runs_sandboxes_placed_on_it(tmp_path: Path) -> None:
     with running_platform(tmp_path / "control") as platform:
         key = platform.create_key("tenant")
-        with remote_node(platform, tmp_path / "remote") as remote_id:
+        with remote_node(platform, tmp_path / "remote") as remote:
+            remote_id = remote.node_id
             sandboxes = [Sandbox.create(api_url=platform.url, api_key=key) for _ in range(2)]
             try:
                 placed = {
