@@ -27,8 +27,9 @@ def cluster_options(command: Callable[..., Any]) -> Callable[..., Any]:
         ),
         click.option(
             "--peer-ca-file", type=_FILE, default=None,
-            help="CA bundle other nodes' TLS certificates are verified with when a sandbox"
-            " or template is pulled from them (default: the system's).",
+            help="CA bundle other nodes' TLS certificates (a sandbox or template is pulled"
+            " from them) and an https control plane's are verified with (default: the"
+            " system's).",
         ),
         click.option(
             "--artifact-store", default=None, metavar="URL",

@@ -60,6 +60,7 @@ def control(
     reconcile_grace: float,
     node_heartbeat: float,
     node_lease: float,
+    node_ca_file: Path | None,
     tls_cert: Path | None,
     tls_key: Path | None,
     egress_operator_ranges: tuple[str, ...],
@@ -88,6 +89,7 @@ def control(
             node_lease_s=node_lease,
             egress_operator_ranges=egress_operator_ranges,
             egress_allow_wide_any_port=egress_allow_wide_any_port,
+            node_ca_file=node_ca_file,
         )
         _owner_only(data_dir)  # the options are known good: before the first write
         open_database(settings)

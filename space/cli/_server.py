@@ -142,7 +142,7 @@ EGRESS_CA_OPTION = click.option(
 def api_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """What every command that serves the API takes: ``reaper_interval``,
     ``reconcile_interval``, ``reconcile_grace``, ``node_heartbeat``, ``node_lease``,
-    ``tls_cert`` and ``tls_key``."""
+    ``node_ca_file``, ``tls_cert`` and ``tls_key``."""
     for option in reversed(
         (
             click.option(
@@ -172,15 +172,33 @@ def api_options(command: Callable[..., Any]) -> Callable[..., Any]:
                 help="Seconds a node stays active after its last heartbeat; then it is lost.",
             ),
             click.option(
-                "--tls-cert", type=click.Path(dir_okay=False, path_type=Path), default=None,
-                help="PEM certificate chain: serve the API over HTTPS (with --tls-key).",
+                "--node-ca-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                help="CA bundle node agents' https certificates are checked with"
+                " (default: the system's).",
             ),
-            click.option(
-                "--tls-key", type=click.Path(dir_okay=False, path_type=Path), default=None,
-                help="PEM private key of --tls-cert (keep it 0600).",
-            ),
+            *_TLS_OPTIONS,
         )
     ):  # fmt: skip
+        command = option(command)
+    return command
+
+
+#: ``tls_cert`` and ``tls_key``: the API (the control plane's, or a node agent's) over HTTPS.
+_TLS_OPTIONS = (
+    click.option(
+        "--tls-cert", type=click.Path(dir_okay=False, path_type=Path), default=None,
+        help="PEM certificate chain: serve the API over HTTPS (with --tls-key).",
+    ),
+    click.option(
+        "--tls-key", type=click.Path(dir_okay=False, path_type=Path), default=None,
+        help="PEM private key of --tls-cert (keep it 0600).",
+    ),
+)  # fmt: skip
+
+
+def tls_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--tls-cert`` and ``--tls-key``, for a command that serves without api_options."""
+    for option in reversed(_TLS_OPTIONS):
         command = option(command)
     return command
 
@@ -237,6 +255,7 @@ def serve(
     reconcile_grace: float,
     node_heartbeat: float,
     node_lease: float,
+    node_ca_file: Path | None,
     tls_cert: Path | None,
     tls_key: Path | None,
     egress_resolvers: tuple[str, ...],
@@ -268,6 +287,7 @@ def serve(
             node_lease_s=node_lease,
             egress_operator_ranges=egress_operator_ranges,
             egress_allow_wide_any_port=egress_allow_wide_any_port,
+            node_ca_file=node_ca_file,
         )
         _owner_only(data_dir)  # once the options are known good: before the first write
         load_keyring(settings, create=True)  # an unsafe key file stops us before any VM
@@ -316,7 +336,11 @@ def serve(
     "--listen", default="127.0.0.1:8081", show_default=True,
     help="HOST:PORT to serve (loopback unless told otherwise: 0.0.0.0:8081 for every address).",
 )  # fmt: skip
-@click.option("--advertise-url", default=None, help="The URL the control plane calls.")
+@click.option(
+    "--advertise-url", default=None,
+    help="The URL the control plane and other nodes call (default: from --listen, https"
+    " with --tls-cert).",
+)  # fmt: skip
 @DATA_DIR_OPTION
 @click.option("--accel", type=click.Choice(["auto", "kvm", "tcg"]), default="auto")
 @click.option("--pool-path", type=click.Path(path_type=Path), default=None, help="A btrfs mount.")
@@ -325,6 +349,7 @@ def serve(
 @EGRESS_CA_OPTION
 @egress_bounds_options
 @cluster_options
+@tls_options
 @USER_OPTION
 @click.pass_context
 def node(
@@ -341,6 +366,8 @@ def node(
     egress_upstream_ca: Path | None,
     egress_operator_ranges: tuple[str, ...],
     egress_allow_wide_any_port: bool,
+    tls_cert: Path | None,
+    tls_key: Path | None,
     user: str,
     **capacity: Any,
 ) -> None:
@@ -356,12 +383,16 @@ def node(
         from space.control.server import heartbeat, register_remote_node
         from space.node.agent import Node
         from space.node.core.config import NodeConfig
+        from space.node.http.client import ca_context
         from space.node.http.server import create_node_app, node_server
 
+        tls = _tls_files(tls_cert, tls_key)  # before anything is written or started
     control_urls = [_check_url(url) for url in control_url]
     host, port = _split_listen(listen)
     token = _read_token(token_file)
-    node_url = advertise_url or f"http://{_advertised_host(host)}:{port}"
+    scheme = "http" if tls is None else "https"
+    node_url = advertise_url or f"{scheme}://{_advertised_host(host)}:{port}"
+    verify = ca_context(cluster["peer_ca_file"])
     progress = ProgressPrinter()
 
     async def run() -> None:
@@ -377,11 +408,13 @@ def node(
             **cluster,
         )
         _owner_only(data_dir)  # the options are known good: before the first write
-        await _become_user(config, user, progress, cluster_files(cluster))
+        tls_files = () if tls is None else (tls.cert, tls.key)
+        await _become_user(config, user, progress, tls_files + cluster_files(cluster))
         local = await Node.start(config, progress=progress)
         try:
             app = create_node_app(local, token)
-            server = node_server(app, host=host, port=port)
+            served = None if tls is None else (tls.cert, tls.key)
+            server = node_server(app, host=host, port=port, tls=served)
             serving = asyncio.create_task(server.serve())
             # uvicorn offers a flag, not an event: poll it while the task lives.
             while not server.started and not serving.done():
@@ -392,11 +425,11 @@ def node(
             progress(f"node {local.node_id} serving on {node_url}; registering")
             report = capacity_report(await local.info())
             every = await register_remote_node(
-                control_urls, token, node_url, local.node_id, capacity=report
+                control_urls, token, node_url, local.node_id, capacity=report, verify=verify
             )
             progress(f"registered with {' or '.join(control_urls)}; heartbeat every {every:g} s")
             beats = asyncio.create_task(
-                heartbeat(control_urls, token, node_url, local, progress, every)
+                heartbeat(control_urls, token, node_url, local, progress, every, verify)
             )
             try:
                 await serving

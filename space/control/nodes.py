@@ -6,11 +6,12 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 from space.control.errors import ApiError
 from space.control.schemas import MAX_NODE_TEMPLATES, NodeCapacity
 from space.node.api import NodeError, NodeInfo, NodeService, TemplateInfo
-from space.node.http.client import RemoteNode
+from space.node.http.client import RemoteNode, ca_context
 
 __all__ = [
     "GUEST_TYPES",
@@ -19,6 +20,7 @@ __all__ = [
     "NodeRegistry",
     "RemoteFactory",
     "capacity_report",
+    "remote_factory",
 ]
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,15 @@ RemoteFactory = Callable[[str, str], NodeService]
 
 def _remote(url: str, token: str) -> NodeService:
     return RemoteNode(url, token)
+
+
+def remote_factory(ca_file: Path | None) -> RemoteFactory:
+    """RemoteNodes that check an https node's certificate with ``ca_file`` (None: the
+    system's CAs)."""
+    if ca_file is None:
+        return _remote
+    verify = ca_context(ca_file)
+    return lambda url, token: RemoteNode(url, token, verify=verify)
 
 
 def capacity_report(info: NodeInfo) -> NodeCapacity | None:

@@ -13,7 +13,7 @@ import httpx
 import uvicorn
 
 from space.control.app import create_app
-from space.control.nodes import NodeRegistry, capacity_report
+from space.control.nodes import NodeRegistry, capacity_report, remote_factory
 from space.control.schemas import NodeCapacity
 from space.control.settings import ControlSettings
 from space.node.api import NodeError, NodeService, Unavailable
@@ -93,7 +93,7 @@ async def run_control_plane(
     """
     if tls is not None:
         tls.check()
-    registry = NodeRegistry()
+    registry = NodeRegistry(remote_factory=remote_factory(settings.node_ca_file))
     if node is not None:
         registry.register("local", node)
     app = create_app(settings, registry)
@@ -150,6 +150,7 @@ async def register_remote_node(
     *,
     capacity: NodeCapacity | None = None,
     timeout_s: float = 30.0,
+    verify: ssl.SSLContext | bool = True,
 ) -> float:
     """Register the node agent at ``node_url`` with the control plane at ``control_url``,
     or heartbeat it (the same call, with ``capacity``: it renews the node's lease).
@@ -158,14 +159,15 @@ async def register_remote_node(
 
     Idempotent. Raises space.node.api.errors leaves, of the last URL tried: Unavailable
     if the control plane is unreachable or rejects the token, the mapped leaf for any
-    other error answer.
+    other error answer. ``verify``: what an https control plane's certificate is checked
+    with (space.node.http.client.ca_context; True: the system's CAs).
     """
     urls = [control_url] if isinstance(control_url, str) else list(control_url)
     body: dict[str, object] = {"node_id": node_id, "url": node_url}
     if capacity is not None:
         body["capacity"] = capacity.model_dump()
     failure: NodeError = Unavailable("no control-plane URL to register with")
-    async with httpx.AsyncClient(timeout=timeout_s) as client:
+    async with httpx.AsyncClient(timeout=timeout_s, verify=verify) as client:
         for url in urls:
             try:
                 return await _register(client, url, token, body)
@@ -199,6 +201,7 @@ async def heartbeat(
     node: NodeService,
     say: Callable[[str], None],
     every_s: float = DEFAULT_HEARTBEAT_S,
+    verify: ssl.SSLContext | bool = True,
 ) -> None:
     """Heartbeat the registered ``node`` with its capacity until cancelled, first in
     ``every_s`` (what its registration returned), then as often as the control plane
@@ -211,7 +214,12 @@ async def heartbeat(
         try:
             info = await node.info()
             every_s = await register_remote_node(
-                control_url, token, node_url, info.node_id, capacity=capacity_report(info)
+                control_url,
+                token,
+                node_url,
+                info.node_id,
+                capacity=capacity_report(info),
+                verify=verify,
             )
         except NodeError as exc:
             if not failing:

@@ -48,6 +48,9 @@ class ControlSettings:
     #: node's (space.node.core.config.NodeConfig), checked here at PUT and create.
     egress_operator_ranges: tuple[str, ...] = ()
     egress_allow_wide_any_port: bool = False
+    #: The CA bundle node agents' https certificates are checked with (None: the
+    #: system's); node agents served over plain http need none.
+    node_ca_file: Path | None = None
 
     def __post_init__(self) -> None:
         _ = self.egress_bounds  # a bad operator range raises InvalidArgument here

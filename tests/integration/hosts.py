@@ -8,17 +8,22 @@ directory, loop-file btrfs pool and VMs, and one node key for all (``--node-key-
 nodes that move sandboxes between them must share it, issue 19). The replicas are `space control`
 processes on the host's end of the bridge, each with its own data directory, sharing
 the database, the node token and the master key; every node is told every replica's
-URL (no load balancer: it tries them in turn). Traffic stays on the bridge and in the
-namespaces. ``close`` kills every process, removes every namespace, link, mount and
-loop device it made, and says what it had to clean, also when a test failed.
+URL (no load balancer: it tries them in turn). The node agents serve their API over
+HTTPS (one certificate for all, trusted by every node and replica). Traffic stays on
+the bridge and in the namespaces. ``close`` kills every process, removes every
+namespace, link, mount and loop device it made, and says what it had to clean, also
+when a test failed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
+import pwd
 import secrets
 import signal
+import ssl
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -27,8 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from cryptography import x509
+
+from space.node.agent.node_user import DEFAULT_USER
 
 from .. import logs
+from ..tls import write_self_signed
 from .platform import (
     SPACE,
     let_through,
@@ -80,6 +89,8 @@ class Replica:
     database_url: str
     token_file: Path
     master_key_file: Path
+    #: The CA the node agents' https certificates are checked with.
+    node_ca_file: Path
     process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -94,6 +105,7 @@ class Replica:
             "--listen", f"{BRIDGE_ADDRESS}:{self.port}",
             "--node-token-file", str(self.token_file),
             "--master-key-file", str(self.master_key_file), *REPLICA_OPTIONS,
+            "--node-ca-file", str(self.node_ca_file),
         ]  # fmt: skip
         env = {**os.environ, "SPACE_DATABASE_URL": self.database_url}
         with (self.data_dir / "serve.log").open("ab") as log:
@@ -145,7 +157,7 @@ class NodeHost:
 
     @property
     def url(self) -> str:
-        return f"http://{self.address}:8081"
+        return f"https://{self.address}:8081"
 
     def start(self, replicas: list[Replica], token_file: Path, pool_size_gib: int = 8) -> None:
         """Start the node agent (``wait_registered`` waits for it)."""
@@ -258,13 +270,17 @@ class Cluster:
             _ip("-n", host.netns, "addr", "add", f"{host.address}/24", "dev", "eth0")
             _ip("-n", host.netns, "link", "set", "eth0", "up")
             _ip("-n", host.netns, "link", "set", "lo", "up")
-        options = [] if node_options is None else node_options()
+        # Every node's API over HTTPS (moves and template shipments stream through it),
+        # one certificate for all their addresses, the CA every node and replica trusts.
+        cert, key = _node_certificate(self.root / "node-tls", [h.address for h in self.hosts])
+        tls = ["--tls-cert", str(cert), "--tls-key", str(key), "--peer-ca-file", str(cert)]
+        options = tls + ([] if node_options is None else node_options())
         for host in self.hosts:
             host.options = options
         for index in range(replicas):
             replica = Replica(
                 self.root / f"control{index + 1}", ports[index], self.database_url,
-                self.token_file, master_key,
+                self.token_file, master_key, cert,
             )  # fmt: skip
             self.replicas.append(replica)
             replica.start()
@@ -284,7 +300,9 @@ class Cluster:
     def node_api(self, host: NodeHost, path: str) -> Any:
         """GET a node agent's own API (``/node/v1/...``) with the node token."""
         headers = {"Authorization": f"Bearer {self.token}"}
-        answer = httpx.get(f"{host.url}/node/v1/{path}", headers=headers, timeout=30)
+        verify = ssl.create_default_context(cafile=str(self.root / "node-tls" / "node.crt"))
+        url = f"{host.url}/node/v1/{path}"
+        answer = httpx.get(url, headers=headers, timeout=30, verify=verify)
         answer.raise_for_status()
         return answer.json()
 
@@ -314,6 +332,19 @@ class Cluster:
                 return []
             time.sleep(0.1)
         return left
+
+
+def _node_certificate(directory: Path, addresses: list[str]) -> tuple[Path, Path]:
+    """One certificate (its own CA) for every node address, and its key, in the new
+    ``directory``: the key the node agents' user's alone (they load it after they
+    drop root)."""
+    agent = pwd.getpwnam(DEFAULT_USER)
+    directory.mkdir(mode=0o755)
+    cert, key = directory / "node.crt", directory / "node.key"
+    names: list[x509.GeneralName] = [x509.IPAddress(ipaddress.ip_address(a)) for a in addresses]
+    write_self_signed(cert, key, "space nodes", names, ca=True)
+    os.chown(key, agent.pw_uid, agent.pw_gid)
+    return cert, key
 
 
 @contextlib.contextmanager

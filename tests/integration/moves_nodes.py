@@ -14,12 +14,15 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import ipaddress
 import os
 import secrets
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+
+from cryptography import x509
 
 from space.node.agent import Node
 from space.node.agent._moves import _origins
@@ -30,6 +33,7 @@ from space.node.storage.streams import adopt_received, receive_stream, send_stre
 from tests import logs
 from tests.integration.conftest import release_data_dir
 from tests.ports import free_port
+from tests.tls import write_self_signed
 
 T = TypeVar("T")
 
@@ -45,7 +49,9 @@ class TwoNodes:
         return self.runner.run(coro)
 
 
-def _config(directory: Path, key_file: Path, store: ArtifactStoreConfig | None) -> NodeConfig:
+def _config(
+    directory: Path, key_file: Path, ca_file: Path, store: ArtifactStoreConfig | None
+) -> NodeConfig:
     directory.mkdir(parents=True)
     logs.register(directory)
     return NodeConfig(
@@ -53,6 +59,7 @@ def _config(directory: Path, key_file: Path, store: ArtifactStoreConfig | None) 
         pool_size_gib=8,
         boot_timeout_s=90.0,
         key_file=key_file,
+        peer_ca_file=ca_file,
         artifact_store=store,
         # One cluster: the first node makes the store's master key, the other reads it.
         artifact_key_file=directory.parent / "artifact.key",
@@ -62,26 +69,29 @@ def _config(directory: Path, key_file: Path, store: ArtifactStoreConfig | None) 
 @contextlib.contextmanager
 def two_nodes(directory: Path, store: ArtifactStoreConfig | None = None) -> Iterator[TwoNodes]:
     """Two started nodes under ``directory`` sharing a node key (and the artifact
-    ``store``, if given); on exit both shut down and nothing of either is left
-    (asserted)."""
+    ``store``, if given), the source's node API served over HTTPS on loopback with a
+    certificate the target trusts (``peer_ca_file``), as between hosts; on exit both
+    shut down and nothing of either is left (asserted)."""
     key_file = directory / "cluster.key"
     directory.mkdir(parents=True, exist_ok=True)
     key_file.write_text(base64.b64encode(os.urandom(32)).decode() + "\n")
     key_file.chmod(0o600)
-    configs = [_config(directory / name, key_file, store) for name in ("source", "target")]
+    cert, key = directory / "node-api.crt", directory / "node-api.key"
+    loopback = x509.IPAddress(ipaddress.ip_address("127.0.0.1"))
+    write_self_signed(cert, key, "source node", [loopback], ca=True)
+    configs = [_config(directory / name, key_file, cert, store) for name in ("source", "target")]
     runner = asyncio.Runner()
     nodes: list[Node] = []
     try:
         for config in configs:
             nodes.append(runner.run(Node.start(config)))
         port = free_port()
-        server = node_server(
-            create_node_app(nodes[0], secrets.token_hex(16)), host="127.0.0.1", port=port
-        )
+        app = create_node_app(nodes[0], secrets.token_hex(16))
+        server = node_server(app, host="127.0.0.1", port=port, tls=(cert, key))
         serving = runner.get_loop().create_task(server.serve())
         runner.run(_until_started(server))
         try:
-            yield TwoNodes(runner, nodes[0], nodes[1], f"http://127.0.0.1:{port}")
+            yield TwoNodes(runner, nodes[0], nodes[1], f"https://127.0.0.1:{port}")
         finally:
             server.should_exit = True
             runner.run(asyncio.wait_for(serving, 30))

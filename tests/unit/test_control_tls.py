@@ -136,3 +136,79 @@ def test_negative_serve_refuses_a_mismatched_pair_before_starting(tmp_path: Path
     assert done.exit_code == 2
     assert "cannot be served" in done.output
     assert not data.exists()
+
+
+# the node API over TLS (issue 19: moves and template shipments stream between nodes)
+
+
+@contextlib.asynccontextmanager
+async def _node_serving(tls: TlsFiles) -> AsyncIterator[str]:
+    """A FakeNode's node API over HTTPS on a free loopback port; yields its URL."""
+    from space.node.http.server import create_node_app, node_server
+
+    port = free_port()
+    app = create_node_app(FakeNode("tls-node"), "node-token")
+    server = node_server(app, host="127.0.0.1", port=port, tls=(tls.cert, tls.key))
+    serving = asyncio.create_task(server.serve())
+    try:
+        for _ in range(250):
+            if server.started:
+                break
+            assert not serving.done(), serving
+            await asyncio.sleep(0.02)
+        yield f"https://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await serving
+
+
+async def test_the_node_api_serves_https_and_is_reached_with_its_ca(tmp_path: Path) -> None:
+    from space.control.nodes import remote_factory
+    from space.node.api import Unavailable as NodeUnavailable
+
+    tls = _write_pair(tmp_path, "node")
+    other = _write_pair(tmp_path, "other")
+    async with _node_serving(tls) as url:
+        trusted = remote_factory(tls.cert)(url, "node-token")
+        try:
+            assert (await trusted.info()).node_id == "tls-node"
+        finally:
+            await trusted.aclose()  # type: ignore[attr-defined]
+        for refused in (remote_factory(other.cert), remote_factory(None)):
+            node = refused(url, "node-token")
+            try:
+                with pytest.raises(NodeUnavailable):
+                    await node.info()  # another CA's, or the system's: not this one
+            finally:
+                await node.aclose()  # type: ignore[attr-defined]
+
+
+async def test_a_node_registers_with_an_https_control_plane_trusting_its_ca(
+    tmp_path: Path,
+) -> None:
+    from space.control.server import register_remote_node
+    from space.node.api import Unavailable as NodeUnavailable
+    from space.node.http.client import ca_context
+
+    tls = _write_pair(tmp_path, "server")
+    settings = ControlSettings(data_dir=tmp_path / "data", reaper_interval_s=3600.0)
+    async with _serving(settings, tls) as port:
+        url, token = f"https://127.0.0.1:{port}", settings.token_file.read_text().strip()
+        every = await register_remote_node(
+            url, token, "https://127.0.0.1:9", "far", verify=ca_context(tls.cert)
+        )
+        assert every > 0
+        with pytest.raises(NodeUnavailable, match="unreachable"):
+            await register_remote_node(url, token, "https://127.0.0.1:9", "far")
+
+
+def test_negative_space_node_takes_both_tls_files_or_neither(tmp_path: Path) -> None:
+    tls = _write_pair(tmp_path, "node")
+    token = tmp_path / "token"
+    token.write_text("t\n")
+    result = CliRunner().invoke(
+        main,
+        ["node", "--control-url", "http://127.0.0.1:9", "--token-file", str(token),
+         "--data-dir", str(tmp_path / "d"), "--tls-cert", str(tls.cert)],
+    )  # fmt: skip
+    assert result.exit_code != 0 and "--tls-key" in result.output

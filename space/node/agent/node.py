@@ -361,10 +361,9 @@ class Node:
     def _peer(self, url: str, ticket: str) -> RemoteNode:
         """Another node's API, for a move's or a template's stream (its ticket the
         credential)."""
-        from space.node.http.client import RemoteNode  # the HTTP layer sits above
+        from space.node.http.client import RemoteNode, ca_context  # the HTTP layer sits above
 
-        peer_ca = self.config.peer_ca_file
-        return RemoteNode(url, ticket, verify=str(peer_ca) if peer_ca else True)
+        return RemoteNode(url, ticket, verify=ca_context(self.config.peer_ca_file))
 
     async def export_sandbox(self, sandbox_id: str) -> ExportTicket:
         return await self.moves.export(sandbox_id)

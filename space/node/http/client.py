@@ -9,7 +9,9 @@ Unavailable, a transport timeout Timeout, and an answer that does not parse Unav
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import AsyncIterable, AsyncIterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -63,6 +65,12 @@ from space.node.templates import parse_ref
 __all__ = ["RemoteNode", "error_from_response"]
 
 
+def ca_context(ca_file: Path | None) -> ssl.SSLContext | bool:
+    """What httpx verifies an https peer with: a context trusting ``ca_file`` alone, or
+    the system's CAs (True) without one."""
+    return True if ca_file is None else ssl.create_default_context(cafile=str(ca_file))
+
+
 class RemoteNode(NodeService):
     """A node agent at ``base_url`` (e.g. ``http://10.0.0.2:7071``), authenticated by token.
 
@@ -89,7 +97,7 @@ class RemoteNode(NodeService):
         lifecycle_timeout_s: float = 120.0,
         move_timeout_s: float = 900.0,
         transport: httpx.AsyncBaseTransport | None = None,
-        verify: str | bool = True,
+        verify: ssl.SSLContext | bool = True,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self._create_timeout = httpx.Timeout(create_timeout_s, connect=10.0)

@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import uvicorn
@@ -515,8 +516,11 @@ def node_server(
     port: int,
     header_timeout_s: float = HEADER_TIMEOUT_S,
     max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT,
+    tls: tuple[Path, Path] | None = None,
 ) -> uvicorn.Server:
-    """A uvicorn server for the node's API ``app`` on ``host:port`` (not yet serving).
+    """A uvicorn server for the node's API ``app`` on ``host:port`` (not yet serving),
+    over HTTPS with ``tls`` (the PEM certificate chain and key files): moves and
+    template shipments stream between nodes through it.
 
     Its connections are bounded as the control plane's (space.node.api.http_connections):
     headers complete within ``header_timeout_s``, at most 64 KiB of them, and at most
@@ -525,4 +529,8 @@ def node_server(
     http = guarded_protocol(
         header_timeout_s=header_timeout_s, max_per_client=max_connections_per_client
     )
-    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", http=http))
+    cert, key = (None, None) if tls is None else (str(tls[0]), str(tls[1]))
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="info", http=http, ssl_certfile=cert, ssl_keyfile=key
+    )
+    return uvicorn.Server(config)
