@@ -60,25 +60,37 @@ def run_piped(
     """Run ``command`` (``options`` as commands.run's) with what ``read`` gives streamed
     to its stdin, piece by piece, then closed (``read`` answers b"" at the end)."""
 
+    ended = threading.Event()
+
     def started(handle: CommandHandle) -> None:  # on the SDK's loop: hand over at once
         feeder = threading.Thread(
-            target=_feed, args=(handle, read), name="space-exec-stdin", daemon=True
+            target=_feed, args=(handle, read, ended), name="space-exec-stdin", daemon=True
         )
         feeder.start()
 
-    result: CommandResult = sandbox.commands.run(
-        command, open_stdin=True, on_start=started, **options
-    )
+    try:
+        result: CommandResult = sandbox.commands.run(
+            command, open_stdin=True, on_start=started, **options
+        )
+    finally:
+        ended.set()
     return result
 
 
-def _feed(handle: CommandHandle, read: Callable[[int], bytes]) -> None:
+def _feed(handle: CommandHandle, read: Callable[[int], bytes], ended: threading.Event) -> None:
+    """Send what ``read`` gives until it ends, then close stdin; stop once the run
+    ``ended`` (the feeder may still be blocked in a read then: it is a daemon)."""
     try:
-        while chunk := read(_READ_BYTES):  # as it comes, not the whole
+        while (chunk := read(_READ_BYTES)) and not ended.is_set():  # as it comes
             handle.send_stdin(chunk)
-        handle.close_stdin()
+        if not ended.is_set():
+            handle.close_stdin()
     except SpaceError:
         pass  # the command ended first (or the run failed, which the run reports)
+    except Exception:
+        if not ended.is_set():
+            raise
+        # The run is over and its client closed under this send: nothing is left to feed.
 
 
 def run_terminal(

@@ -8,6 +8,7 @@ import io
 import os
 import struct
 import termios
+import threading
 
 from space.cli._terminal import _feed, run_terminal, stdin_reader
 from space.sdk import Sandbox
@@ -71,7 +72,8 @@ class _Handle:
 def test_exec_i_streams_stdin_in_pieces_then_closes_it() -> None:
     data = os.urandom(200_000)  # several reads
     handle = _Handle()
-    _feed(handle, stdin_reader(io.BufferedReader(io.BytesIO(data))))  # type: ignore[arg-type]
+    reader = stdin_reader(io.BufferedReader(io.BytesIO(data)))
+    _feed(handle, reader, threading.Event())  # type: ignore[arg-type]
     assert b"".join(handle.sent) == data and len(handle.sent) > 1 and handle.closed
 
 
@@ -81,5 +83,25 @@ def test_negative_exec_i_stops_feeding_a_command_that_ended_first() -> None:
     os.write(write_fd, os.urandom(60_000))
     os.close(write_fd)
     with open(read_fd, "rb") as stdin:
-        _feed(handle, stdin_reader(stdin))  # type: ignore[arg-type]
+        _feed(handle, stdin_reader(stdin), threading.Event())  # type: ignore[arg-type]
     assert len(handle.sent) == 1 and not handle.closed
+
+
+def test_negative_exec_i_sends_nothing_once_the_run_ended() -> None:
+    """A feeder still reading when the run ended: what it reads next is not sent, and
+    a client closed under a send raises nothing in its thread."""
+    ended = threading.Event()
+
+    class _Gone(_Handle):
+        def send_stdin(self, data: bytes) -> None:
+            ended.set()  # the run ends while this piece is on its way
+            raise ValueError("The future belongs to a different loop")  # the SDK's, closed
+
+    ended.set()
+    handle = _Handle()
+    _feed(handle, stdin_reader(io.BufferedReader(io.BytesIO(b"late"))), ended)  # type: ignore[arg-type]
+    assert handle.sent == [] and not handle.closed
+    ended.clear()
+    gone = _Gone()
+    _feed(gone, stdin_reader(io.BufferedReader(io.BytesIO(b"typed"))), ended)  # type: ignore[arg-type]
+    assert not gone.closed

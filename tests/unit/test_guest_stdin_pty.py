@@ -91,12 +91,18 @@ def test_negative_stdin_to_unknown_finished_or_closed_processes_is_refused(
         await finish(await channel.attach(done.process_id))
         with pytest.raises(Conflict, match="exited"):
             await channel.write_stdin(done.process_id, b"x")
+        # A process that does not end at EOF (cat would, and be gone: NotFound).
+        idle = await channel.exec(
+            ExecRequest(argv=["sleep", "30"], open_stdin=True, background=True)
+        )
+        await channel.write_stdin(idle.process_id, b"", eof=True)
+        with pytest.raises(Conflict, match="closed"):
+            await channel.write_stdin(idle.process_id, b"x")
+        with pytest.raises(InvalidArgument, match="exceeds"):
+            await channel.write_stdin(idle.process_id, b"x" * (MAX_INPUT_BYTES + 1))
+        await channel.kill_process(idle.process_id)
         stream = await channel.exec(ExecRequest(argv=["cat"], open_stdin=True))
         await channel.write_stdin(stream.process_id, b"", eof=True)
-        with pytest.raises(Conflict, match="closed"):
-            await channel.write_stdin(stream.process_id, b"x")
-        with pytest.raises(InvalidArgument, match="exceeds"):
-            await channel.write_stdin(stream.process_id, b"x" * (MAX_INPUT_BYTES + 1))
         assert (await finish(stream))[2].exit_code == 0
         with pytest.raises(InvalidArgument, match="excludes"):
             await channel.exec(ExecRequest(argv=["cat"], stdin=b"x", open_stdin=True))
