@@ -72,11 +72,15 @@ async def op_read(stream: Stream, fields: Fields, accounts: Accounts) -> dict[st
             raise OpError(ErrorCode.INVALID_ARGUMENT, f"{path} is not a regular file")
         os.set_blocking(fd, True)
         await stream.send_event({"event": "stat", "stat": stat_dict(path, st)})
-        size = 0
-        while count := _read_frame(fd, frame := bytearray(_READ_FRAME_BYTES)):
+        # The file as it was at the stat: a log still growing is read up to that size,
+        # so the bytes match the size the host was told (its Content-Length).
+        size, left = 0, st.st_size
+        while left > 0 and (count := _read_frame(fd, frame := bytearray(_READ_FRAME_BYTES))):
+            count = min(count, left)
             del frame[DATA_HEADER_BYTES + count :]
             await stream.send_data_frame(Channel.OUTPUT, frame)
             size += count
+            left -= count
         await stream.send_eof(Channel.OUTPUT)
         return {"ok": True, "size": size}
     finally:

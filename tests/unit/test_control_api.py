@@ -436,6 +436,27 @@ async def test_file_operations_list_stat_mkdir_rename_and_delete(tmp_path: Path)
         assert "/d/b" not in h.node.boxes[sid].files
 
 
+async def test_a_file_read_never_passes_the_size_its_stat_said(tmp_path: Path) -> None:
+    """A file that grew after the guest's stat (or a guest sending more than it said)
+    is cut at the stat's size, the Content-Length: the answer stays well-formed."""
+    async with control_app(tmp_path) as h:
+        headers = h.key("acme")
+        sid = (await _create(h, headers))["id"]
+        h.node.boxes[sid].files["/log"] = b"0123456789"
+        real = h.node.read_file
+
+        async def grown(sandbox_id: str, path: str, user: str = "user") -> Any:
+            reader = await real(sandbox_id, path, user)
+            reader._data += b"appended after the stat"
+            return reader
+
+        h.node.read_file = grown  # type: ignore[method-assign]
+        answer = await h.client.get(
+            f"/v1/sandboxes/{sid}/files", params={"path": "/log"}, headers=headers
+        )
+        assert answer.status_code == 200 and answer.content == b"0123456789"
+
+
 @pytest.mark.parametrize(
     "params", [{"path": ""}, {}, {"path": "/a\0b"}, {"path": "/" + "a" * 4096}]
 )

@@ -47,9 +47,15 @@ async def write_file(
 
 
 async def _download(reader: FileReader) -> AsyncIterator[bytes]:
+    """The file's bytes, never past the size its stat (the Content-Length) said: a
+    guest that sends more (a file that grew, or a lying guest) is cut there."""
+    left = reader.stat.size
     try:
         async for chunk in reader:
-            yield chunk
+            if left <= 0:
+                break
+            yield chunk[:left]
+            left -= len(chunk)
     finally:
         await reader.aclose()
 
