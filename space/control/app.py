@@ -30,6 +30,7 @@ from space.control.routers import (
     commands,
     egress,
     files,
+    metrics,
     pools,
     quotas,
     sandboxes,
@@ -104,7 +105,7 @@ def create_app(
     app = FastAPI(title="SPACE", version="1", lifespan=lifespan)
     install_error_handlers(app)
     routers = (sandboxes, snapshots, egress, secrets, commands, files, pools, templates, quotas)
-    for module in routers:
+    for module in (*routers, metrics):
         app.include_router(module.router)
     app.include_router(node_routes.router)
     app.add_middleware(control_edges)

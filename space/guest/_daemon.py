@@ -35,6 +35,7 @@ from space.protocol import (
 from . import AGENT, _exec, _files, _identity
 from ._errors import OpError, SessionLost, from_oserror
 from ._identity import IdentitySystem
+from ._metrics import MetricsSampler
 from ._processes import ProcessTable
 from ._request import Accounts, Fields
 from ._session import Session, Stream
@@ -59,6 +60,7 @@ _HANDLERS: dict[str, Handler] = {
     Op.FILE_RENAME: lambda d, s, f: _files.op_rename(f, d.accounts),
     Op.SYSTEM_INFO: lambda d, s, f: _system_info(),
     Op.SYSTEM_IDENTITY: lambda d, s, f: _identity.op_identity(f, d.identity),
+    Op.SYSTEM_METRICS: lambda d, s, f: d.metrics.sample(),
 }
 
 
@@ -69,6 +71,7 @@ class Daemon:
     accounts: Accounts
     processes: ProcessTable
     identity: IdentitySystem
+    metrics: MetricsSampler
 
     def __init__(
         self, transport: Transport, accounts: Accounts, *, identity: IdentitySystem
@@ -77,6 +80,8 @@ class Daemon:
         self.accounts = accounts
         self.identity = identity
         self.processes = ProcessTable()
+        #: Holds the previous CPU reading: a sample covers the time since the last one.
+        self.metrics = MetricsSampler()
         self.session: Session | None = None
         self.stopped = asyncio.Event()
         self._decoder = FrameDecoder()

@@ -79,6 +79,7 @@ class Op(enum.StrEnum):
     FILE_RENAME = "file.rename"
     SYSTEM_INFO = "system.info"
     SYSTEM_IDENTITY = "system.identity"
+    SYSTEM_METRICS = "system.metrics"
 
 
 class ErrorCode(enum.StrEnum):

@@ -22,7 +22,7 @@ from tests.unit._live_api import API_URL, TENANT, LiveApi
 COMMANDS = [
     "control", "cp", "create", "demo", "egress", "exec", "fork", "hibernate", "keys", "ls",
     "node", "pause", "pools", "quota", "restore", "resume", "rm", "secret", "serve", "snapshot",
-    "template", "timeouts",
+    "template", "timeouts", "metrics",
 ]  # fmt: skip
 
 

@@ -41,6 +41,8 @@ from space.node.api.errors import (
 )
 from space.node.api.host_addresses import host_addresses
 from space.node.api.interface import (
+    MAX_METRICS_SAMPLES,
+    METRICS_INTERVAL_S,
     TENANT_PREFIX,
     BuildEvent,
     BuildFailed,
@@ -63,6 +65,7 @@ from space.node.api.interface import (
     NodeService,
     PoolInfo,
     ProcessInfo,
+    SandboxMetrics,
     SandboxSpec,
     SandboxState,
     SandboxStatus,
@@ -118,6 +121,8 @@ __all__ = [
     "MAX_EGRESS_LOG_EVENTS",
     "MAX_FORK_CHILDREN",
     "MAX_GRANTS",
+    "MAX_METRICS_SAMPLES",
+    "METRICS_INTERVAL_S",
     "NDJSON",
     "NODE_API_PREFIX",
     "STATUS_BY_CODE",
@@ -155,6 +160,7 @@ __all__ = [
     "PoolInfo",
     "ProcessInfo",
     "ResourceExhausted",
+    "SandboxMetrics",
     "SandboxSpec",
     "SandboxState",
     "SandboxStatus",

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 __all__ = [
+    "MAX_METRICS_SAMPLES",
+    "METRICS_INTERVAL_S",
     "TENANT_PREFIX",
     "BuildEvent",
     "BuildFailed",
@@ -37,6 +39,7 @@ __all__ = [
     "NodeService",
     "PoolInfo",
     "ProcessInfo",
+    "SandboxMetrics",
     "SandboxSpec",
     "SandboxState",
     "SandboxStatus",
@@ -469,6 +472,30 @@ class NodeInfo:
     archives: bool = False
 
 
+#: Most samples a node keeps per sandbox for ``sandbox_metrics``: with one new sample
+#: at most every METRICS_INTERVAL_S, ten minutes of a sandbox polled without pause.
+MAX_METRICS_SAMPLES = 120
+#: A request for metrics within this many seconds of the last sample answers the
+#: samples kept without asking the guest again (a dashboard polling every second
+#: wakes a guest every 5 s, as E2B samples, not every time).
+METRICS_INTERVAL_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxMetrics:
+    """One sample of a sandbox's resource use, measured by spaced in the guest and
+    checked by the node (space.protocol.Metrics has the meaning and the bounds).
+    ``timestamp`` is the node's clock (Unix seconds) when the guest answered."""
+
+    timestamp: float
+    cpu_count: int
+    cpu_used_pct: float
+    mem_used: int
+    mem_total: int
+    disk_used: int
+    disk_total: int
+
+
 def snapshot_archive(snapshot_id: str) -> str:
     """The artifact store's bundle of a snapshot (the node makes it, the control plane
     has it deleted with the snapshot)."""
@@ -551,6 +578,15 @@ class NodeService(Protocol):
     """
 
     async def info(self) -> NodeInfo: ...
+
+    async def sandbox_metrics(self, sandbox_id: str) -> list[SandboxMetrics]:
+        """The samples the node keeps of a sandbox, oldest first (at most
+        MAX_METRICS_SAMPLES). A RUNNING sandbox is sampled first unless its last sample
+        is younger than METRICS_INTERVAL_S; a sandbox in any other state is never woken
+        for it: the samples kept answer (none after a node restart or a move). NotFound
+        for an unknown id; a guest that answers absurd values loses its channel
+        (Unavailable), as for any malformed message."""
+        ...
 
     async def create_sandbox(self, spec: SandboxSpec) -> SandboxStatus: ...
 

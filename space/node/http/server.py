@@ -13,7 +13,8 @@ body and answers the build's NDJSON events (its id in ``X-Build-Id``); ``GET`` l
 ``DELETE /templates/{ref}`` deletes (``name``, ``name:tag``, ``name@digest``);
 shipping a build to another node (issue 19) is ``POST /templates/{ref}/export`` on the
 source, ``POST /templates/imports`` on the target, which reads the source's
-``GET /template-exports/{digest}/stream`` with the ticket (as a move's stream). A
+``GET /template-exports/{digest}/stream`` with the ticket (as a move's stream).
+``GET /sandboxes/{id}/metrics`` answers ``{"samples": [SandboxMetrics, ...]}``. A
 sandbox's egress policy is ``PUT /sandboxes/{id}/egress`` with ``{"policy": {...} |
 null}`` (204); ``GET /sandboxes/{id}/egress/log?limit=N`` (1 to MAX_EGRESS_LOG_EVENTS,
 default 100) answers ``{"events": [EgressEvent, ...], "dropped": N}``, oldest first
@@ -218,6 +219,11 @@ async def _exec(node: Node, sandbox_id: str, request: Request) -> StreamingRespo
 @_router.get("/sandboxes/{sandbox_id}/processes")
 async def _processes(node: Node, sandbox_id: str) -> Any:
     return [encode(info) for info in await node.list_processes(sandbox_id)]
+
+
+@_router.get("/sandboxes/{sandbox_id}/metrics")
+async def _metrics(node: Node, sandbox_id: str) -> Any:
+    return {"samples": [encode(sample) for sample in await node.sandbox_metrics(sandbox_id)]}
 
 
 @_router.get("/sandboxes/{sandbox_id}/processes/{process_id}/attach")
