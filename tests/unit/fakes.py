@@ -174,6 +174,8 @@ class FakeNode(FakeTemplates, FakeEgress, FakeMoves, FakeArchives):
         self.grants: dict[str, list[SecretGrant]] = {}
         self.grant_pushes: list[tuple[str, list[SecretGrant]]] = []
         self.scripts: dict[str, list[ExecEvent | NodeError]] = {}
+        #: What ``info`` reports as the egress gateway's decision counts.
+        self.egress_decisions: dict[str, int] = {}
         #: Each sandbox's kept metrics samples, as the node's (sandbox_metrics).
         self.metrics: dict[str, list[SandboxMetrics]] = {}
 
@@ -214,6 +216,7 @@ class FakeNode(FakeTemplates, FakeEgress, FakeMoves, FakeArchives):
             self.boot_id,
             self.capacity,
             archives=self.archive_store is not None,
+            egress_decisions=dict(self.egress_decisions),
         )
 
     async def sandbox_metrics(self, sandbox_id: str) -> list[SandboxMetrics]:

@@ -246,6 +246,7 @@ class Node:
             boot_id=self._boot_id,
             capacity=capacity,
             archives=self.archives.enabled,
+            egress_decisions=await self._gateway.decisions(),
         )
 
     # sandboxes (each service documents its calls: raises, idempotence, persistence)

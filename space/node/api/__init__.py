@@ -41,6 +41,7 @@ from space.node.api.errors import (
 )
 from space.node.api.host_addresses import host_addresses
 from space.node.api.interface import (
+    EGRESS_DECISIONS,
     MAX_METRICS_SAMPLES,
     METRICS_INTERVAL_S,
     TENANT_PREFIX,
@@ -115,6 +116,7 @@ from space.node.api.wire import (
 
 __all__ = [
     "BUILD_ID_HEADER",
+    "EGRESS_DECISIONS",
     "ERROR_BY_CODE",
     "FILE_STAT_HEADER",
     "MAX_BUILD_LOG_BYTES",

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 __all__ = [
+    "EGRESS_DECISIONS",
     "MAX_METRICS_SAMPLES",
     "METRICS_INTERVAL_S",
     "TENANT_PREFIX",
@@ -180,6 +181,11 @@ class EgressEvent:
     bytes_in: int = 0
     #: Names of the secrets injected into this request.
     secrets: tuple[str, ...] = ()
+
+
+#: The decisions the egress gateway makes about a guest's traffic (EgressEvent.decision;
+#: its audit also writes ``drop`` events of its own, which decide nothing).
+EGRESS_DECISIONS = ("allow", "deny")
 
 
 @dataclass(frozen=True, slots=True)
@@ -470,6 +476,9 @@ class NodeInfo:
     capacity: CapacityInfo | None = None
     #: Whether the node keeps snapshots and hibernated sandboxes in an artifact store.
     archives: bool = False
+    #: The egress gateway's decisions since it started, by kind (``allow``, ``deny``;
+    #: back to 0 when the gateway restarts), for the platform's Prometheus counters.
+    egress_decisions: dict[str, int] = field(default_factory=dict)
 
 
 #: Most samples a node keeps per sandbox for ``sandbox_metrics``: with one new sample
