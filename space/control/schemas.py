@@ -500,7 +500,7 @@ class SandboxMetricOut(BaseModel):
     timestamp: str
     timestamp_unix: int
     cpu_count: int
-    cpu_used_pct: float
+    cpu_used_pct: float = Field(ge=0, le=100)
     mem_used: int
     mem_total: int
     disk_used: int
