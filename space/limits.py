@@ -27,7 +27,9 @@ __all__ = [
     "MAX_IDLE_TIMEOUT_S",
     "MAX_JSON_BODY_BYTES",
     "MAX_LIFETIME_S",
+    "MAX_PTY_SIZE",
     "MAX_SANDBOX_SECRETS",
+    "MAX_STDIN_BYTES",
     "MAX_TIMEOUT_S",
     "MEMORY_MIB",
     "MEMORY_RESERVE_MIB",
@@ -35,6 +37,7 @@ __all__ = [
     "METADATA",
     "POOL_RESERVE_MIB",
     "POOL_RESERVE_SHARE",
+    "PROCESS_TAG_PATTERN",
     "QUOTAS",
     "RESOURCES",
     "MapLimit",
@@ -156,6 +159,12 @@ MAX_LIFETIME_S: Final = 30 * 24 * 3600
 MAX_IDLE_TIMEOUT_S: Final = 7 * 24 * 3600
 #: Longest a command may run (a day).
 MAX_COMMAND_TIMEOUT_S: Final = 24 * 3600
+#: Interactive processes (issue 20), the guest protocol's own numbers (space.protocol
+#: MAX_INPUT_BYTES, MAX_PTY_SIZE, TAG_PATTERN; a unit test keeps them equal): stdin bytes
+#: per call, rows and columns of a PTY (1 to this), a process tag.
+MAX_STDIN_BYTES: Final = 1 << 20
+MAX_PTY_SIZE: Final = 1000
+PROCESS_TAG_PATTERN: Final = r"[A-Za-z0-9_.:-]{1,64}"
 
 #: A node's admission by capacity (issue 15; space/node/core/capacity.py has the formula
 #: and why these defaults). Host memory no sandbox may take: this share of MemTotal,

@@ -49,6 +49,14 @@ class FakeGuest:
         self.send_json(FrameKind.HELLO, 0, answer)
         await self.writer.drain()
 
+    def watching(self, stream: int, path: str = "/home/user") -> None:
+        """Answer a file.watch OPEN: the watch is in place (DATA lines may follow)."""
+        self.send_json(FrameKind.EVENT, stream, {"event": "watching", "path": path})
+
+    def watch_lines(self, stream: int, data: bytes) -> None:
+        """file.watch's NDJSON lines (or anything else) as one DATA OUTPUT frame."""
+        self.send(FrameKind.DATA, stream, bytes((1,)) + data)
+
     async def close(self) -> None:
         self.writer.close()
         with contextlib.suppress(OSError):

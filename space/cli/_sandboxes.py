@@ -5,10 +5,12 @@ The snapshot, hibernate, restore, fork and timeouts commands are in _lifecycle.p
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 import click
 
@@ -22,14 +24,13 @@ from space.cli._common import (
     reports_errors,
 )
 from space.cli._egress import ALLOW_HELP, policy_of
+from space.cli._terminal import run_piped, run_terminal, stdin_reader, stdout_writer
 from space.sdk import CommandResult, Sandbox, SandboxInfo
 
 __all__ = ["cp", "create", "exec_", "ls", "pause", "resume", "rm"]
 
 #: Exit status of ``space exec`` when the command hit its timeout (as timeout(1) does).
 EXIT_TIMED_OUT = 124
-#: ``-i`` forwards at most this much of stdin (the API carries stdin as one text field).
-MAX_STDIN_BYTES = 16 << 20
 #: ``ID:/path`` names a path in a sandbox; anything else is local (``./a:b`` stays local).
 _REMOTE = re.compile(r"^(?P<id>[A-Za-z0-9][A-Za-z0-9_-]*):(?P<path>.+)$")
 
@@ -177,7 +178,15 @@ def resume(sandbox_ids: tuple[str, ...], api_url: str | None, api_key: str | Non
 @click.option("--cwd", default=None)
 @click.option("--user", default=None)
 @click.option("--timeout-s", default=300.0, show_default=True, type=float, help="0: none.")
-@click.option("--interactive", "-i", is_flag=True, help="Send this terminal's stdin.")
+@click.option(
+    "--interactive", "-i", is_flag=True, help="Stream our stdin to the command as it comes."
+)
+@click.option(
+    "--tty",
+    "-t",
+    is_flag=True,
+    help="With -i: a terminal session (PTY, raw keys, Ctrl-C, resize), e.g. -it ID -- bash.",
+)
 @api_options
 @reports_errors
 def exec_(
@@ -188,6 +197,7 @@ def exec_(
     user: str | None,
     timeout_s: float,
     interactive: bool,
+    tty: bool,
     api_url: str | None,
     api_key: str | None,
 ) -> None:
@@ -195,19 +205,38 @@ def exec_(
 
     One word runs through the shell (``space exec ID -- 'ls | wc -l'``); several run as
     an argv, without a shell. Output streams live; the exit status is the command's
-    (128+N for signal N, 124 when it timed out).
+    (128+N for signal N, 124 when it timed out). ``-it`` runs it on a terminal: keys go
+    as typed (Ctrl-C included), the window size follows ours, and the command is killed
+    if this client goes away.
     """
+    if tty and not (interactive and _stdin_is_a_terminal()):
+        fail("-t wants -i and a terminal on stdin", 2)
     with connected(sandbox_id, api_url, api_key) as sandbox:
-        result = sandbox.commands.run(
-            command[0] if len(command) == 1 else list(command),
-            env=_parse_env(env),
-            cwd=cwd,
-            user=user,
-            stdin=_read_stdin() if interactive else None,
-            timeout_s=timeout_s or None,
-            on_stdout=lambda text: click.echo(text, nl=False),
-            on_stderr=lambda text: click.echo(text, nl=False, err=True),
-        )
+        if tty:
+            result = run_terminal(
+                sandbox,
+                command[0] if len(command) == 1 else list(command),
+                env=_parse_env(env),
+                cwd=cwd,
+                user=user,
+                timeout_s=timeout_s or None,
+                stdin_fd=sys.stdin.fileno(),
+                write=stdout_writer(),
+            )
+            sys.exit(exit_status(result))
+        options: dict[str, Any] = {
+            "env": _parse_env(env),
+            "cwd": cwd,
+            "user": user,
+            "timeout_s": timeout_s or None,
+            "on_stdout": lambda text: click.echo(text, nl=False),
+            "on_stderr": lambda text: click.echo(text, nl=False, err=True),
+        }
+        argv = command[0] if len(command) == 1 else list(command)
+        if interactive:
+            result = run_piped(sandbox, argv, read=stdin_reader(sys.stdin.buffer), **options)
+        else:
+            result = sandbox.commands.run(argv, **options)
     sys.exit(exit_status(result))
 
 
@@ -230,11 +259,11 @@ def _parse_env(pairs: tuple[str, ...]) -> dict[str, str]:
     return env
 
 
-def _read_stdin() -> bytes:
-    data = sys.stdin.buffer.read(MAX_STDIN_BYTES + 1)
-    if len(data) > MAX_STDIN_BYTES:
-        fail(f"stdin is larger than {MAX_STDIN_BYTES} bytes", 2)
-    return data
+def _stdin_is_a_terminal() -> bool:
+    try:
+        return os.isatty(sys.stdin.fileno())
+    except (OSError, ValueError):  # no file descriptor at all (a test's buffer)
+        return False
 
 
 @click.command()

@@ -11,8 +11,11 @@ deletes. Secret grants are sent to the target (a node holds them in memory only)
 
 A ``draining`` node's paused and hibernated sandboxes are moved away by a background
 job (space.control.background), a sandbox at a time, to the node placement ranks
-first among the others; a sandbox no node takes is tried again next round. Running
-sandboxes stay: draining places nothing new, and their owners decide.
+first among the others (nodes that reported no room last). A target admits what it
+imports as it would a create of its size, before any byte moves (space.node.agent.
+_moves): one without room refuses with InsufficientCapacity, the sandbox stays whole
+on its node, and the next target is asked; a sandbox no node takes is tried again next
+round. Running sandboxes stay: draining places nothing new, and their owners decide.
 """
 
 from __future__ import annotations
@@ -95,18 +98,37 @@ async def drain_round(ctx: ControlContext) -> list[str]:
                 t for t in rank_nodes(records, load, reachable=ctx.nodes.ids(), template=template)
                 if t != node.id and ctx.nodes.url(t) != LOCAL_URL
             ]  # fmt: skip
-            for target in targets:
-                try:
-                    await move_sandbox(ctx, record, target)
-                except (NodeError, ApiError) as exc:
-                    log.warning(
-                        "drain of %s: %s not moved to %s: %s", node.id, record.id, target, exc
-                    )
-                    continue
+            target = await _move_to_first(ctx, record, targets)
+            if target is not None:
                 moved.append(record.id)
                 load[target] = load.get(target, 0) + 1
-                break
     return moved
+
+
+async def _move_to_first(
+    ctx: ControlContext, record: SandboxRecord, targets: list[str]
+) -> str | None:
+    """Move ``record`` to the first of ``targets`` that takes it (a target without room
+    refuses the import: InsufficientCapacity); the one that did, or None. After a
+    refusal the row is read again: a paused sandbox is hibernated by then, and one
+    woken, deleted or moved meanwhile is left alone."""
+    source = record.node_id
+    for target in targets:
+        try:
+            await move_sandbox(ctx, record, target)
+        except (NodeError, ApiError) as exc:
+            log.warning("drain of %s: %s not moved to %s: %s", source, record.id, target, exc)
+            now = await ctx.db.run(
+                functools.partial(
+                    repo.find_sandbox, tenant_id=record.tenant_id, sandbox_id=record.id
+                )
+            )
+            if now is None or now.node_id != source or now.state not in MOVABLE:
+                return None
+            record = now
+            continue
+        return target
+    return None
 
 
 def _draining(session: Session) -> tuple[list[node_rows.NodeRecord], dict[str, int]]:

@@ -28,10 +28,12 @@ from space.limits import (
     MAX_FORK_CHILDREN,
     MAX_IDLE_TIMEOUT_S,
     MAX_LIFETIME_S,
+    MAX_PTY_SIZE,
     MAX_SANDBOX_SECRETS,
     MAX_TIMEOUT_S,
     MEMORY_MIB,
     METADATA,
+    PROCESS_TAG_PATTERN,
     MapLimit,
 )
 from space.node.api import (
@@ -56,6 +58,7 @@ __all__ = [
     "NodeRegistration",
     "PoolOut",
     "ProcessOut",
+    "PtyBody",
     "QuotaOut",
     "RenameBody",
     "RestoreBody",
@@ -331,6 +334,13 @@ class SnapshotOut(BaseModel):
         )
 
 
+class PtyBody(_Body):
+    """A pseudo-terminal's window (issue 20)."""
+
+    rows: int = Field(24, ge=1, le=MAX_PTY_SIZE)
+    cols: int = Field(80, ge=1, le=MAX_PTY_SIZE)
+
+
 class ExecBody(_Body):
     cmd: _Text | None = None
     argv: Annotated[list[_Text], Field(min_length=1, max_length=4096)] | None = None
@@ -341,11 +351,18 @@ class ExecBody(_Body):
     stdin: Annotated[str, Field(max_length=16 * 1024 * 1024)] | None = None
     timeout_s: float | None = Field(None, gt=0, le=MAX_COMMAND_TIMEOUT_S)
     background: bool = False
+    #: Keep stdin open for ``POST .../processes/{pid}/stdin`` (issue 20).
+    open_stdin: bool = False
+    #: Run on a pseudo-terminal: one output stream, input through ``.../stdin``.
+    pty: PtyBody | None = None
+    tag: Annotated[str, Field(pattern=f"^{PROCESS_TAG_PATTERN}$")] | None = None
 
     @model_validator(mode="after")
     def _one_command(self) -> ExecBody:
         if (self.cmd is None) == (self.argv is None):
             raise ValueError("give exactly one of cmd and argv")
+        if self.stdin is not None and (self.open_stdin or self.pty is not None):
+            raise ValueError("stdin up front excludes open_stdin and pty")
         return self
 
 
@@ -435,6 +452,8 @@ class ProcessOut(BaseModel):
     exit_code: int | None
     signal: int | None
     started_at: str
+    tag: str | None = None
+    pty: bool = False
 
     @classmethod
     def of(cls, info: ProcessInfo) -> ProcessOut:
@@ -447,6 +466,8 @@ class ProcessOut(BaseModel):
             exit_code=info.exit_code,
             signal=info.signal,
             started_at=_iso(info.started_at) or "",
+            tag=info.tag,
+            pty=info.pty,
         )
 
 

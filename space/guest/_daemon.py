@@ -32,7 +32,7 @@ from space.protocol import (
     encode_json,
 )
 
-from . import AGENT, _exec, _files, _identity
+from . import AGENT, _exec, _files, _identity, _watch
 from ._errors import OpError, SessionLost, from_oserror
 from ._identity import IdentitySystem
 from ._metrics import MetricsSampler
@@ -51,6 +51,8 @@ _HANDLERS: dict[str, Handler] = {
     Op.PROCESS_LIST: lambda d, s, f: _exec.op_list(s, d.processes),
     Op.PROCESS_ATTACH: lambda d, s, f: _exec.op_attach(s, f, d.processes),
     Op.PROCESS_KILL: lambda d, s, f: _exec.op_kill(f, d.processes),
+    Op.PROCESS_INPUT: lambda d, s, f: _exec.op_input(s, f, d.processes),
+    Op.PROCESS_RESIZE: lambda d, s, f: _exec.op_resize(f, d.processes),
     Op.FILE_READ: lambda d, s, f: _files.op_read(s, f, d.accounts),
     Op.FILE_WRITE: lambda d, s, f: _files.op_write(s, f, d.accounts),
     Op.FILE_LIST: lambda d, s, f: _files.op_list(s, f, d.accounts),
@@ -58,6 +60,7 @@ _HANDLERS: dict[str, Handler] = {
     Op.FILE_MKDIR: lambda d, s, f: _files.op_mkdir(f, d.accounts),
     Op.FILE_REMOVE: lambda d, s, f: _files.op_remove(f, d.accounts),
     Op.FILE_RENAME: lambda d, s, f: _files.op_rename(f, d.accounts),
+    Op.FILE_WATCH: lambda d, s, f: _watch.op_watch(s, f, d.accounts, d.watches),
     Op.SYSTEM_INFO: lambda d, s, f: _system_info(),
     Op.SYSTEM_IDENTITY: lambda d, s, f: _identity.op_identity(f, d.identity),
     Op.SYSTEM_METRICS: lambda d, s, f: d.metrics.sample(),
@@ -70,6 +73,7 @@ class Daemon:
 
     accounts: Accounts
     processes: ProcessTable
+    watches: _watch.Watches
     identity: IdentitySystem
     metrics: MetricsSampler
 
@@ -80,6 +84,7 @@ class Daemon:
         self.accounts = accounts
         self.identity = identity
         self.processes = ProcessTable()
+        self.watches = _watch.Watches()
         #: Holds the previous CPU reading: a sample covers the time since the last one.
         self.metrics = MetricsSampler()
         self.session: Session | None = None

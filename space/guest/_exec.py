@@ -1,12 +1,22 @@
-"""Operation handlers for processes: exec, process.list, process.attach, process.kill."""
+"""Operation handlers for processes: exec, process.list, process.attach, process.kill,
+process.input and process.resize (docs/protocol.md, "Requests")."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import os
+import re
 
-from space.protocol import DATA_CHUNK_BYTES, Channel, ErrorCode
+from space.protocol import (
+    DATA_CHUNK_BYTES,
+    MAX_INPUT_BYTES,
+    MAX_PTY_SIZE,
+    MAX_TAG_CHARS,
+    TAG_PATTERN,
+    Channel,
+    ErrorCode,
+)
 
 from ._errors import OpError
 from ._processes import (
@@ -23,8 +33,17 @@ from ._processes import (
 )
 from ._request import Accounts, Fields
 from ._session import Stream, send_batches
+from ._stdio import ByteSource, ProcessIo
 
-__all__ = ["op_attach", "op_exec", "op_kill", "op_list", "parse_exec"]
+__all__ = [
+    "op_attach",
+    "op_exec",
+    "op_input",
+    "op_kill",
+    "op_list",
+    "op_resize",
+    "parse_exec",
+]
 
 #: Bound on the total characters of argv or cmd (so a process listing entry fits a message).
 MAX_COMMAND_CHARS = 32 * 1024
@@ -45,16 +64,40 @@ def parse_exec(fields: Fields, accounts: Accounts) -> ExecSpec:
     if not os.path.isdir(cwd):
         code = ErrorCode.NOT_A_DIRECTORY if os.path.exists(cwd) else ErrorCode.NOT_FOUND
         raise OpError(code, f"working directory {cwd!r} is not a directory")
+    stdin = fields.boolean("stdin", False)
+    open_stdin = fields.boolean("open_stdin", False)
+    pty = _pty_size(fields)
+    if stdin and (open_stdin or pty is not None):
+        raise OpError(ErrorCode.INVALID_ARGUMENT, "stdin up front excludes open_stdin and pty")
     return ExecSpec(
         argv=command,
         cmd=cmd,
         env=default_env(account) | fields.string_dict("env"),
         cwd=cwd,
         account=account,
-        stdin=fields.boolean("stdin", False),
+        stdin=stdin,
         timeout_s=fields.optional_seconds("timeout_s"),
         background=fields.boolean("background", False),
+        open_stdin=open_stdin,
+        pty=pty,
+        tag=_tag(fields),
     )
+
+
+def _pty_size(fields: Fields) -> tuple[int, int] | None:
+    if fields.mapping().get("pty") is None:
+        return None
+    size = Fields(fields.object("pty"))
+    rows = size.integer("rows", 24, low=1, high=MAX_PTY_SIZE)
+    cols = size.integer("cols", 80, low=1, high=MAX_PTY_SIZE)
+    return rows, cols
+
+
+def _tag(fields: Fields) -> str | None:
+    tag = fields.optional_string("tag", max_chars=MAX_TAG_CHARS)
+    if tag is not None and not re.fullmatch(TAG_PATTERN, tag):
+        raise OpError(ErrorCode.INVALID_ARGUMENT, f"tag must match {TAG_PATTERN}")
+    return tag
 
 
 def _started(process_id: str, pid: int) -> dict[str, object]:
@@ -67,48 +110,50 @@ async def op_exec(
     spec = parse_exec(fields, accounts)
     if spec.background:
         table.reserve()
-    proc = await spawn(spec)
+    proc, io = await spawn(spec)
     process_id = new_process_id()
     if spec.background:
-        table.add(ManagedProcess(process_id, spec, proc))
+        table.add(ManagedProcess(process_id, spec, proc, io))
         await stream.send_event(_started(process_id, proc.pid))
         return {"ok": True, "process_id": process_id, "pid": proc.pid}
     completed = False
     table.foreground[process_id] = proc
+    table.foreground_io[process_id] = io
     try:
         await stream.send_event(_started(process_id, proc.pid))
-        result = await _run_foreground(stream, proc, spec)
+        result = await _run_foreground(stream, proc, io, spec)
         completed = True
         return result
     finally:
         del table.foreground[process_id]
+        del table.foreground_io[process_id]
+        io.release()
         if not completed:  # cancelled by the host or the session ended
             kill_group(proc.pid)
 
 
 async def _run_foreground(
-    stream: Stream, proc: asyncio.subprocess.Process, spec: ExecSpec
+    stream: Stream, proc: asyncio.subprocess.Process, io: ProcessIo, spec: ExecSpec
 ) -> dict[str, object]:
-    assert proc.stdout is not None and proc.stderr is not None
     stream.on_signal = lambda signum: kill_group(proc.pid, signum)
-    tasks = [
-        asyncio.create_task(_pump(stream, proc.stdout, Channel.OUTPUT)),
-        asyncio.create_task(_pump(stream, proc.stderr, Channel.ERROR)),
-    ]
-    feeder = asyncio.create_task(_feed(stream, proc.stdin)) if proc.stdin else None
+    tasks = [asyncio.create_task(_pump(stream, source, channel)) for channel, source in io.sources]
+    feeder = asyncio.create_task(_feed(stream, proc.stdin)) if spec.stdin and proc.stdin else None
     try:
         timed_out = await wait_exit(proc, spec.timeout_s)
+        io.exited()
         await _drain(stream, tasks)
     finally:
         everything = [*tasks, feeder] if feeder else tasks
         for task in everything:
             task.cancel()
         await asyncio.gather(*everything, return_exceptions=True)
+    if io.pty:  # one stream: the ERROR channel ends empty, as a client expects both ends
+        await stream.send_eof(Channel.ERROR)
     exit_code, signum = exit_fields(proc.returncode)
     return {"ok": True, "exit_code": exit_code, "signal": signum, "timed_out": timed_out}
 
 
-async def _pump(stream: Stream, reader: asyncio.StreamReader, channel: Channel) -> None:
+async def _pump(stream: Stream, reader: ByteSource, channel: Channel) -> None:
     while chunk := await reader.read(DATA_CHUNK_BYTES - 1):
         await stream.send_data(channel, chunk)
     await stream.send_eof(channel)
@@ -167,3 +212,35 @@ async def op_kill(fields: Fields, table: ProcessTable) -> dict[str, object]:
 async def op_list(stream: Stream, table: ProcessTable) -> dict[str, object]:
     items = [managed.info() for managed in table.all()]
     return {"ok": True, "processes": await send_batches(stream, "processes", items)}
+
+
+async def op_input(stream: Stream, fields: Fields, table: ProcessTable) -> dict[str, object]:
+    """Write the INPUT of this stream to a process's stdin (or terminal); ``eof`` closes it.
+
+    At most MAX_INPUT_BYTES a call; concurrent calls for one process are written one
+    after the other, whole. The RESULT counts the bytes written.
+    """
+    io = table.io_of(fields.string("process_id", max_chars=64))
+    eof = fields.boolean("eof", False)
+    io.check_input()
+    written = 0
+    async with io.lock:
+        while (data := await stream.read_input()) is not None:
+            written += len(data)
+            if written > MAX_INPUT_BYTES:
+                raise OpError(
+                    ErrorCode.INVALID_ARGUMENT, f"more than {MAX_INPUT_BYTES} bytes of input"
+                )
+            await io.write(bytes(data))
+            await stream.consumed(len(data) + 1)
+        if eof:
+            await io.close_input()
+    return {"ok": True, "bytes": written}
+
+
+async def op_resize(fields: Fields, table: ProcessTable) -> dict[str, object]:
+    io = table.io_of(fields.string("process_id", max_chars=64))
+    rows = fields.integer("rows", 0, low=1, high=MAX_PTY_SIZE)
+    cols = fields.integer("cols", 0, low=1, high=MAX_PTY_SIZE)
+    io.resize(rows, cols)
+    return {"ok": True}

@@ -2,8 +2,10 @@
 
 Every process runs in its own session (start_new_session), so a timeout or a kill
 reaches its whole process group. A background process keeps the last ``RING_BYTES`` of
-stdout and of stderr; attached streams get the replay, then live output (they apply
-backpressure: a slow attached host slows the process, it never grows guest memory).
+stdout and of stderr (of its terminal, with a PTY); attached streams get the replay,
+then live output (they apply backpressure: a slow attached host slows the process, it
+never grows guest memory). Processes started with ``open_stdin`` or ``pty`` take input
+later, by process id (``ProcessTable.io_of``, docs/protocol.md "process.input").
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from space.protocol import DATA_CHUNK_BYTES, Channel, ErrorCode
 
 from ._errors import OpError
 from ._request import Account
+from ._stdio import ByteSource, ProcessIo, open_pty, take_terminal
 
 __all__ = ["ExecSpec", "ManagedProcess", "ProcessTable", "Subscriber", "kill_group", "spawn"]
 
@@ -43,6 +46,11 @@ class ExecSpec:
     stdin: bool
     timeout_s: float | None
     background: bool
+    #: Keep stdin a pipe for process.input until it is closed (issue 20).
+    open_stdin: bool = False
+    #: (rows, cols) of a pseudo-terminal the process runs on; None: pipes.
+    pty: tuple[int, int] | None = None
+    tag: str | None = None
 
 
 def default_env(account: Account) -> dict[str, str]:
@@ -55,12 +63,14 @@ def default_env(account: Account) -> dict[str, str]:
     }
 
 
-async def spawn(spec: ExecSpec) -> asyncio.subprocess.Process:
+async def spawn(spec: ExecSpec) -> tuple[asyncio.subprocess.Process, ProcessIo]:
     """Start the process directly (a shell only when ``cmd`` was given)."""
-    stdin = subprocess.PIPE if spec.stdin and not spec.background else subprocess.DEVNULL
-    return await asyncio.create_subprocess_exec(
+    if spec.pty is not None:
+        return await _spawn_pty(spec, *spec.pty)
+    piped = spec.open_stdin or (spec.stdin and not spec.background)
+    proc = await asyncio.create_subprocess_exec(
         *spec.argv,
-        stdin=stdin,
+        stdin=subprocess.PIPE if piped else subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         cwd=spec.cwd,
@@ -68,6 +78,36 @@ async def spawn(spec: ExecSpec) -> asyncio.subprocess.Process:
         start_new_session=True,
         **spec.account.spawn_kwargs(),  # type: ignore[arg-type]
     )
+    assert proc.stdout is not None and proc.stderr is not None
+    sources: list[tuple[Channel, ByteSource]] = [
+        (Channel.OUTPUT, proc.stdout),
+        (Channel.ERROR, proc.stderr),
+    ]
+    return proc, ProcessIo(sources, stdin=proc.stdin if spec.open_stdin else None)
+
+
+async def _spawn_pty(
+    spec: ExecSpec, rows: int, cols: int
+) -> tuple[asyncio.subprocess.Process, ProcessIo]:
+    master, slave = open_pty(rows, cols)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *spec.argv,
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            cwd=spec.cwd,
+            env={"TERM": "xterm-256color"} | spec.env,
+            start_new_session=True,
+            preexec_fn=take_terminal,
+            **spec.account.spawn_kwargs(),  # type: ignore[arg-type]
+        )
+    except BaseException:
+        master.close()
+        raise
+    finally:
+        os.close(slave)  # the child holds it now; its EOF (EIO) is the child's exit
+    return proc, ProcessIo([(Channel.OUTPUT, master)], pty=master)
 
 
 def kill_group(pid: int, signum: int = signal.SIGKILL) -> None:
@@ -136,6 +176,7 @@ class ManagedProcess:
     process_id: str
     spec: ExecSpec
     proc: asyncio.subprocess.Process
+    io: ProcessIo
     started_at: float = field(default_factory=time.time)
     timed_out: bool = False
     rings: dict[Channel, bytearray] = field(
@@ -160,6 +201,8 @@ class ManagedProcess:
             "exit_code": exit_code,
             "signal": signum,
             "started_at": self.started_at,
+            "tag": self.spec.tag,
+            "pty": self.spec.pty is not None,
         }
 
     def result(self) -> dict[str, object]:
@@ -185,21 +228,24 @@ class ManagedProcess:
         self.monitor = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
-        assert self.proc.stdout is not None and self.proc.stderr is not None
         pumps = [
-            asyncio.create_task(self._pump(self.proc.stdout, Channel.OUTPUT)),
-            asyncio.create_task(self._pump(self.proc.stderr, Channel.ERROR)),
+            asyncio.create_task(self._pump(source, channel)) for channel, source in self.io.sources
         ]
         self.timed_out = await wait_exit(self.proc, self.spec.timeout_s)
+        self.io.exited()
         await asyncio.wait(pumps, timeout=DRAIN_IDLE_S * 2)
         self.finished.set()
         for subscriber in list(self.subscribers):
             await subscriber.put(None)
         self.subscribers.clear()
-        # Pumps still running belong to grandchildren holding the pipes: keep the ring fed.
-        await asyncio.gather(*pumps, return_exceptions=True)
+        try:
+            # Pumps still running belong to grandchildren holding the pipes (or the
+            # terminal): keep the ring fed.
+            await asyncio.gather(*pumps, return_exceptions=True)
+        finally:
+            self.io.release()
 
-    async def _pump(self, reader: asyncio.StreamReader, channel: Channel) -> None:
+    async def _pump(self, reader: ByteSource, channel: Channel) -> None:
         ring = self.rings[channel]
         while chunk := await reader.read(DATA_CHUNK_BYTES - 1):
             ring += chunk
@@ -217,6 +263,8 @@ class ProcessTable:
         self._processes: dict[str, ManagedProcess] = {}
         #: Foreground processes by id, so process.kill reaches them too (not listed).
         self.foreground: dict[str, asyncio.subprocess.Process] = {}
+        #: Their standard streams, so process.input and process.resize reach them too.
+        self.foreground_io: dict[str, ProcessIo] = {}
 
     def add(self, managed: ManagedProcess) -> None:
         if len(self._processes) >= self._limit:
@@ -242,6 +290,11 @@ class ProcessTable:
         if proc is None:
             proc = self.get(process_id).proc
         return proc.pid, proc.returncode is None
+
+    def io_of(self, process_id: str) -> ProcessIo:
+        """The standard streams of a background or foreground process; raises not_found."""
+        io = self.foreground_io.get(process_id)
+        return io if io is not None else self.get(process_id).io
 
     def get(self, process_id: str) -> ManagedProcess:
         managed = self._processes.get(process_id)

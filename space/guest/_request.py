@@ -63,6 +63,12 @@ class Fields:
             raise _bad(f"{key} must be an integer in [{low}, {high}]")
         return value
 
+    def object(self, key: str) -> dict[str, object]:
+        value = self._request.get(key)
+        if not isinstance(value, dict) or len(value) > MAX_LIST_ITEMS:
+            raise _bad(f"{key} must be an object")
+        return value
+
     def optional_seconds(self, key: str) -> float | None:
         value = self._request.get(key)
         if value is None:

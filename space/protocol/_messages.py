@@ -24,13 +24,17 @@ __all__ = [
     "INITIAL_WINDOW_BYTES",
     "MAX_ENTROPY_BYTES",
     "MAX_HOSTNAME_CHARS",
+    "MAX_INPUT_BYTES",
     "MAX_JSON_BYTES",
     "MAX_PING_BYTES",
+    "MAX_PTY_SIZE",
     "MAX_STREAMS",
+    "MAX_TAG_CHARS",
     "MAX_TIME_NS",
     "MIN_ENTROPY_BYTES",
     "MIN_TIME_NS",
     "PROTOCOL_VERSION",
+    "TAG_PATTERN",
     "ErrorCode",
     "Identity",
     "Op",
@@ -58,6 +62,15 @@ INITIAL_WINDOW_BYTES = 1024 * 1024
 #: Preferred size of one DATA payload (one byte of it is the channel): the largest, as
 #: every frame costs the guest a wakeup and a few syscalls.
 DATA_CHUNK_BYTES = MAX_PAYLOAD_BYTES
+#: Most stdin bytes one process.input carries: the initial window, so a write never
+#: waits for CREDIT; larger input is sent as several calls (issue 20).
+MAX_INPUT_BYTES = INITIAL_WINDOW_BYTES
+#: Largest rows and columns of a pseudo-terminal (both at least 1): far more than any
+#: screen, and small enough for the kernel's u16 winsize.
+MAX_PTY_SIZE = 1000
+#: A process tag: 1 to 64 of these characters (a label a client finds a process by).
+MAX_TAG_CHARS = 64
+TAG_PATTERN = r"[A-Za-z0-9_.:-]{1,64}"
 
 _CREDIT = struct.Struct(">I")
 _T = TypeVar("_T")
@@ -70,6 +83,9 @@ class Op(enum.StrEnum):
     PROCESS_LIST = "process.list"
     PROCESS_ATTACH = "process.attach"
     PROCESS_KILL = "process.kill"
+    #: Stdin for a process started with ``open_stdin`` or ``pty`` (issue 20).
+    PROCESS_INPUT = "process.input"
+    PROCESS_RESIZE = "process.resize"
     FILE_READ = "file.read"
     FILE_WRITE = "file.write"
     FILE_LIST = "file.list"
@@ -77,6 +93,8 @@ class Op(enum.StrEnum):
     FILE_MKDIR = "file.mkdir"
     FILE_REMOVE = "file.remove"
     FILE_RENAME = "file.rename"
+    #: A directory's changes, streamed until cancelled (issue 20).
+    FILE_WATCH = "file.watch"
     SYSTEM_INFO = "system.info"
     SYSTEM_IDENTITY = "system.identity"
     SYSTEM_METRICS = "system.metrics"
@@ -92,6 +110,8 @@ class ErrorCode(enum.StrEnum):
     IS_A_DIRECTORY = "is_a_directory"
     NOT_A_DIRECTORY = "not_a_directory"
     NOT_EMPTY = "not_empty"
+    #: The target is in the wrong state (stdin of a finished process, already closed).
+    CONFLICT = "conflict"
     RESOURCE_EXHAUSTED = "resource_exhausted"
     TIMEOUT = "timeout"
     UNSUPPORTED = "unsupported"

@@ -32,6 +32,7 @@ from space.sdk._models import (
     FileInfo,
     PoolInfo,
     ProcessInfo,
+    PtySize,
     SandboxInfo,
     SecretBinding,
     SecretInfo,
@@ -52,6 +53,7 @@ from space.sdk._sync import (
     Template,
 )
 from space.sdk._templates import AsyncTemplate
+from space.sdk._watch import AsyncDirWatcher, FilesystemEvent
 from space.sdk.errors import (
     AuthenticationError,
     BuildError,
@@ -71,6 +73,7 @@ from space.sdk.errors import (
 __all__ = [
     "AsyncCommandHandle",
     "AsyncCommands",
+    "AsyncDirWatcher",
     "AsyncFiles",
     "AsyncNetwork",
     "AsyncSandbox",
@@ -90,6 +93,7 @@ __all__ = [
     "EgressLog",
     "FileInfo",
     "Files",
+    "FilesystemEvent",
     "InsufficientCapacity",
     "InternalError",
     "InvalidArgument",
@@ -98,6 +102,7 @@ __all__ = [
     "PermissionDenied",
     "PoolInfo",
     "ProcessInfo",
+    "PtySize",
     "ResourceExhausted",
     "Sandbox",
     "SandboxInfo",

@@ -18,6 +18,7 @@ from typing import Any, BinaryIO, Literal, overload
 
 from space.sdk._http import ApiClient, read_capped, translate_errors
 from space.sdk._models import FileInfo
+from space.sdk._watch import AsyncDirWatcher, open_watch
 from space.sdk.errors import (
     InternalError,
     InvalidArgument,
@@ -201,6 +202,17 @@ class AsyncFiles:
             return await self.write(path, handle)
         finally:
             await asyncio.to_thread(handle.close)
+
+    async def watch_dir(self, path: str, *, recursive: bool = False) -> AsyncDirWatcher:
+        """Watch a directory (and its subdirectories if ``recursive``) for changes.
+
+        Returns once the watch is in place; iterate the watcher for FilesystemEvents,
+        and ``aclose`` it (or use ``async with``) to release the watch. A watcher that
+        falls behind gets a ``dropped`` event counting what it missed. Raises NotFound
+        (no such path), InvalidArgument (not a directory), ResourceExhausted (the
+        sandbox watches 64 directories trees, 8,192 directories, at most).
+        """
+        return await open_watch(self._api, self._sandbox_id, path, recursive=recursive)
 
     async def _open_stream(self, path: str) -> ByteStream:
         stack = AsyncExitStack()

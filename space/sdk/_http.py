@@ -119,8 +119,11 @@ class ApiClient:
         params: Mapping[str, str] | None = None,
         timeout_s: float | None = None,
         headers: Mapping[str, str] | None = None,
+        content: bytes | None = None,
     ) -> Any:
         """Send a request and return its JSON answer (None for an empty answer).
+
+        ``content`` is a raw body, sent instead of ``json_body``.
 
         Raises a SpaceError leaf for an error answer, ResourceExhausted if the answer is
         larger than MAX_JSON_BYTES, InternalError if it is not JSON.
@@ -134,6 +137,7 @@ class ApiClient:
             params=params,
             timeout_s=timeout_s,
             headers=headers,
+            content=content,
         ) as response:
             body = await read_capped(response, MAX_JSON_BYTES, operation=operation)
         if not body:

@@ -16,6 +16,7 @@ __all__ = [
     "FileInfo",
     "PoolInfo",
     "ProcessInfo",
+    "PtySize",
     "SandboxInfo",
     "SecretBinding",
     "SecretInfo",
@@ -380,6 +381,14 @@ class CommandResult:
 
 
 @dataclass(frozen=True, slots=True)
+class PtySize:
+    """A pseudo-terminal's window, 1 to 1000 rows and columns (E2B's ``PtySize``)."""
+
+    rows: int = 24
+    cols: int = 80
+
+
+@dataclass(frozen=True, slots=True)
 class ProcessInfo:
     """A process started in a sandbox (``GET .../processes``)."""
 
@@ -390,6 +399,10 @@ class ProcessInfo:
     running: bool
     exit_code: int | None
     signal: int | None
+    #: The label it was started with, if any (``commands.connect(tag=...)`` finds it).
+    tag: str | None = None
+    #: Whether it runs on a pseudo-terminal.
+    pty: bool = False
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> ProcessInfo:
@@ -404,6 +417,8 @@ class ProcessInfo:
                 running=bool(body.get("running", False)),
                 exit_code=body.get("exit_code"),
                 signal=body.get("signal"),
+                tag=body.get("tag"),
+                pty=bool(body.get("pty", False)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InternalError(f"malformed process in answer: {exc!r}") from None

@@ -29,11 +29,12 @@ from space.sdk._commands import DEFAULT_COMMAND_TIMEOUT_S, AsyncCommandHandle, A
 from space.sdk._events import OutputCallback
 from space.sdk._files import AsyncFiles, ByteStream
 from space.sdk._http import ConnectionConfig
-from space.sdk._models import CommandResult
+from space.sdk._models import CommandResult, PtySize
 from space.sdk._network import AsyncNetwork
 from space.sdk._sandbox import AsyncSandbox, AsyncSandboxes
 from space.sdk._secrets import AsyncSecrets, AsyncSecretStore
 from space.sdk._templates import AsyncTemplate, AsyncTemplates
+from space.sdk._watch import AsyncDirWatcher, FilesystemEvent
 from space.sdk.errors import InvalidArgument
 
 __all__ = [
@@ -186,6 +187,9 @@ class CommandHandle(_Facade[AsyncCommandHandle]):
 
     wait = _blocking(AsyncCommandHandle.wait)
     kill = _blocking(AsyncCommandHandle.kill)
+    send_stdin = _blocking(AsyncCommandHandle.send_stdin)
+    close_stdin = _blocking(AsyncCommandHandle.close_stdin)
+    resize = _blocking(AsyncCommandHandle.resize)
 
 
 class Commands(_Facade[AsyncCommands]):
@@ -205,6 +209,10 @@ class Commands(_Facade[AsyncCommands]):
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         check: bool = False,
+        open_stdin: bool = False,
+        pty: PtySize | None = None,
+        tag: str | None = None,
+        on_start: Callable[[CommandHandle], object] | None = None,
     ) -> CommandResult: ...
 
     @overload
@@ -221,9 +229,16 @@ class Commands(_Facade[AsyncCommands]):
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         check: bool = False,
+        open_stdin: bool = False,
+        pty: PtySize | None = None,
+        tag: str | None = None,
+        on_start: Callable[[CommandHandle], object] | None = None,
     ) -> CommandHandle: ...
 
     def run(self, cmd: str | Sequence[str], **options: Any) -> CommandResult | CommandHandle:
+        on_start = options.pop("on_start", None)
+        if on_start is not None:  # runs on the loop thread: it must not call back in
+            options["on_start"] = lambda handle: on_start(CommandHandle(handle))
         result: CommandResult | AsyncCommandHandle = _LOOP.run(self._inner.run(cmd, **options))
         if isinstance(result, AsyncCommandHandle):
             return CommandHandle(result)
@@ -231,12 +246,15 @@ class Commands(_Facade[AsyncCommands]):
 
     run.__doc__ = AsyncCommands.run.__doc__
 
-    def connect(self, process_id: str) -> CommandHandle:
-        """A handle on an existing process; NotFound if none."""
-        return CommandHandle(_LOOP.run(self._inner.connect(process_id)))
+    def connect(self, process_id: str | None = None, *, tag: str | None = None) -> CommandHandle:
+        """A handle on an existing process, by id or tag; NotFound if none."""
+        return CommandHandle(_LOOP.run(self._inner.connect(process_id, tag=tag)))
 
     list = _blocking(AsyncCommands.list)
     kill = _blocking(AsyncCommands.kill)
+    send_stdin = _blocking(AsyncCommands.send_stdin)
+    close_stdin = _blocking(AsyncCommands.close_stdin)
+    resize_pty = _blocking(AsyncCommands.resize_pty)
 
 
 class Files(_Facade[AsyncFiles]):
@@ -259,6 +277,11 @@ class Files(_Facade[AsyncFiles]):
         return _LOOP.run(self._inner.read(path, format="text"))
 
     read.__doc__ = AsyncFiles.read.__doc__
+
+    def watch_dir(self, path: str, *, recursive: bool = False) -> Iterator[FilesystemEvent]:
+        """Changes of a directory as they happen (see AsyncFiles.watch_dir); closing the
+        iterator (or leaving it unfinished) stops the watch."""
+        return _watch_events(_LOOP.run(self._inner.watch_dir(path, recursive=recursive)))
 
     write = _blocking(AsyncFiles.write)
     list = _blocking(AsyncFiles.list)
@@ -430,6 +453,22 @@ class Space(_Facade[AsyncSpace]):
 
 async def _made(factory: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
     return factory(*args, **kwargs)
+
+
+def _watch_events(watcher: AsyncDirWatcher) -> Iterator[FilesystemEvent]:
+    """A sync iterator over a watch; closing or abandoning it stops the watch."""
+    try:
+        while (event := _LOOP.run(_next_event(watcher))) is not None:
+            yield event
+    finally:
+        _LOOP.close_soon(watcher.aclose())
+
+
+async def _next_event(watcher: AsyncDirWatcher) -> FilesystemEvent | None:
+    try:
+        return await anext(watcher)
+    except StopAsyncIteration:
+        return None
 
 
 def _iterate(stream: ByteStream) -> Iterator[bytes]:

@@ -4,7 +4,8 @@ namespaces, control-plane replicas on one PostgreSQL database.
 A bridge in the host's namespace (10.213.0.1/24) is the LAN; each node host is a
 network namespace the test makes, hanging off it by a veth pair (10.213.0.11, .12,
 ...), running `space node` (root, then its own `space` user) with its own data
-directory, loop-file btrfs pool, node key and VMs. The replicas are `space control`
+directory, loop-file btrfs pool and VMs, and one node key for all (``--node-key-file``:
+nodes that move sandboxes between them must share it, issue 19). The replicas are `space control`
 processes on the host's end of the bridge, each with its own data directory, sharing
 the database, the node token and the master key; every node is told every replica's
 URL (no load balancer: it tries them in turn). Traffic stays on the bridge and in the
@@ -20,7 +21,7 @@ import secrets
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,14 @@ from typing import Any
 import httpx
 
 from .. import logs
-from .platform import SPACE, let_through, loops_backed_by, mounts_under, release
+from .platform import (
+    SPACE,
+    let_through,
+    loops_backed_by,
+    mounts_under,
+    release,
+    shared_node_key,
+)
 
 __all__ = ["Cluster", "NodeHost", "Replica", "cluster"]
 
@@ -122,6 +130,10 @@ class NodeHost:
     netns: str
     veth: str
     data_dir: Path
+    #: The node key every node of the cluster shares.
+    key_file: Path
+    #: More `space node` options, the same at every start (the cluster's artifact store).
+    options: list[str] = field(default_factory=list)
     process: subprocess.Popen[bytes] | None = None
     node_id: str = ""
     #: Where this start's lines begin in its log (an earlier start's are before).
@@ -149,6 +161,7 @@ class NodeHost:
             "nsenter", f"--net=/run/netns/{self.netns}", *SPACE, "node", *controls,
             "--token-file", str(token_file), "--listen", f"{self.address}:8081",
             "--data-dir", str(self.data_dir), "--pool-size-gib", str(pool_size_gib),
+            "--node-key-file", str(self.key_file), *self.options,
         ]  # fmt: skip
         with log_path.open("ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
@@ -213,19 +226,29 @@ class Cluster:
     def token(self) -> str:
         return self.token_file.read_text().strip()
 
-    def open(self, nodes: int, replicas: int, ports: list[int], pool_size_gib: int = 8) -> None:
+    def open(
+        self,
+        nodes: int,
+        replicas: int,
+        ports: list[int],
+        pool_size_gib: int = 8,
+        node_options: Callable[[], list[str]] | None = None,
+    ) -> None:
+        """Make the bridge, the namespaces, the replicas and the nodes; ``node_options``
+        is asked, once the bridge is up, for more options of every node."""
         shared = self.root / "shared"
         shared.mkdir(parents=True, mode=0o700)
         self.token_file.write_text(secrets.token_urlsafe(32) + "\n")
         self.token_file.chmod(0o600)
         master_key = shared / "master.key"
+        key_file = shared_node_key(self.root / "node-key")
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{BRIDGE_ADDRESS}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
         for index in range(1, nodes + 1):
             host = NodeHost(
                 index, f"spc-{self.tag}-n{index}", f"spv{self.tag}n{index}",
-                self.root / f"node{index}",
+                self.root / f"node{index}", key_file,
             )  # fmt: skip
             self.hosts.append(host)
             _ip("netns", "add", host.netns)
@@ -235,6 +258,9 @@ class Cluster:
             _ip("-n", host.netns, "addr", "add", f"{host.address}/24", "dev", "eth0")
             _ip("-n", host.netns, "link", "set", "eth0", "up")
             _ip("-n", host.netns, "link", "set", "lo", "up")
+        options = [] if node_options is None else node_options()
+        for host in self.hosts:
+            host.options = options
         for index in range(replicas):
             replica = Replica(
                 self.root / f"control{index + 1}", ports[index], self.database_url,
@@ -299,11 +325,13 @@ def cluster(
     replicas: int,
     ports: list[int],
     pool_size_gib: int = 8,
+    node_options: Callable[[], list[str]] | None = None,
 ) -> Iterator[Cluster]:
-    """A Cluster, opened; closed (and checked clean) on exit."""
+    """A Cluster, opened (``node_options`` as ``Cluster.open``); closed (and checked
+    clean) on exit."""
     made = Cluster(root, database_url)
     try:
-        made.open(nodes, replicas, ports, pool_size_gib)
+        made.open(nodes, replicas, ports, pool_size_gib, node_options)
         yield made
     finally:
         leaked = made.close()

@@ -10,17 +10,28 @@ checking the sandbox is whole (``_check_whole``): it runs, the file and the back
 process its origin started are there, its network and secret still work where it has
 them, and the node holds no volume or VM that no record names.
 
+The stdin, pty and watch cells (issue 20) feed a background ``cat`` in pieces and find
+it by tag, drive a PTY session through a resize and a Ctrl-C, and watch a directory
+recursively, on every origin.
+
 The metrics cell reads the sandbox's CPU, memory and disk as its guest reports them
 (issue 20), and again once it is paused, which must not wake it.
 
 The follow-ups ride on the same cells: the fork cell of the ``fork-child`` origin forks
 a fork, the snapshot cell of ``restored`` snapshots a restored sandbox, and
 ``re-adopted`` is a warm-pool hit that lived through a node restart before its
-hibernate cell.
+hibernate cell, and ``moved-in`` was made on one node, hibernated and moved to another
+by a drain (issue 19) before it was woken there; ``rehomed`` was hibernated, kept in the
+artifact store and woken on the other node from there after its own node agent was
+killed (then started again); ``stored-snapshot`` was made on the other node from a
+snapshot the store holds while the snapshot's own node was drained.
 
-Two platforms serve the origins: ``plain`` (no warm pool, so a create of the ready shape
-is a clone of the ready state) and ``pooled`` (``--warm-min 1 --warm-max 2``). Both
-reach a fake internet in a network namespace the test makes (tests/egress_world.py).
+Three platforms serve the origins: ``plain`` (no warm pool, so a create of the ready
+shape is a clone of the ready state), ``pooled`` (``--warm-min 1 --warm-max 2``) and
+``moving``: a `space serve` whose embedded node is drained (an embedded node's
+sandboxes do not move) and two `space node` agents on loopback registered with it,
+sharing one node key and one artifact store (a directory). All reach a fake internet in
+a network namespace the test makes (tests/egress_world.py).
 """
 
 from __future__ import annotations
@@ -32,14 +43,23 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from space import Sandbox
-from space.sdk import NotFound, Secrets, SnapshotInfo, Template, allow
+from space.sdk import NotFound, PtySize, Secrets, SnapshotInfo, Template, allow
 
 from ..egress_world import UPSTREAM, World, egress_world
-from .platform import Platform, qemu_pids, running_platform
+from .platform import (
+    NodeAgent,
+    Platform,
+    qemu_pids,
+    remote_node,
+    running_platform,
+    shared_node_key,
+)
 
 pytestmark = pytest.mark.vm
 
@@ -54,13 +74,21 @@ ORIGINS = (
     "re-adopted",
     "user-template",
     "egress-secret",
+    "moved-in",
+    "rehomed",
+    "stored-snapshot",
 )
 #: Origins served by the platform with a warm pool.
 POOLED = {"pool-hit", "re-adopted"}
+#: Origins served by the platform whose sandboxes move between its node agents.
+MOVING = {"moved-in", "rehomed", "stored-snapshot"}
 #: Origins whose sandbox (or the sandbox it came from) has an egress policy and a
 #: secret: their every cell also fetches over HTTPS with the secret swapped in. The
 #: others have no policy, and every cell checks they have no network at all.
-NETWORKED = {"egress-secret", "fork-child", "from-snapshot", "restored", "woken", "re-adopted"}
+NETWORKED = {
+    "egress-secret", "fork-child", "from-snapshot", "restored", "woken", "re-adopted", "moved-in",
+    "rehomed", "stored-snapshot",
+}  # fmt: skip
 
 _COUNTER = (
     "i=0; while true; do i=$((i+1)); echo $i > /tmp/c.new; mv -f /tmp/c.new /tmp/c; sleep 0.1; done"
@@ -79,10 +107,14 @@ _MIB = 1024 * 1024
 
 @dataclass
 class Site:
-    """One platform and a key of the tenant the matrix runs as."""
+    """One platform, a key of the tenant the matrix runs as, and the data dirs of the
+    platform's nodes (its embedded node's first)."""
 
     platform: Platform
     key: str
+    node_dirs: list[Path]
+    #: The site's `space node` agents by node id (to crash and restart one).
+    agents: dict[str, NodeAgent] = field(default_factory=dict)
 
     def connect(self, sandbox_id: str) -> Sandbox:
         return Sandbox.connect(sandbox_id, api_url=self.platform.url, api_key=self.key)
@@ -115,17 +147,20 @@ def world() -> Iterator[World]:
         yield world
 
 
+def _egress_options(world: World) -> list[str]:
+    return ["--egress-resolver", world.resolver, "--egress-upstream-ca", str(world.upstream_ca)]
+
+
 def _site(data_dir: Path, world: World, *extra: str) -> Iterator[Site]:
-    options = [
-        "--egress-resolver", world.resolver,
-        "--egress-upstream-ca", str(world.upstream_ca),
-        "--reaper-interval", "0.5",
-        *extra,
-    ]  # fmt: skip
+    options = [*_egress_options(world), "--reaper-interval", "0.5", *extra]
     with running_platform(data_dir, options) as platform:
-        key = platform.create_key("conformance")
-        Secrets.set("API_TOKEN", _SECRET, ["tls.allowed.test"], api_url=platform.url, api_key=key)
-        yield Site(platform, key)
+        yield _keyed(platform, [data_dir])
+
+
+def _keyed(platform: Platform, node_dirs: list[Path]) -> Site:
+    key = platform.create_key("conformance")
+    Secrets.set("API_TOKEN", _SECRET, ["tls.allowed.test"], api_url=platform.url, api_key=key)
+    return Site(platform, key, node_dirs)
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +173,52 @@ def pooled(tmp_path_factory: pytest.TempPathFactory, world: World) -> Iterator[S
     yield from _site(
         tmp_path_factory.mktemp("conformance-pooled"), world, "--warm-min", "1", "--warm-max", "2"
     )
+
+
+@pytest.fixture(scope="module")
+def moving(tmp_path_factory: pytest.TempPathFactory, world: World) -> Iterator[Site]:
+    root = tmp_path_factory.mktemp("conformance-moving")
+    # One node key and one artifact store (a directory, the master key beside it) for
+    # both agents, in files their user reads.
+    store_key = shared_node_key(root / "artifacts")
+    node_options = [
+        *_egress_options(world), "--node-key-file", str(shared_node_key(root / "key")),
+        "--artifact-store", f"file://{store_key.parent / 'store'}",
+        "--artifact-key-file", str(store_key),
+    ]  # fmt: skip
+    # A node that stops heartbeating is lost within seconds (the rehomed origin).
+    serve_options = [
+        *_egress_options(world), "--reaper-interval", "0.5",
+        "--node-heartbeat", "1", "--node-lease", "6", "--reconcile-interval", "3",
+    ]  # fmt: skip
+    dirs = [root / "control", root / "node-a", root / "node-b"]
+    with contextlib.ExitStack() as stack:
+        platform = stack.enter_context(running_platform(dirs[0], serve_options))
+        agents = [stack.enter_context(remote_node(platform, d, node_options)) for d in dirs[1:]]
+        site = _keyed(platform, dirs)
+        site.agents = {agent.node_id: agent for agent in agents}
+        (embedded,) = [n["node_id"] for n in _nodes(site) if n["url"] == "local"]
+        _node_call(site, "drain", embedded)
+        yield site
+
+
+def _nodes(site: Site) -> list[dict[str, Any]]:
+    answer = httpx.get(f"{site.platform.url}/v1/nodes", headers=_node_token(site), timeout=30)
+    answer.raise_for_status()
+    nodes: list[dict[str, Any]] = answer.json()["nodes"]
+    return nodes
+
+
+def _node_call(site: Site, action: str, node_id: str) -> None:
+    """Drain or activate a node (the operator's call, with the node token)."""
+    url = f"{site.platform.url}/v1/nodes/{node_id}/{action}"
+    answer = httpx.post(url, headers=_node_token(site), timeout=30)
+    assert answer.status_code == 200, answer.text
+
+
+def _node_token(site: Site) -> dict[str, str]:
+    token = (site.platform.data_dir / "node-token").read_text().strip()
+    return {"Authorization": f"Bearer {token}"}
 
 
 @pytest.fixture(scope="module")
@@ -228,13 +309,84 @@ def _make(origin: str, site: Site, request: pytest.FixtureRequest) -> tuple[Sand
         site.platform.stop()
         site.platform.start()
         sandbox = site.connect(sandbox.sandbox_id)
+    elif origin == "moved-in":
+        _move_by_drain(site, sandbox)
+    elif origin == "rehomed":
+        _rehome_after_crash(site, sandbox)
+    elif origin == "stored-snapshot":
+        return _from_stored_snapshot(site, sandbox)
     return sandbox, []
+
+
+def _move_by_drain(site: Site, sandbox: Sandbox) -> None:
+    """Hibernate ``sandbox``, drain its node until the sandbox is on the other node,
+    activate its node again and wake the sandbox where it went."""
+    source = sandbox.get_info().node_id
+    assert source is not None
+    assert sandbox.hibernate().state == "hibernated"
+    _node_call(site, "drain", source)
+    try:
+        _wait(lambda: sandbox.get_info().node_id != source, "the drain to move it", timeout_s=240)
+    finally:
+        _node_call(site, "activate", source)
+    assert sandbox.get_info().state == "hibernated"
+    assert len(_records_of(site, sandbox.sandbox_id)) == 1  # the source's copy is gone
+    assert sandbox.resume().state == "running"
+
+
+def _rehome_after_crash(site: Site, sandbox: Sandbox) -> None:
+    """Hibernate ``sandbox`` until the artifact store holds it, kill -9 its node agent
+    until the platform woke it on the other node from the store, start the agent again
+    (its stale copy is deleted) and wake the sandbox where it went."""
+    home = sandbox.get_info().node_id
+    assert home is not None
+    assert sandbox.hibernate().state == "hibernated"
+    _wait(lambda: sandbox.get_info().archived, "the store to hold it", timeout_s=240)
+    agent = site.agents[home]
+    agent.kill()
+    try:
+        _wait(lambda: sandbox.get_info().node_id != home, "it to wake elsewhere", timeout_s=240)
+    finally:
+        agent.start()
+    assert sandbox.get_info().state == "hibernated"
+    _wait(lambda: len(_records_of(site, sandbox.sandbox_id)) == 1, "the stale copy to go")
+    assert sandbox.resume().state == "running"
+
+
+def _from_stored_snapshot(site: Site, sandbox: Sandbox) -> tuple[Sandbox, list[str]]:
+    """Snapshot ``sandbox`` until the artifact store holds the snapshot, delete the
+    sandbox, and make one from the snapshot while its node is drained: on the other
+    node, which copies the snapshot from the store first."""
+    snapshot = sandbox.snapshot("origin-stored-snapshot")
+    home = sandbox.get_info().node_id
+    assert home is not None
+
+    def stored() -> bool:
+        listed = Sandbox.list_snapshots(api_url=site.platform.url, api_key=site.key)
+        return any(s.snapshot_id == snapshot.snapshot_id and s.archived for s in listed)
+
+    _wait(stored, "the store to hold the snapshot", timeout_s=240)
+    sandbox.kill()
+    _node_call(site, "drain", home)
+    try:
+        made = site.create(from_snapshot=snapshot)
+    finally:
+        _node_call(site, "activate", home)
+    assert made.get_info().node_id != home
+    return made, [snapshot.snapshot_id]
+
+
+def _records_of(site: Site, sandbox_id: str) -> list[Path]:
+    """The node records of ``sandbox_id`` on the nodes of ``site``."""
+    records = [d / "sandboxes" / f"{sandbox_id}.json" for d in site.node_dirs]
+    return [record for record in records if record.is_file()]
 
 
 @pytest.fixture(scope="class", params=ORIGINS)
 def subject(request: pytest.FixtureRequest, world: World) -> Iterator[Subject]:
     origin: str = request.param
-    site: Site = request.getfixturevalue("pooled" if origin in POOLED else "plain")
+    fixture = "pooled" if origin in POOLED else "moving" if origin in MOVING else "plain"
+    site: Site = request.getfixturevalue(fixture)
     sandbox, snapshots = _make(origin, site, request)
     subject = Subject(origin, site, sandbox, world, networked=origin in NETWORKED)
     subject.snapshots += snapshots
@@ -248,7 +400,7 @@ def subject(request: pytest.FixtureRequest, world: World) -> Iterator[Subject]:
                     site.connect(leftover.sandbox_id).kill()
         for snapshot_id in subject.snapshots:
             Sandbox.delete_snapshot(snapshot_id, api_url=site.platform.url, api_key=site.key)
-        _check_no_strays(site.platform)
+        _check_no_strays(site)
 
 
 # ---------------------------------------------------------------- checks
@@ -292,12 +444,17 @@ def _check_whole(subject: Subject, sandbox: Sandbox | None = None) -> None:
         assert _SECRET in subject.world.hits_of("tls")[-1].data.decode()
     else:
         assert sandbox.commands.run(["getent", "hosts", "tls.allowed.test"]).exit_code != 0
-    _check_no_strays(subject.site.platform)
+    _check_no_strays(subject.site)
 
 
-def _check_no_strays(platform: Platform) -> None:
-    """Every sandbox volume and QEMU on the node belongs to a record the node keeps."""
-    data_dir = platform.data_dir
+def _check_no_strays(site: Site) -> None:
+    """On every node of ``site``, every sandbox volume and QEMU belongs to a record
+    that node keeps."""
+    for data_dir in site.node_dirs:
+        _check_node_has_no_strays(data_dir)
+
+
+def _check_node_has_no_strays(data_dir: Path) -> None:
     records = [json.loads(p.read_text()) for p in (data_dir / "sandboxes").glob("*.json")]
     volumes = {r.get("volume") or r["spec"]["sandbox_id"] for r in records}
     run_dirs = {Path(r["run_dir"]).name for r in records}
@@ -347,6 +504,51 @@ class TestEveryOperation:
         assert [f.name for f in sandbox.files.list("/home/user/cell")] == ["moved"]
         sandbox.files.remove("/home/user/cell", recursive=True)
         assert not sandbox.files.exists("/home/user/cell")
+        _check_whole(subject)
+
+    def test_stdin(self, subject: Subject) -> None:
+        sandbox = subject.sandbox
+        handle = sandbox.commands.run("cat", background=True, open_stdin=True, tag="cell-in")
+        handle.send_stdin("one ")
+        handle.send_stdin(b"two")
+        sandbox.commands.connect(tag="cell-in").close_stdin()
+        result = handle.wait(timeout_s=_WAIT_S)
+        assert (result.stdout, result.exit_code) == ("one two", 0)
+        _check_whole(subject)
+
+    def test_pty(self, subject: Subject) -> None:
+        sandbox, log = subject.sandbox, "/tmp/cell-pty.log"
+        script = (
+            f"trap 'echo GOT-INT; exit 7' INT; stty size | tee {log}; "
+            f'while read l; do echo "line:$l"; stty size | tee -a {log}; done'
+        )
+        handle = sandbox.commands.run(["sh", "-c", script], background=True, pty=PtySize(30, 100))
+
+        def logged(text: str) -> bool:  # by cat: a file read races the writes to it
+            return text in _sh(sandbox, f"cat {log} 2>/dev/null || true")
+
+        _wait(lambda: logged("30 100"), "the PTY's first size")
+        handle.resize(PtySize(50, 132))
+        handle.send_stdin("hello\n")
+        _wait(lambda: logged("50 132"), "the PTY's new size")
+        handle.send_stdin("\x03")  # Ctrl-C, through the guest's terminal
+        result = handle.wait(timeout_s=_WAIT_S)
+        assert (result.exit_code, result.stderr) == (7, "")
+        assert "line:hello" in result.stdout and "GOT-INT" in result.stdout
+        _check_whole(subject)
+
+    def test_watch(self, subject: Subject) -> None:
+        sandbox = subject.sandbox
+        sandbox.files.make_dir("/home/user/watched/sub")
+        events = sandbox.files.watch_dir("/home/user/watched", recursive=True)
+        sandbox.files.write("/home/user/watched/sub/f", "x")
+        seen = set()
+        for event in events:
+            seen.add((event.type, event.name))
+            if ("create", "sub/f") in seen:
+                break
+        events.close()  # type: ignore[attr-defined]
+        sandbox.files.remove("/home/user/watched", recursive=True)
         _check_whole(subject)
 
     def test_pause_resume(self, subject: Subject) -> None:
@@ -419,13 +621,12 @@ class TestEveryOperation:
         _check_whole(subject)
 
     def test_delete(self, subject: Subject) -> None:
-        sandbox, platform = subject.sandbox, subject.site.platform
-        record = platform.data_dir / "sandboxes" / f"{sandbox.sandbox_id}.json"
-        assert record.is_file()
+        sandbox, site = subject.sandbox, subject.site
+        assert len(_records_of(site, sandbox.sandbox_id)) == 1  # on one node, only there
         assert sandbox.kill() is True
-        assert _gone(subject.site, sandbox.sandbox_id)
-        assert not record.exists()
-        _check_no_strays(platform)
+        assert _gone(site, sandbox.sandbox_id)
+        assert _records_of(site, sandbox.sandbox_id) == []
+        _check_no_strays(site)
 
 
 def _gone(site: Site, sandbox_id: str) -> bool:

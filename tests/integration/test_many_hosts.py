@@ -6,26 +6,40 @@ The tests share one cluster and run in order: placement spreads and any replica 
 any sandbox; an idempotent create retried on the other replica makes one sandbox; a
 replica killed (-9) during creates leaves no orphan VM or row once the survivor has
 settled them; a node killed (-9) turns its sandboxes ``lost``, new creates go
-elsewhere, and when it starts again its sandboxes come back running.
+elsewhere, and when it starts again its sandboxes come back running; a paused sandbox
+with a file and a running process moves off a node drained with ``space node drain``
+(the nodes share one node key) and goes on where it went, the drained node gets no new
+sandboxes until ``space node activate``; the nodes keep snapshots and hibernated
+sandboxes in an S3 bucket (moto's server on the host's end of the bridge): a snapshot
+makes a sandbox on another node once its own is killed, and a hibernated sandbox of the
+killed node wakes on another with its file and process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import pwd
 import secrets
+import subprocess
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+import boto3
 import httpx
 import pytest
 
 from space import Sandbox
+from space.node.agent.node_user import DEFAULT_USER
 
 from ..ports import free_port
 from ..postgres import PostgresCluster
-from .hosts import Cluster, NodeHost, cluster
+from ..unit._moto import ACCESS_KEY_ID, REGION, SECRET_ACCESS_KEY, moto_server
+from .hosts import BRIDGE_ADDRESS, Cluster, NodeHost, cluster
+from .platform import SPACE, shared_node_key
 
 pytestmark = pytest.mark.vm
 
@@ -35,11 +49,39 @@ _TENANT = "many-hosts"
 @pytest.fixture(scope="module")
 def hosts(postgres: PostgresCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("hosts")
-    with (
-        postgres.database() as url,
-        cluster(root, url, nodes=3, replicas=2, ports=[free_port(), free_port()]) as made,
-    ):
+    with postgres.database() as url, contextlib.ExitStack() as stack:
+
+        def store_options() -> list[str]:
+            # Once the bridge is up: the S3 endpoint listens on the host's end of it.
+            return _s3_store(root, stack.enter_context(moto_server(host=BRIDGE_ADDRESS)))
+
+        ports = [free_port(), free_port()]
+        made = stack.enter_context(
+            cluster(root, url, nodes=3, replicas=2, ports=ports, node_options=store_options)
+        )
         yield made
+
+
+def _s3_store(root: Path, endpoint: str) -> list[str]:
+    """A bucket of ``endpoint`` (moto's S3 server) as every node's artifact store, and
+    the `space node` options naming it: its credentials and the store's master key in
+    files the node agents' user reads."""
+    bucket = f"space-{secrets.token_hex(4)}"
+    boto3.client(
+        "s3", endpoint_url=endpoint, region_name=REGION,
+        aws_access_key_id=ACCESS_KEY_ID, aws_secret_access_key=SECRET_ACCESS_KEY,
+    ).create_bucket(Bucket=bucket)  # fmt: skip
+    master_key = shared_node_key(root / "artifact-key")  # the same format: 32 bytes, base64
+    credentials = master_key.parent / "s3.credentials"
+    credentials.write_text(f"{ACCESS_KEY_ID}\n{SECRET_ACCESS_KEY}\n")
+    credentials.chmod(0o600)
+    agent = pwd.getpwnam(DEFAULT_USER)
+    os.chown(credentials, agent.pw_uid, agent.pw_gid)
+    return [
+        "--artifact-store", f"s3://{bucket}", "--artifact-s3-endpoint", endpoint,
+        "--artifact-s3-credentials-file", str(credentials),
+        "--artifact-key-file", str(master_key),
+    ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -222,3 +264,148 @@ def _lose_and_bring_back(hosts: Cluster, key: str, survivor: str, opened: list[S
     finally:
         _delete_all(hosts, key)
     _wait("nothing left on the nodes", lambda: _on_nodes(hosts, hosts.hosts) == {})
+
+
+_COUNTER = (
+    "i=0; while true; do i=$((i+1)); echo $i > /tmp/c.new; mv -f /tmp/c.new /tmp/c; sleep 0.2; done"
+)
+
+
+def _space_node(hosts: Cluster, command: str, node_id: str) -> str:
+    """``space node COMMAND NODE_ID`` against the surviving replica; its output."""
+    out = subprocess.run(
+        [*SPACE, "node", command, node_id, "--control-url", hosts.replicas[-1].url,
+         "--token-file", str(hosts.token_file)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def _node_states(hosts: Cluster) -> dict[str, str]:
+    headers = {"Authorization": f"Bearer {hosts.token}"}
+    nodes = httpx.get(hosts.replicas[-1].url + "/v1/nodes", headers=headers, timeout=30)
+    return {n["node_id"]: n["state"] for n in nodes.json()["nodes"]}
+
+
+def _count(sandbox: Sandbox) -> int:
+    """The counter's value (0 before it first wrote it)."""
+    result = sandbox.commands.run("cat /tmp/c 2>/dev/null || echo 0")
+    assert result.exit_code == 0, result
+    return int(result.stdout.strip() or 0)
+
+
+def test_a_drained_node_s_paused_sandbox_moves_and_goes_on_on_another_node(
+    hosts: Cluster, key: str
+) -> None:
+    survivor = hosts.replicas[-1].url
+    with _clients() as opened:
+        try:
+            sandbox = Sandbox.create(api_url=survivor, api_key=key)
+            opened.append(sandbox)
+            source = _rows(hosts, key)[sandbox.sandbox_id]["node_id"]
+            try:
+                _drain_and_go_on(hosts, key, sandbox, source)
+                new = [Sandbox.create(api_url=survivor, api_key=key) for _ in range(2)]
+                opened += new
+                rows = _rows(hosts, key)
+                assert all(rows[s.sandbox_id]["node_id"] != source for s in new)
+                assert source not in _on_nodes(hosts, hosts.hosts).values()
+            finally:
+                activated = _space_node(hosts, "activate", source)
+        finally:
+            _delete_all(hosts, key)
+    assert source in activated and _node_states(hosts)[source] == "active"
+    _wait("nothing left on the nodes", lambda: _on_nodes(hosts, hosts.hosts) == {})
+
+
+def _drain_and_go_on(hosts: Cluster, key: str, sandbox: Sandbox, source: str) -> None:
+    """Pause ``sandbox`` (a file, a counter running) on ``source``, drain ``source``
+    with the CLI, and check that it moved, and goes on where it went when resumed."""
+    sandbox.files.write("/home/user/moved.txt", "made before the drain")
+    sandbox.commands.run(_COUNTER, background=True, timeout_s=None)
+    _wait("the counter runs", lambda: _count(sandbox) > 2, timeout_s=30)
+    before = _count(sandbox)
+    sandbox.pause()
+    drained = _space_node(hosts, "drain", source)
+    assert source in drained and "draining" in drained
+    _wait(
+        "the sandbox is on another node",
+        lambda: _rows(hosts, key)[sandbox.sandbox_id]["node_id"] != source,
+        timeout_s=180,
+    )
+    row = _rows(hosts, key)[sandbox.sandbox_id]
+    assert row["state"] == "hibernated"
+    holders = [
+        host.node_id
+        for host in hosts.hosts
+        for status in hosts.node_api(host, "sandboxes")
+        if status["sandbox_id"] == sandbox.sandbox_id
+    ]
+    assert holders == [row["node_id"]]  # there, and no longer on the source
+    assert _node_states(hosts)[source] == "draining"
+
+    sandbox.resume()
+    assert sandbox.files.read("/home/user/moved.txt") == "made before the drain"
+    woke_at = _count(sandbox)
+    assert woke_at >= before  # the same process, from where it was suspended
+    _wait("the counter goes on", lambda: _count(sandbox) > woke_at, timeout_s=30)
+    assert _rows(hosts, key)[sandbox.sandbox_id]["node_id"] == row["node_id"]
+
+
+def test_a_killed_nodes_snapshot_and_hibernated_sandbox_come_back_elsewhere_from_s3(
+    hosts: Cluster, key: str
+) -> None:
+    survivor = hosts.replicas[-1].url
+    snapshots: list[str] = []
+    with _clients() as opened:
+        try:
+            sandbox = Sandbox.create(api_url=survivor, api_key=key)
+            opened.append(sandbox)
+            sandbox.files.write("/home/user/kept.txt", "made before the node died")
+            sandbox.commands.run(_COUNTER, background=True, timeout_s=None)
+            _wait("the counter runs", lambda: _count(sandbox) > 2, timeout_s=30)
+            snapshot = sandbox.snapshot("before-the-crash")
+            snapshots.append(snapshot.snapshot_id)
+            before = _count(sandbox)
+            sandbox.hibernate()
+
+            def row() -> dict[str, Any]:
+                return _rows(hosts, key)[sandbox.sandbox_id]
+
+            def stored() -> bool:
+                path = f"/v1/snapshots/{snapshot.snapshot_id}"
+                return bool(_api(hosts, key, "GET", path).json()["archived"])
+
+            _wait("the sandbox is in the store", lambda: row()["archived"], timeout_s=180)
+            _wait("the snapshot is in the store", stored, timeout_s=180)
+            home = row()["node_id"]
+            (victim,) = [host for host in hosts.hosts if host.node_id == home]
+            victim.kill()  # -9: its lease runs out, and it is lost
+
+            _wait(
+                "the sandbox is woken elsewhere from the store",
+                lambda: row()["node_id"] != home and row()["state"] == "hibernated",
+                timeout_s=180,
+            )
+            sandbox.resume()
+            assert sandbox.files.read("/home/user/kept.txt") == "made before the node died"
+            woke_at = _count(sandbox)
+            assert woke_at >= before
+            _wait("its counter goes on", lambda: _count(sandbox) > woke_at, timeout_s=30)
+
+            child = Sandbox.create(api_url=survivor, api_key=key, from_snapshot=snapshot)
+            opened.append(child)
+            assert _rows(hosts, key)[child.sandbox_id]["node_id"] not in (home, None)
+            assert child.files.read("/home/user/kept.txt") == "made before the node died"
+            started = _count(child)
+            _wait("the snapshot's counter goes on", lambda: _count(child) > started, 30)
+        finally:
+            _delete_all(hosts, key)
+            for snapshot_id in snapshots:
+                Sandbox.delete_snapshot(snapshot_id, api_url=survivor, api_key=key)
+            for host in hosts.hosts:  # the killed one back: its stale copy goes
+                if host.process is None:
+                    host.start(hosts.replicas, hosts.token_file)
+                    host.wait_registered()
+    _wait("nothing left on the nodes", lambda: _on_nodes(hosts, hosts.hosts) == {}, 120)

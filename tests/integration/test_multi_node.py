@@ -7,10 +7,6 @@ another host.
 
 from __future__ import annotations
 
-import contextlib
-import subprocess
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,49 +14,16 @@ import pytest
 
 from space import Sandbox
 
-from ..ports import free_port
-from .platform import SPACE, Platform, release, running_platform
+from .platform import remote_node, running_platform
 
 pytestmark = pytest.mark.vm
-
-
-@contextlib.contextmanager
-def remote_node(platform: Platform, data_dir: Path) -> Iterator[str]:
-    """Run `space node` registered with ``platform``; yield its node id once registered."""
-    data_dir.mkdir(parents=True)
-    port = free_port()
-    command = [
-        *SPACE,
-        "node",
-        "--control-url",
-        platform.url,
-        "--token-file",
-        str(platform.data_dir / "node-token"),
-        "--listen",
-        f"127.0.0.1:{port}",
-        "--data-dir",
-        str(data_dir),
-    ]
-    with (data_dir / "node.log").open("ab") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 240
-        while b"registered with" not in (data_dir / "node.log").read_bytes():
-            assert process.poll() is None, (data_dir / "node.log").read_text()
-            assert time.monotonic() < deadline, "node did not register in time"
-            time.sleep(0.2)
-        yield (data_dir / "node_id").read_text().strip()
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-        leaked = release(data_dir)
-        assert not leaked, f"left behind by the remote node: {leaked}"
 
 
 def test_a_registered_remote_node_runs_sandboxes_placed_on_it(tmp_path: Path) -> None:
     with running_platform(tmp_path / "control") as platform:
         key = platform.create_key("tenant")
-        with remote_node(platform, tmp_path / "remote") as remote_id:
+        with remote_node(platform, tmp_path / "remote") as remote:
+            remote_id = remote.node_id
             sandboxes = [Sandbox.create(api_url=platform.url, api_key=key) for _ in range(2)]
             try:
                 placed = {

@@ -64,6 +64,25 @@ def _beyond_credit(guest: FakeGuest, stream: int) -> None:
         guest.send(FrameKind.DATA, stream, chunk)
 
 
+async def run_input(channel: GuestChannel) -> None:
+    await channel.write_stdin("p1", b"keys")
+
+
+async def run_watch(channel: GuestChannel) -> None:
+    stream = await channel.watch_dir("/home/user", recursive=True)
+    await asyncio.sleep(0.2)
+    async for _ in stream:
+        pass
+
+
+def _watch_line(line: bytes) -> Callable[[FakeGuest, int], None]:
+    def act(guest: FakeGuest, stream: int) -> None:
+        guest.watching(stream)
+        guest.watch_lines(stream, line)
+
+    return act
+
+
 def _truncated_then_eof(guest: FakeGuest, stream: int) -> None:
     guest.writer.write(struct.pack(">IBI", 100, FrameKind.RESULT, stream) + b"{")
     guest.writer.close()
@@ -122,6 +141,29 @@ CASES = [
         "a second HELLO",
         run_stat,
         lambda g, s: g.send_json(FrameKind.HELLO, 0, {"version": 1}),
+    ),
+    Misbehaviour(
+        "process.input answering more bytes than sent",
+        run_input,
+        lambda g, s: g.send_json(FrameKind.RESULT, s, {"ok": True, "bytes": 2**40}),
+    ),
+    Misbehaviour(
+        "a watch started with no path",
+        run_watch,
+        lambda g, s: g.send_json(FrameKind.EVENT, s, {"event": "watching", "path": 7}),
+    ),
+    Misbehaviour("a watch line of unknown type", run_watch, _watch_line(b'{"type": "boom"}\n')),
+    Misbehaviour("a watch line that is not JSON", run_watch, _watch_line(b"create /etc/shadow\n")),
+    Misbehaviour(
+        "a watch event without is_dir",
+        run_watch,
+        _watch_line(b'{"type": "create", "path": "/a", "name": "a"}\n'),
+    ),
+    Misbehaviour("a watch line without end", run_watch, _watch_line(b"x" * (64 * 1024 + 1))),
+    Misbehaviour(
+        "a dropped count that is no count",
+        run_watch,
+        _watch_line(b'{"type": "dropped", "count": -1}\n'),
     ),
     Misbehaviour("an oversized PING", run_stat, lambda g, s: g.send(FrameKind.PING, 0, b"p" * 65)),
 ]

@@ -20,28 +20,29 @@ SECRET_ACCESS_KEY = "testing-secret-key"
 REGION = "us-east-1"
 
 
-def _free_port() -> int:
+def _free_port(host: str) -> int:
     with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
+        probe.bind((host, 0))
         port: int = probe.getsockname()[1]
         return port
 
 
 @contextlib.contextmanager
-def moto_server(*, start_timeout_s: float = 30.0) -> Iterator[str]:
-    """Start ``moto.server`` on a free loopback port; yield its URL; kill it (its whole
-    process group) on the way out, whatever happened, and check it is gone."""
-    port = _free_port()
+def moto_server(*, host: str = "127.0.0.1", start_timeout_s: float = 30.0) -> Iterator[str]:
+    """Start ``moto.server`` on a free port of ``host`` (loopback, or an address of a
+    network the test made); yield its URL; kill it (its whole process group) on the way
+    out, whatever happened, and check it is gone."""
+    port = _free_port(host)
     env = {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY_ID}
     env["AWS_SECRET_ACCESS_KEY"] = SECRET_ACCESS_KEY
     process = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        [sys.executable, "-m", "moto.server", "-H", host, "-p", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=env,
         start_new_session=True,
     )
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{host}:{port}"
     try:
         _wait_until_up(process, url, start_timeout_s)
         yield url

@@ -44,6 +44,7 @@ from space.node.api import (
 from tests.unit._fake_archives import FakeArchives, FakeArchiveStore
 from tests.unit._fake_egress import FakeEgress
 from tests.unit._fake_moves import FakeMoves
+from tests.unit._fake_stdio import FakeStdio, FakeWatches
 from tests.unit._fake_templates import FakeTemplates
 
 CHUNK = 1024 * 1024
@@ -141,7 +142,7 @@ class _Snapshot:
     contents: _Box
 
 
-class FakeNode(FakeTemplates, FakeEgress, FakeMoves, FakeArchives):
+class FakeNode(FakeTemplates, FakeEgress, FakeMoves, FakeArchives, FakeStdio, FakeWatches):
     """An in-memory NodeService. ``calls`` records (method, sandbox_id) of every call.
 
     ``pools`` and ``capacity`` are what ``info`` reports as the node's warm pools and
@@ -160,6 +161,8 @@ class FakeNode(FakeTemplates, FakeEgress, FakeMoves, FakeArchives):
         FakeEgress.__init__(self)
         FakeMoves.__init__(self)
         FakeArchives.__init__(self, store)
+        FakeStdio.__init__(self)
+        FakeWatches.__init__(self)
         self.node_id = node_id
         self.boxes: dict[str, _Box] = {}
         self.calls: list[tuple[str, str]] = []
@@ -391,7 +394,10 @@ class FakeNode(FakeTemplates, FakeEgress, FakeMoves, FakeArchives):
             None if request.background else 0,
             None,
             time.time(),
+            tag=request.tag,
+            pty=request.pty is not None,
         )
+        self._stdio_started(sandbox_id, process_id, request)
         box.processes[process_id] = (info, events)
         stream = FakeExecStream(info.pid, process_id, [] if request.background else events)
         self.streams.append(stream)
@@ -415,9 +421,7 @@ class FakeNode(FakeTemplates, FakeEgress, FakeMoves, FakeArchives):
         if process_id not in box.processes:
             raise NotFound(f"no process {process_id}", sandbox_id=sandbox_id)
         info, events = box.processes[process_id]
-        killed = ProcessInfo(
-            info.process_id, info.pid, info.argv, info.cmd, False, None, signal, info.started_at
-        )
+        killed = replace(info, running=False, exit_code=None, signal=signal)
         box.processes[process_id] = (killed, events)
 
     def _stat(self, box: _Box, path: str) -> FileStat:

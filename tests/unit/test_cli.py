@@ -91,7 +91,9 @@ def test_exec_of_one_word_runs_it_through_the_shell_with_env_and_stdin(
     result = _space(fake, "exec", sid, "-i", "-e", "A=b", "--", "cat | wc -c", stdin=b"hello")
     assert (result.exit_code, result.stdout) == (0, "5\n")
     body = fake.exec_bodies[0]
-    assert (body["cmd"], body["env"], body["stdin"]) == ("cat | wc -c", {"A": "b"}, "hello")
+    # -i streams stdin (issue 20): stdin stays open for pieces, none is sent up front.
+    assert (body["cmd"], body["env"], body["open_stdin"]) == ("cat | wc -c", {"A": "b"}, True)
+    assert "stdin" not in body
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ from space.control.store.repo import SandboxRecord, insert_sandbox
 from space.node.api import (
     ExportTicket,
     ImportResult,
+    InsufficientCapacity,
     InvalidArgument,
     NodeService,
     SandboxState,
@@ -500,3 +501,65 @@ async def test_negative_a_failed_import_leaves_the_sandbox_on_its_node(tmp_path:
         assert row["node_id"] == "n1" and row["state"] == "hibernated"
         assert sid in fakes["n1"].boxes and fakes["n1"].finished == [(sid, False)]
         assert fakes["n1"].exports == {}  # released: it can be woken or moved again
+
+
+class _FullNode(_MovingNode):
+    """A target whose admission has no room: it refuses every import (their ids in
+    ``refused``)."""
+
+    def __init__(self, node_id: str, fakes: dict[str, FakeNode]) -> None:
+        super().__init__(node_id, fakes)
+        self.refused: list[str] = []
+
+    async def import_sandbox(self, ticket: ExportTicket, source_url: str) -> ImportResult:
+        self.refused.append(ticket.sandbox_id)
+        raise InsufficientCapacity(
+            "node has no room for 1 more VM: pool is short by 1 MiB",
+            sandbox_id=ticket.sandbox_id, resource="pool", needed=1664, available=1663,
+        )  # fmt: skip
+
+
+async def test_a_drain_passes_over_a_target_without_room_to_the_next(tmp_path: Path) -> None:
+    clock, fakes = FakeClock(), dict[str, FakeNode]()
+    full = _FullNode("n2", fakes)
+    fakes.update({"n1": _MovingNode("n1", fakes), "n2": full, "n3": _MovingNode("n3", fakes)})
+    async with _replica(tmp_path, fakes, clock) as h:
+        headers = h.key("acme")
+        await _heartbeat(h, "n1")
+        sid = (await h.client.post("/v1/sandboxes", json={}, headers=headers)).json()["id"]
+        # n2 reports room (stale) and ranks first (fewer sandboxes, then by id).
+        await _heartbeat(h, "n2")
+        await _heartbeat(h, "n3")
+        await h.client.post(f"/v1/sandboxes/{sid}/pause", headers=headers)
+        await h.client.post("/v1/nodes/n1/drain", headers=_token(h))
+        await background_round(_ctx(h))
+        row = (await h.client.get(f"/v1/sandboxes/{sid}", headers=headers)).json()
+        assert row["node_id"] == "n3" and row["state"] == "hibernated"
+        assert full.refused == [sid] and sid not in full.boxes
+        assert sid in fakes["n3"].boxes and sid not in fakes["n1"].boxes
+        # The refusal let the export go on; the move to n3 then finished it.
+        assert fakes["n1"].finished == [(sid, False), (sid, True)]
+
+
+async def test_negative_a_drain_with_no_target_with_room_leaves_the_sandbox_whole(
+    tmp_path: Path,
+) -> None:
+    clock, fakes = FakeClock(), dict[str, FakeNode]()
+    full = _FullNode("n2", fakes)
+    fakes.update({"n1": _MovingNode("n1", fakes), "n2": full})
+    async with _replica(tmp_path, fakes, clock) as h:
+        headers = h.key("acme")
+        await _heartbeat(h, "n1")
+        sid = (await h.client.post("/v1/sandboxes", json={}, headers=headers)).json()["id"]
+        await _heartbeat(h, "n2", room=0)
+        await h.client.post(f"/v1/sandboxes/{sid}/hibernate", headers=headers)
+        fakes["n1"].boxes[sid].files["/tmp/kept"] = b"here"
+        await h.client.post("/v1/nodes/n1/drain", headers=_token(h))
+        for _ in range(2):  # each round asks again; the sandbox stays where it is
+            await background_round(_ctx(h))
+        row = (await h.client.get(f"/v1/sandboxes/{sid}", headers=headers)).json()
+        assert row["node_id"] == "n1" and row["state"] == "hibernated"
+        assert full.refused == [sid, sid] and fakes["n1"].exports == {}
+        assert fakes["n1"].boxes[sid].files["/tmp/kept"] == b"here"
+        woke = await h.client.post(f"/v1/sandboxes/{sid}/resume", headers=headers)
+        assert woke.json()["state"] == "running" and woke.json()["node_id"] == "n1"

@@ -172,3 +172,18 @@ def test_prune_keeps_the_current_build_and_the_newest_other_of_that_template(
 
 def test_negative_prune_of_a_missing_cache_deletes_nothing(tmp_path: Path) -> None:
     assert prune(tmp_path / "absent", template="base", keep=DIGEST) == []
+
+
+def test_an_entry_built_under_umask_077_is_readable_by_the_node_agent_s_user(
+    tmp_path: Path,
+) -> None:
+    # A root server builds under umask 077 (issue 18); its agent reads the entry as
+    # its own user, and an unreadable manifest would send it to the root-only lock.
+    previous = os.umask(0o077)
+    try:
+        entry = ensure_entry(tmp_path, DIGEST, _Builder())
+    finally:
+        os.umask(previous)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in entry.iterdir()}
+    assert modes == {"vmlinuz": 0o644, "rootfs.img": 0o644, MANIFEST_NAME: 0o644}
+    assert entry.stat().st_mode & 0o777 == 0o755

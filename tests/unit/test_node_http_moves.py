@@ -1,22 +1,27 @@
 """Moves over the node API (issue 19): the export's routes, the stream that only its
-ticket opens, and the framing the target checks before it accepts a byte."""
+ticket opens, the framing the target checks before it accepts a byte, and the target's
+admission of what it imports."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import hashlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import cast
 
 import httpx
 import pytest
 
+from space.node.agent._admission import Admission
 from space.node.agent._moves import Moves, Source, _Frames, frames_of, portable_record
 from space.node.agent._registry import Registry
 from space.node.api import (
     Conflict,
     ExportTicket,
+    InsufficientCapacity,
     InvalidArgument,
     NotFound,
     PermissionDenied,
@@ -24,6 +29,8 @@ from space.node.api import (
     SandboxState,
     Unavailable,
 )
+from space.node.core.capacity import Host, Policy, Resident, volume_limit_mib
+from space.node.core.config import NodeConfig
 from space.node.core.state import SandboxRecord
 from space.node.http.client import RemoteNode
 from space.node.http.server import create_node_app
@@ -192,3 +199,136 @@ async def test_negative_an_import_is_refused_before_a_byte_moves(
 ) -> None:
     with pytest.raises(InvalidArgument, match=match):
         await _moves().import_(_ticket(**changes), source_url)
+
+
+# admission: a target without room refuses the import before it asks the source
+
+
+class _Pulled(Exception):
+    """The import reached the source: admission let it through."""
+
+
+class _Pool:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    async def delete_staged(self, path: Path) -> None:
+        raise AssertionError(f"nothing was staged, yet {path} is deleted")
+
+
+class _Registry:
+    """What ``Moves.import_`` asks of the registry before its stream: the node's config,
+    sandboxes, locks, pool and admission (a real one, over figures)."""
+
+    def __init__(self, root: Path, policy: Policy, host: Host, residents: int) -> None:
+        self.config = NodeConfig(data_dir=root)
+        self.run_root = root / "run"
+        self.pool = _Pool(root)
+        self.sandboxes: dict[str, object] = {}
+        here = {f"sb-h{i}": Resident(SandboxState.HIBERNATED, 256) for i in range(residents)}
+        self.admission = Admission(policy, residents=lambda: here, measure=lambda: host)
+        self._lock = asyncio.Lock()
+
+    def lock(self, sandbox_id: str) -> asyncio.Lock:
+        return self._lock
+
+
+_ROOMY = Host(memory_total_mib=24576, memory_available_mib=20000, pool_total_mib=20480,
+              pool_free_mib=19000)  # fmt: skip
+#: The volume's room an import of a default 256 MiB / 1 GiB sandbox asks of the pool.
+_VOLUME_MIB = volume_limit_mib(1024, 256)
+
+
+@dataclasses.dataclass
+class _Target:
+    moves: Moves
+    admission: Admission
+    #: The source URLs the target asked for a stream.
+    pulls: list[str]
+
+
+def _importing(tmp_path: Path, policy: Policy, host: Host, residents: int = 0) -> _Target:
+    (tmp_path / "templates").mkdir(exist_ok=True)
+    pulls: list[str] = []
+
+    def source(url: str, ticket: str) -> Source:
+        pulls.append(url)
+        raise _Pulled(url)
+
+    registry = _Registry(tmp_path, policy, host, residents)
+    moves = Moves(cast(Registry, registry), source, "our-key")
+    return _Target(moves, registry.admission, pulls)
+
+
+def _sized(memory_mib: int = 256, disk_mib: int = 1024) -> ExportTicket:
+    return _ticket(record=_portable_of(memory_mib=memory_mib, disk_mib=disk_mib))
+
+
+@pytest.mark.parametrize(
+    ("policy", "host", "residents", "resource"),
+    [
+        pytest.param(Policy(max_sandboxes=3), _ROOMY, 3, "sandboxes", id="cap"),
+        pytest.param(
+            Policy(pool_reserve_mib=1024),
+            dataclasses.replace(_ROOMY, pool_free_mib=1024 + _VOLUME_MIB - 1),
+            0,
+            "pool",
+            id="pool",
+        ),
+        pytest.param(
+            Policy(memory_reserve_mib=2048),
+            dataclasses.replace(_ROOMY, memory_available_mib=2048 + 96 + 256 // 4 - 1),
+            0,
+            "memory",
+            id="memory",
+        ),
+    ],
+)
+async def test_negative_a_target_without_room_refuses_an_import_before_a_byte_moves(
+    tmp_path: Path, policy: Policy, host: Host, residents: int, resource: str
+) -> None:
+    target = _importing(tmp_path, policy, host, residents)
+    with pytest.raises(InsufficientCapacity) as refused:
+        await target.moves.import_(_sized(), "http://source:1")
+    assert refused.value.resource == resource and refused.value.sandbox_id == "sb-9"
+    assert refused.value.needed == refused.value.available + 1  # short by exactly one
+    assert target.pulls == [] and not (tmp_path / "incoming").exists()
+    assert target.admission.info().starting == 0  # nothing held
+
+
+@pytest.mark.parametrize(
+    ("policy", "host", "residents"),
+    [
+        pytest.param(Policy(max_sandboxes=4), _ROOMY, 3, id="cap"),
+        pytest.param(
+            Policy(pool_reserve_mib=1024),
+            dataclasses.replace(_ROOMY, pool_free_mib=1024 + _VOLUME_MIB),
+            0,
+            id="pool",
+        ),
+        pytest.param(
+            Policy(memory_reserve_mib=2048),
+            dataclasses.replace(_ROOMY, memory_available_mib=2048 + 96 + 256 // 4),
+            0,
+            id="memory",
+        ),
+    ],
+)
+async def test_a_target_with_room_just_enough_pulls_the_import(
+    tmp_path: Path, policy: Policy, host: Host, residents: int
+) -> None:
+    target = _importing(tmp_path, policy, host, residents)
+    with pytest.raises(_Pulled):
+        await target.moves.import_(_sized(), "http://source:1")
+    assert target.pulls == ["http://source:1"]
+    assert list((tmp_path / "incoming").iterdir()) == []  # its staging was cleared
+    assert target.admission.info().starting == 0  # released with the failure
+
+
+async def test_negative_an_import_is_admitted_at_its_own_size(tmp_path: Path) -> None:
+    # Room for a default sandbox's volume is not room for one with a 4 GiB disk.
+    host = dataclasses.replace(_ROOMY, pool_free_mib=1024 + _VOLUME_MIB)
+    with pytest.raises(InsufficientCapacity, match="pool"):
+        await _importing(tmp_path, Policy(pool_reserve_mib=1024), host).moves.import_(
+            _sized(disk_mib=4096), "http://source:1"
+        )

@@ -1,16 +1,18 @@
-"""``/v1/sandboxes/{id}/exec`` and ``/processes``: NDJSON streams of process events."""
+"""``/v1/sandboxes/{id}/exec`` and ``/processes``: NDJSON streams of process events, and
+a running process's stdin and PTY size (issue 20)."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Response
+from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from space.control.deps import Context, LiveSandbox
 from space.control.node_text import scrub
-from space.control.schemas import ExecBody, KillBody, ProcessOut
-from space.node.api import NDJSON, ExecRequest, ndjson_lines
+from space.control.schemas import ExecBody, KillBody, ProcessOut, PtyBody
+from space.limits import PROCESS_TAG_PATTERN
+from space.node.api import NDJSON, ExecRequest, PtySize, ndjson_lines
 
 __all__ = ["router"]
 
@@ -29,6 +31,9 @@ def _exec_request(body: ExecBody) -> ExecRequest:
         timeout_s=body.timeout_s,
         background=body.background,
         stdin=None if body.stdin is None else body.stdin.encode(),
+        open_stdin=body.open_stdin,
+        pty=None if body.pty is None else PtySize(rows=body.pty.rows, cols=body.pty.cols),
+        tag=body.tag,
     )
 
 
@@ -47,9 +52,15 @@ async def exec_command(body: ExecBody, sandbox: LiveSandbox, ctx: Context) -> St
 
 
 @router.get("/processes")
-async def list_processes(sandbox: LiveSandbox, ctx: Context) -> dict[str, list[ProcessOut]]:
+async def list_processes(
+    sandbox: LiveSandbox,
+    ctx: Context,
+    tag: Annotated[str | None, Query(pattern=f"^{PROCESS_TAG_PATTERN}$")] = None,
+) -> dict[str, list[ProcessOut]]:
+    """The sandbox's processes; ``?tag=`` keeps those started with that tag."""
     infos = await ctx.nodes.get(sandbox.node_id).list_processes(sandbox.id)
-    return {"processes": [ProcessOut.of(info) for info in infos]}
+    kept = [info for info in infos if tag is None or info.tag == tag]
+    return {"processes": [ProcessOut.of(info) for info in kept]}
 
 
 @router.get("/processes/{process_id}/stream")
@@ -68,4 +79,29 @@ async def kill_process(
 ) -> Response:
     signal = body.signal if body is not None else 9
     await ctx.nodes.get(sandbox.node_id).kill_process(sandbox.id, process_id, signal)
+    return Response(status_code=204)
+
+
+@router.post("/processes/{process_id}/stdin")
+async def write_stdin(
+    process_id: ProcessId,
+    sandbox: LiveSandbox,
+    ctx: Context,
+    request: Request,
+    eof: bool = False,
+) -> dict[str, int]:
+    """The raw body (at most 1 MiB: the edge refuses more with 413) to the stdin or
+    terminal of a process started with ``open_stdin`` or ``pty``; ``?eof=true`` closes
+    it after. Answers once the process took the bytes."""
+    data = await request.body()
+    node = ctx.nodes.get(sandbox.node_id)
+    return {"bytes": await node.write_stdin(sandbox.id, process_id, data, eof=eof)}
+
+
+@router.post("/processes/{process_id}/resize", status_code=204)
+async def resize_pty(
+    process_id: ProcessId, body: PtyBody, sandbox: LiveSandbox, ctx: Context
+) -> Response:
+    size = PtySize(rows=body.rows, cols=body.cols)
+    await ctx.nodes.get(sandbox.node_id).resize_pty(sandbox.id, process_id, size)
     return Response(status_code=204)

@@ -13,8 +13,9 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from space.control.deps import Context, LiveSandbox
+from space.control.node_text import scrub
 from space.control.schemas import FileStatOut, GuestPath, MkdirBody, RenameBody, UserName
-from space.node.api import FileReader
+from space.node.api import NDJSON, FileReader, watch_lines
 
 __all__ = ["router"]
 
@@ -70,6 +71,22 @@ async def list_dir(
 ) -> dict[str, list[FileStatOut]]:
     entries = await ctx.nodes.get(sandbox.node_id).list_dir(sandbox.id, path, user)
     return {"entries": [FileStatOut.of(stat) for stat in entries]}
+
+
+@router.get("/watch")
+async def watch_dir(
+    sandbox: LiveSandbox,
+    ctx: Context,
+    path: PathQuery,
+    recursive: bool = False,
+    user: UserQuery = "user",
+) -> StreamingResponse:
+    """The directory's changes as NDJSON until the client goes (the watch is then
+    released in the guest); an open watch counts as activity, as an exec stream does."""
+    node = ctx.nodes.get(sandbox.node_id)
+    stream = await node.watch_dir(sandbox.id, path, recursive=recursive, user=user)
+    lines = ctx.activity.watch(sandbox.id, watch_lines(stream, scrub))
+    return StreamingResponse(lines, media_type=NDJSON)
 
 
 @router.get("/stat")

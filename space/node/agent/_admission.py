@@ -6,7 +6,8 @@ as a start in flight until its block ends, when the VM's memory shows in MemAvai
 and its sandbox in the registry. Deciding and holding happen without an await in
 between, so two concurrent starts cannot both take the last room.
 
-Who claims: creates and fork children (``Claim.sandbox``), wakes from hibernation and
+Who claims: creates, fork children and moves' imports (``Claim.sandbox``; an import
+holds its claim while its stream comes), wakes from hibernation and
 restores of a hibernated sandbox (``Claim.wake``), warm-pool refills and the VMs of
 template builds and ready states (``Claim.node_vm``). A build or ready-state VM is also
 held as one of the node's own running VMs from its boot until ``release`` (the

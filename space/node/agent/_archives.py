@@ -58,6 +58,7 @@ from space.node.api import (
 )
 from space.node.artifacts import SealedStore, delete_bundle, get_bundle, put_bundle
 from space.node.artifacts._bundles import Bundle
+from space.node.core.capacity import Claim
 from space.node.core.sandbox import not_allowed
 from space.node.core.validation import check_id
 from space.node.storage.btrfs import snapshot_subvolume
@@ -189,7 +190,8 @@ class Archives:
         """Register the sandbox here, HIBERNATED, from its bundle ``archive`` (it keeps
         naming it). Raises NotFound (no complete bundle), InvalidArgument (another
         node key, another sandbox's bundle, a malformed record or stream), Conflict
-        (the id is in use here), Unavailable. Nothing of a failed import is left here."""
+        (the id is in use here), InsufficientCapacity (no room for it here, as for a
+        create of its size), Unavailable. Nothing of a failed import is left here."""
         check_id(sandbox_id)
         if not check_archive_name(archive).startswith(f"sandboxes/{sandbox_id}/"):
             raise InvalidArgument(f"{archive} is not an archive of {sandbox_id}")
@@ -203,12 +205,15 @@ class Archives:
         async with registry.lock(sandbox_id):
             if sandbox_id in registry.sandboxes:
                 raise Conflict(f"sandbox {sandbox_id} exists on this node", sandbox_id=sandbox_id)
-            staging = await self._staging()
-            try:
-                received = await self._receive(bundle, staging, stream_bound(record.spec))
-                await install_received(registry, record, received.path)
-            finally:
-                await asyncio.shield(clear_staging(registry.pool, staging))
+            # Admitted as a move is (space.node.agent._moves), before a byte is read.
+            claim = Claim.sandbox(record.spec.memory_mib, record.spec.disk_mib)
+            with registry.admission.claim({sandbox_id: claim}, sandbox_id=sandbox_id):
+                staging = await self._staging()
+                try:
+                    received = await self._receive(bundle, staging, stream_bound(record.spec))
+                    await install_received(registry, record, received.path)
+                finally:
+                    await asyncio.shield(clear_staging(registry.pool, staging))
             status = registry.sandboxes[sandbox_id].record.status()
             return ImportResult(status, received.stream_bytes, None)
 

@@ -20,8 +20,10 @@ from space.node.api import (
     FileReader,
     FileStat,
     ProcessInfo,
+    PtySize,
     SandboxState,
     Unavailable,
+    WatchStream,
 )
 from space.node.channel import GuestChannel
 from space.node.network.trust import TRUST_ENV
@@ -53,6 +55,14 @@ class GuestOps:
     async def kill_process(self, sandbox_id: str, process_id: str, signal: int = 9) -> None:
         await (await self.channel(sandbox_id)).kill_process(process_id, signal)
 
+    async def write_stdin(
+        self, sandbox_id: str, process_id: str, data: bytes, *, eof: bool = False
+    ) -> int:
+        return await (await self.channel(sandbox_id)).write_stdin(process_id, data, eof=eof)
+
+    async def resize_pty(self, sandbox_id: str, process_id: str, size: PtySize) -> None:
+        await (await self.channel(sandbox_id)).resize_pty(process_id, size)
+
     async def read_file(self, sandbox_id: str, path: str, user: str = "user") -> FileReader:
         return await (await self.channel(sandbox_id)).read_file(path, user)
 
@@ -67,6 +77,12 @@ class GuestOps:
     ) -> FileStat:
         channel = await self.channel(sandbox_id)
         return await channel.write_file(path, data, user=user, mode=mode)
+
+    async def watch_dir(
+        self, sandbox_id: str, path: str, *, recursive: bool = False, user: str = "user"
+    ) -> WatchStream:
+        channel = await self.channel(sandbox_id)
+        return await channel.watch_dir(path, recursive=recursive, user=user)
 
     async def list_dir(self, sandbox_id: str, path: str, user: str = "user") -> list[FileStat]:
         return await (await self.channel(sandbox_id)).list_dir(path, user)

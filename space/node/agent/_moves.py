@@ -17,6 +17,11 @@ short or cut stream leaves nothing on the target, and the source's sandbox is ne
 touched before ``finish``. The source streams from a read-only snapshot of the volume
 (made for the stream, deleted after), so the sandbox's own volume is only read.
 
+The target admits the sandbox as it would a create of its size (space.node.core.
+capacity: a volume's room in the pool, one more sandbox under the cap, memory to wake
+it) before it asks the source for anything, and holds that claim while the stream
+comes; a full target refuses with InsufficientCapacity and the drain asks the next.
+
 A hibernated sandbox's disk and saved memory are sealed with its node's key
 (space.node.core.keys): only a node with the same key (``key_id``) can wake it, so
 a target with another key refuses the ticket before any byte moves.
@@ -52,7 +57,7 @@ from space.node.api import (
     SandboxState,
     SnapshotInfo,
 )
-from space.node.core.capacity import volume_limit_mib
+from space.node.core.capacity import Claim, volume_limit_mib
 from space.node.core.sandbox import check_not_held, not_allowed
 from space.node.core.state import SandboxRecord
 from space.node.core.validation import check_id
@@ -227,8 +232,10 @@ class Moves:
         """Pull the ticket's sandbox from the node at ``source_url`` and register it
         here, HIBERNATED. Raises InvalidArgument (a malformed ticket, another node
         key, a refused stream: bad, short, over its bound or failing its checksum),
-        Conflict (the id is in use here), Unavailable/PermissionDenied from the
-        source. On any failure or cancellation nothing of it is left here."""
+        Conflict (the id is in use here), InsufficientCapacity (admission: no room
+        for it here, as for a create of its size; asked before the source is),
+        Unavailable/PermissionDenied from the source. On any failure or
+        cancellation nothing of it is left here."""
         record = _record_of(ticket)
         if not source_url.startswith(("http://", "https://")) or len(source_url) > 2048:
             raise InvalidArgument(f"a source URL is http(s)://host:port, not {source_url[:80]!r}")
@@ -243,13 +250,17 @@ class Moves:
         async with registry.lock(sid):
             if sid in registry.sandboxes:
                 raise Conflict(f"sandbox {sid} exists on this node", sandbox_id=sid)
-            parent = await asyncio.to_thread(_shared_parent, registry.pool.root, ticket.parents)
-            staging = registry.pool.root / "incoming" / secrets.token_hex(8)
-            await asyncio.to_thread(staging.mkdir, 0o700, parents=True)
-            try:
-                size = await self._receive(ticket, source_url, parent, staging, record)
-            finally:
-                await asyncio.shield(self._clear(staging))
+            # Admitted like a create, before a byte moves: room for its volume in the
+            # pool, one more sandbox, and memory to wake it (it moves to be woken here).
+            claim = Claim.sandbox(record.spec.memory_mib, record.spec.disk_mib)
+            with registry.admission.claim({sid: claim}, sandbox_id=sid):
+                parent = await asyncio.to_thread(_shared_parent, registry.pool.root, ticket.parents)
+                staging = registry.pool.root / "incoming" / secrets.token_hex(8)
+                await asyncio.to_thread(staging.mkdir, 0o700, parents=True)
+                try:
+                    size = await self._receive(ticket, source_url, parent, staging, record)
+                finally:
+                    await asyncio.shield(self._clear(staging))
             sandbox = registry.sandboxes[sid]
             return ImportResult(sandbox.record.status(), size, parent)
 

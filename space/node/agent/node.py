@@ -50,6 +50,7 @@ from space.node.api import (
     NodeError,
     NodeInfo,
     ProcessInfo,
+    PtySize,
     SandboxMetrics,
     SandboxSpec,
     SandboxStatus,
@@ -58,6 +59,7 @@ from space.node.api import (
     TemplateImport,
     TemplateInfo,
     TemplateTicket,
+    WatchStream,
 )
 from space.node.artifacts import SealedStore, open_artifact_store
 from space.node.core.config import NodeConfig, resolve_node_id
@@ -305,6 +307,19 @@ class Node:
 
     async def kill_process(self, sandbox_id: str, process_id: str, signal: int = 9) -> None:
         await self.guest.kill_process(sandbox_id, process_id, signal)
+
+    async def write_stdin(
+        self, sandbox_id: str, process_id: str, data: bytes, *, eof: bool = False
+    ) -> int:
+        return await self.guest.write_stdin(sandbox_id, process_id, data, eof=eof)
+
+    async def resize_pty(self, sandbox_id: str, process_id: str, size: PtySize) -> None:
+        await self.guest.resize_pty(sandbox_id, process_id, size)
+
+    async def watch_dir(
+        self, sandbox_id: str, path: str, *, recursive: bool = False, user: str = "user"
+    ) -> WatchStream:
+        return await self.guest.watch_dir(sandbox_id, path, recursive=recursive, user=user)
 
     async def read_file(self, sandbox_id: str, path: str, user: str = "user") -> FileReader:
         return await self.guest.read_file(sandbox_id, path, user)

@@ -66,6 +66,7 @@ from space.node.api.interface import (
     NodeService,
     PoolInfo,
     ProcessInfo,
+    PtySize,
     SandboxMetrics,
     SandboxSpec,
     SandboxState,
@@ -75,6 +76,8 @@ from space.node.api.interface import (
     TemplateImport,
     TemplateInfo,
     TemplateTicket,
+    WatchEvent,
+    WatchStream,
     snapshot_archive,
 )
 from space.node.api.secret_grants import (
@@ -103,8 +106,10 @@ from space.node.api.wire import (
     decode_egress_policy,
     decode_exec_request,
     decode_grants,
+    decode_pty_size,
     decode_snapshot_id,
     decode_templates,
+    decode_watch_event,
     encode,
     encode_exec_request,
     encode_grants,
@@ -112,6 +117,7 @@ from space.node.api.wire import (
     error_line,
     event_line,
     ndjson_lines,
+    watch_lines,
 )
 
 __all__ = [
@@ -161,6 +167,7 @@ __all__ = [
     "PolicyBounds",
     "PoolInfo",
     "ProcessInfo",
+    "PtySize",
     "ResourceExhausted",
     "SandboxMetrics",
     "SandboxSpec",
@@ -174,6 +181,8 @@ __all__ = [
     "Timeout",
     "Unavailable",
     "Verdict",
+    "WatchEvent",
+    "WatchStream",
     "blocked_category",
     "build_event_line",
     "build_lines",
@@ -189,8 +198,10 @@ __all__ = [
     "decode_egress_policy",
     "decode_exec_request",
     "decode_grants",
+    "decode_pty_size",
     "decode_snapshot_id",
     "decode_templates",
+    "decode_watch_event",
     "encode",
     "encode_exec_request",
     "encode_grants",
@@ -204,4 +215,5 @@ __all__ = [
     "normalize_name",
     "parse_ip_literal",
     "snapshot_archive",
+    "watch_lines",
 ]

@@ -168,6 +168,7 @@ _GUEST_CODES: dict[str, type[NodeError]] = {
     "is_a_directory": InvalidArgument,
     "not_a_directory": InvalidArgument,
     "not_empty": Conflict,
+    "conflict": Conflict,
     "resource_exhausted": ResourceExhausted,
     "timeout": Timeout,
     "unsupported": InvalidArgument,

@@ -40,6 +40,7 @@ __all__ = [
     "NodeService",
     "PoolInfo",
     "ProcessInfo",
+    "PtySize",
     "SandboxMetrics",
     "SandboxSpec",
     "SandboxState",
@@ -49,6 +50,8 @@ __all__ = [
     "TemplateImport",
     "TemplateInfo",
     "TemplateTicket",
+    "WatchEvent",
+    "WatchStream",
     "snapshot_archive",
 ]
 
@@ -131,6 +134,14 @@ class SnapshotInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class PtySize:
+    """A pseudo-terminal's window: 1 to 1000 rows and columns (space.protocol.MAX_PTY_SIZE)."""
+
+    rows: int = 24
+    cols: int = 80
+
+
+@dataclass(frozen=True, slots=True)
 class ExecRequest:
     argv: list[str] | None = None
     cmd: str | None = None
@@ -139,8 +150,17 @@ class ExecRequest:
     user: str = "user"
     timeout_s: float | None = None
     background: bool = False
-    #: Stdin, sent whole then closed; None means stdin is /dev/null.
+    #: Stdin, sent whole then closed; None means stdin is /dev/null (unless open_stdin).
     stdin: bytes | None = None
+    #: Keep stdin open for ``write_stdin`` (in pieces, then EOF) until the process ends
+    #: (issue 20); excludes ``stdin``.
+    open_stdin: bool = False
+    #: Run on a pseudo-terminal of this size: stdout and stderr are one stream
+    #: ("stdout"), input goes through ``write_stdin`` (0x03 is Ctrl-C), ``resize_pty``
+    #: changes the size. Excludes ``stdin``.
+    pty: PtySize | None = None
+    #: A label to find the process by in ``list_processes`` (space.protocol.TAG_PATTERN).
+    tag: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,6 +281,37 @@ class FileReader(Protocol):
     async def aclose(self) -> None: ...
 
 
+WatchEventType = Literal["create", "write", "remove", "rename", "chmod", "dropped"]
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    """One change in a watched directory (issue 20), or ``dropped``: ``count`` changes
+    lost because the watcher fell behind. ``path`` is absolute in the guest, ``name``
+    relative to the watched directory; ``rename`` is the old name (the new one comes as
+    ``create``)."""
+
+    type: WatchEventType
+    path: str = ""
+    name: str = ""
+    is_dir: bool = False
+    count: int = 0
+
+
+class WatchStream(Protocol):
+    """A directory being watched: ``path`` (resolved) is watched, events follow.
+
+    Iterating yields WatchEvents as they happen and ends when the directory itself is
+    removed. ``aclose`` stops the watch and releases it in the guest.
+    """
+
+    path: str
+
+    def __aiter__(self) -> AsyncIterator[WatchEvent]: ...
+
+    async def aclose(self) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class ProcessInfo:
     process_id: str
@@ -271,6 +322,8 @@ class ProcessInfo:
     exit_code: int | None
     signal: int | None
     started_at: float
+    tag: str | None = None
+    pty: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -557,6 +610,19 @@ class NodeService(Protocol):
     a node restart (``info().boot_id`` changes). The placeholders are the guest's to
     see; they reach its environment through the spec's ``env``.
 
+    write_stdin writes at most MAX_INPUT_BYTES (1 MiB) to the stdin (or terminal) of a
+    process started with ``open_stdin`` or ``pty``, foreground or background, and closes
+    it after if ``eof`` (a PTY gets Ctrl-D); it returns the bytes written, once the
+    process took them (Timeout if it reads nothing for 30 s). Writes to one process are
+    applied whole, in the order they reach the guest. NotFound for an unknown process,
+    Conflict for one that has exited, has its stdin closed, or has none open (for
+    resize_pty: has no PTY), InvalidArgument for too much data or a size out of range.
+
+    watch_dir watches a guest directory (and, if ``recursive``, its subdirectories) and
+    returns once the watch is in place; NotFound for a missing path, InvalidArgument for
+    one that is not a directory, ResourceExhausted past the guest's bounds (64 watches,
+    8,192 directories). Closing the stream releases the watch.
+
     Moves (issue 19) pull a hibernated sandbox from its node (the source) to another
     (the target): ``export_sandbox`` on the source (the sandbox HIBERNATED; Conflict
     otherwise) holds it still (no wake, restore or second export: Conflict) and
@@ -630,6 +696,16 @@ class NodeService(Protocol):
     async def list_processes(self, sandbox_id: str) -> list[ProcessInfo]: ...
 
     async def kill_process(self, sandbox_id: str, process_id: str, signal: int = 9) -> None: ...
+
+    async def write_stdin(
+        self, sandbox_id: str, process_id: str, data: bytes, *, eof: bool = False
+    ) -> int: ...
+
+    async def resize_pty(self, sandbox_id: str, process_id: str, size: PtySize) -> None: ...
+
+    async def watch_dir(
+        self, sandbox_id: str, path: str, *, recursive: bool = False, user: str = "user"
+    ) -> WatchStream: ...
 
     async def read_file(self, sandbox_id: str, path: str, user: str = "user") -> FileReader: ...
 

@@ -31,8 +31,11 @@ from space.node.api.interface import (
     ExecOutput,
     ExecRequest,
     ExecStream,
+    PtySize,
     SecretGrant,
     TemplateInfo,
+    WatchEvent,
+    WatchStream,
 )
 
 __all__ = [
@@ -52,8 +55,10 @@ __all__ = [
     "decode_egress_policy",
     "decode_exec_request",
     "decode_grants",
+    "decode_pty_size",
     "decode_snapshot_id",
     "decode_templates",
+    "decode_watch_event",
     "encode",
     "encode_exec_request",
     "encode_grants",
@@ -61,6 +66,7 @@ __all__ = [
     "error_line",
     "event_line",
     "ndjson_lines",
+    "watch_lines",
 ]
 
 log = logging.getLogger(__name__)
@@ -140,7 +146,19 @@ def decode_exec_request(body: object) -> ExecRequest:
         timeout_s=request.timeout_s,
         background=request.background,
         stdin=raw,
+        open_stdin=request.open_stdin,
+        pty=request.pty,
+        tag=request.tag,
     )
+
+
+def decode_pty_size(body: object) -> PtySize:
+    """A ``{"rows": int, "cols": int}`` body; InvalidArgument when malformed (the range
+    is the channel's to check)."""
+    try:
+        return decode(PtySize, body)
+    except ValidationError as exc:
+        raise InvalidArgument(f"malformed pty size: {exc}") from exc
 
 
 def decode_snapshot_id(body: object) -> str:
@@ -295,6 +313,41 @@ async def ndjson_lines(
         yield error_line("internal", f"stream failed: {type(exc).__name__}")
     finally:
         await stream.aclose()
+
+
+def _watch_line(event: WatchEvent) -> bytes:
+    if event.type == "dropped":
+        return _line({"type": "dropped", "count": event.count})
+    return _line(
+        {"type": event.type, "path": event.path, "name": event.name, "is_dir": event.is_dir}
+    )
+
+
+async def watch_lines(
+    stream: WatchStream, error_text: Callable[[str], str] = str
+) -> AsyncIterator[bytes]:
+    """``{"type": "start", "path"}``, each change as it happens (docs/api.md, "Watching
+    a directory"), then nothing or an ``error`` line. Closing the iterator early (client
+    gone) closes ``stream``: the guest releases the watch."""
+    try:
+        yield _line({"type": "start", "path": stream.path})
+        async for event in stream:
+            yield _watch_line(event)
+    except NodeError as exc:
+        yield error_line(exc.code, error_text(exc.message))
+    except Exception as exc:
+        log.exception("watch stream failed")
+        yield error_line("internal", f"stream failed: {type(exc).__name__}")
+    finally:
+        await stream.aclose()
+
+
+def decode_watch_event(obj: dict[str, Any]) -> WatchEvent:
+    """A change line of ``watch_lines`` (not ``start`` or ``error``); raises ValueError
+    or pydantic.ValidationError when malformed."""
+    if obj.get("type") == "dropped":
+        return WatchEvent("dropped", count=decode(int, obj.get("count")))
+    return decode(WatchEvent, {k: obj.get(k) for k in ("type", "path", "name", "is_dir")})
 
 
 def encode_templates(templates: list[TemplateInfo]) -> dict[str, Any]:

@@ -156,6 +156,8 @@ def parse_process(entry: dict[str, object]) -> ProcessInfo:
         exit_code=require_int(entry, "exit_code", optional=True),
         signal=require_int(entry, "signal", optional=True),
         started_at=require_number(entry, "started_at"),
+        tag=require_str(entry, "tag", optional=True, max_chars=64),
+        pty=entry.get("pty") is True,
     )
 
 

@@ -35,6 +35,7 @@ from space.node.api import (
     InvalidArgument,
     NodeError,
     ProcessInfo,
+    PtySize,
     Timeout,
     Unavailable,
 )
@@ -48,7 +49,10 @@ from space.node.channel._streams import (
     GuestStream,
     ResultParser,
 )
+from space.node.channel._watch import ChannelWatchStream
 from space.protocol import (
+    MAX_INPUT_BYTES,
+    MAX_PTY_SIZE,
     PROTOCOL_VERSION,
     Frame,
     FrameKind,
@@ -152,6 +156,10 @@ class GuestChannel(ChannelCore):
             raise InvalidArgument("give exactly one of argv and cmd", sandbox_id=self._sandbox_id)
         if request.background and request.stdin is not None:
             raise InvalidArgument("a background exec takes no stdin", sandbox_id=self._sandbox_id)
+        if request.stdin is not None and (request.open_stdin or request.pty is not None):
+            raise InvalidArgument(
+                "stdin up front excludes open_stdin and pty", sandbox_id=self._sandbox_id
+            )
         message: dict[str, object] = {
             "op": "exec",
             "env": dict(request.env),
@@ -163,6 +171,11 @@ class GuestChannel(ChannelCore):
         message |= {"argv": list(request.argv)} if request.argv is not None else {}
         message |= {"cmd": request.cmd} if request.cmd is not None else {}
         message |= {"cwd": request.cwd} if request.cwd is not None else {}
+        message |= {"open_stdin": True} if request.open_stdin else {}
+        message |= {"tag": request.tag} if request.tag is not None else {}
+        if request.pty is not None:
+            self._check_pty_size(request.pty)
+            message["pty"] = {"rows": request.pty.rows, "cols": request.pty.cols}
         return await self._start_process(message, request.background, request.stdin)
 
     async def attach(self, process_id: str) -> ExecStream:
@@ -231,6 +244,50 @@ class GuestChannel(ChannelCore):
     async def kill_process(self, process_id: str, signal: int = 9) -> None:
         await self._request({"op": "process.kill", "process_id": process_id, "signal": signal}, _ok)
 
+    async def write_stdin(self, process_id: str, data: bytes, *, eof: bool = False) -> int:
+        """Write ``data`` to a process's stdin or terminal (then close it if ``eof``).
+
+        Returns the bytes written, once the process took them. Raises InvalidArgument
+        for more than MAX_INPUT_BYTES, NotFound (no such process), Conflict (exited,
+        stdin closed or never open), Timeout (the process read nothing for 30 s, or the
+        guest fell silent), Unavailable. Cancelling mid-way abandons the write: a part
+        of ``data`` may have reached the process.
+        """
+        if len(data) > MAX_INPUT_BYTES:
+            raise InvalidArgument(
+                f"stdin of {len(data)} bytes exceeds {MAX_INPUT_BYTES} per call",
+                sandbox_id=self._sandbox_id,
+            )
+        request = {"op": "process.input", "process_id": process_id, "eof": eof}
+        stream = await self._open_stream(request, _bytes_result)
+        try:
+            await self._send_input(stream, [data] if data else [])
+        except TimeoutError:
+            await self._abandon(stream)
+            raise self._silent("process.input") from None
+        except BaseException:
+            await asyncio.shield(self._abandon(stream))
+            raise
+        written = await self._call(stream, lambda: self._next_item(stream))
+        assert isinstance(written, int)
+        return written
+
+    async def resize_pty(self, process_id: str, size: PtySize) -> None:
+        """Set the window size of a process's PTY (the kernel sends it SIGWINCH)."""
+        self._check_pty_size(size)
+        request = {"op": "process.resize", "process_id": process_id}
+        await self._request(request | {"rows": size.rows, "cols": size.cols}, _ok)
+
+    def _check_pty_size(self, size: PtySize) -> None:
+        for name, value in (("rows", size.rows), ("cols", size.cols)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidArgument(f"pty {name} must be an integer", sandbox_id=self._sandbox_id)
+            if not 1 <= value <= MAX_PTY_SIZE:
+                raise InvalidArgument(
+                    f"pty {name} must be 1 to {MAX_PTY_SIZE}, got {value}",
+                    sandbox_id=self._sandbox_id,
+                )
+
     async def read_file(self, path: str, user: str = "user") -> FileReader:
         """Open a guest file for reading; returns once its Stat is known.
 
@@ -290,6 +347,34 @@ class GuestChannel(ChannelCore):
         value = await self._call(stream, lambda: self._next_item(stream))
         assert isinstance(value, FileStat)
         return value
+
+    async def watch_dir(
+        self, path: str, *, recursive: bool = False, user: str = "user"
+    ) -> ChannelWatchStream:
+        """Watch a guest directory; returns once the guest's watches are in place.
+
+        Raises NotFound (no such path), InvalidArgument (not a directory),
+        ResourceExhausted (the guest's bounds), Timeout, Unavailable. Iterating waits
+        for the next change as long as the guest is alive; ``aclose`` releases the watch.
+        """
+
+        def watching(event: dict[str, object]) -> object:
+            parse.expect_event(event, "watching")
+            return parse.require_str(event, "path", max_chars=4096)
+
+        request = {"op": "file.watch", "path": path, "recursive": recursive, "user": user}
+        stream = await self._open_stream(
+            request, lambda m: None, watching, max_events=1, accepts_data=True
+        )
+        resolved = await self._call(stream, lambda: self._next_item(stream))
+        assert isinstance(resolved, str)
+        return ChannelWatchStream(
+            resolved,
+            lambda: self._call(stream, lambda: self._next_item(stream)),
+            lambda: self._abandon(stream),
+            self._fail,
+            self._sandbox_id,
+        )
 
     async def list_dir(self, path: str, user: str = "user") -> list[FileStat]:
         """Entries of a guest directory (lstat; at most 10,000)."""
@@ -387,6 +472,13 @@ class GuestChannel(ChannelCore):
 
 def _ok(message: dict[str, object]) -> None:
     return None
+
+
+def _bytes_result(message: dict[str, object]) -> int:
+    written = parse.require_int(message, "bytes")
+    if written is None or not 0 <= written <= MAX_INPUT_BYTES:
+        raise ProtocolError("process.input answered a byte count out of range")
+    return written
 
 
 def _stat_result(message: dict[str, object]) -> FileStat:

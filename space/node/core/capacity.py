@@ -4,7 +4,9 @@ Pure: figures in, a decision out. ``measure_host`` (/proc/meminfo and the pool's
 statvfs) is the only I/O; the node agent's ``Admission`` (space.node.agent._admission)
 asks ``shortage`` before every VM it starts: a create, each child of a fork, a wake
 from hibernation (also a restore of a hibernated sandbox), a warm-pool refill, and the
-VM of a template build or ready state.
+VM of a template build or ready state; and before a move's import (issue 19), which
+admits the hibernated sandbox it pulls in as a create of its size, so that it can be
+woken where it lands.
 
 What a VM costs. An idle default sandbox (256 MiB) took about 56 MiB of host memory
 (MemAvailable, docs/benchmarks.md), but a guest may grow towards all its ``memory_mib``,
@@ -191,7 +193,7 @@ class Claim:
 
     @classmethod
     def sandbox(cls, memory_mib: int, disk_mib: int) -> Claim:
-        """A new sandbox: a create or a fork child."""
+        """A new sandbox: a create, a fork child, or one a move brings in."""
         return cls(memory_mib, volume_limit_mib(disk_mib, memory_mib), 1)
 
     @classmethod

@@ -32,8 +32,10 @@ from space.node.api import (
     SnapshotInfo,
     Timeout,
     Unavailable,
+    WatchEvent,
     decode,
     decode_build_event,
+    decode_watch_event,
 )
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "RemoteBuildStream",
     "RemoteExecStream",
     "RemoteFileReader",
+    "RemoteWatchStream",
     "error_from_response",
     "exec_event",
     "member",
@@ -207,6 +210,36 @@ class RemoteExecStream:
             yield event
             if isinstance(event, ExecExited):
                 return
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+
+class RemoteWatchStream:
+    """WatchStream over the NDJSON answer of ``GET .../files/watch`` (start line read)."""
+
+    def __init__(
+        self, response: httpx.Response, lines: AsyncIterator[bytes], path: str, sandbox_id: str
+    ) -> None:
+        self._response = response
+        self._lines = lines
+        self._sandbox_id = sandbox_id
+        self.path = path
+
+    async def __aiter__(self) -> AsyncIterator[WatchEvent]:
+        async for line in self._lines:
+            try:
+                obj = json.loads(line)
+                if obj.get("type") == "error":
+                    raise ERROR_BY_CODE.get(str(obj["code"]), NodeError)(
+                        str(obj["message"]), sandbox_id=self._sandbox_id
+                    )
+                event = decode_watch_event(obj)
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise Unavailable(
+                    f"malformed watch event from node: {exc}", sandbox_id=self._sandbox_id
+                ) from exc
+            yield event
 
     async def aclose(self) -> None:
         await self._response.aclose()

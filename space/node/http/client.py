@@ -29,6 +29,7 @@ from space.node.api import (
     NodeInfo,
     NodeService,
     ProcessInfo,
+    PtySize,
     SandboxMetrics,
     SandboxSpec,
     SandboxStatus,
@@ -48,6 +49,7 @@ from space.node.http._answers import (
     RemoteBuildStream,
     RemoteExecStream,
     RemoteFileReader,
+    RemoteWatchStream,
     error_from_response,
     exec_event,
     member,
@@ -270,6 +272,47 @@ class RemoteNode(NodeService):
     async def kill_process(self, sandbox_id: str, process_id: str, signal: int = 9) -> None:
         url = f"/sandboxes/{sandbox_id}/processes/{process_id}/kill"
         await self._json("POST", url, sandbox_id, json={"signal": signal})
+
+    async def write_stdin(
+        self, sandbox_id: str, process_id: str, data: bytes, *, eof: bool = False
+    ) -> int:
+        url = f"/sandboxes/{sandbox_id}/processes/{process_id}/stdin"
+        params = {"eof": "true" if eof else "false"}
+        # The guest waits up to 30 s for the process to read, and longer for a busy guest.
+        timeout = self._lifecycle_timeout
+        body = await self._json(
+            "POST", url, sandbox_id, content=data, params=params, timeout=timeout
+        )
+        written = body.get("bytes") if isinstance(body, dict) else None
+        if isinstance(written, bool) or not isinstance(written, int) or written < 0:
+            raise Unavailable("node answered no byte count", sandbox_id=sandbox_id)
+        return written
+
+    async def resize_pty(self, sandbox_id: str, process_id: str, size: PtySize) -> None:
+        url = f"/sandboxes/{sandbox_id}/processes/{process_id}/resize"
+        await self._json("POST", url, sandbox_id, json=encode(size))
+
+    async def watch_dir(
+        self, sandbox_id: str, path: str, *, recursive: bool = False, user: str = "user"
+    ) -> RemoteWatchStream:
+        url = f"/sandboxes/{sandbox_id}/files/watch"
+        params = {"path": path, "recursive": "true" if recursive else "false", "user": user}
+        response = await self._send(
+            "GET", url, sandbox_id, params=params, timeout=self._stream_timeout
+        )
+        lines = ndjson_lines(response, sandbox_id)
+        try:
+            first = await anext(lines, b"")
+            start = json.loads(first) if first else {}
+            if start.get("type") != "start" or not isinstance(start.get("path"), str):
+                raise Unavailable("watch stream did not start", sandbox_id=sandbox_id)
+            return RemoteWatchStream(response, lines, start["path"], sandbox_id)
+        except (ValueError, AttributeError) as exc:
+            await response.aclose()
+            raise Unavailable(f"malformed watch start: {exc}", sandbox_id=sandbox_id) from exc
+        except BaseException:
+            await response.aclose()
+            raise
 
     async def read_file(self, sandbox_id: str, path: str, user: str = "user") -> RemoteFileReader:
         url = f"/sandboxes/{sandbox_id}/files"

@@ -13,7 +13,12 @@ body and answers the build's NDJSON events (its id in ``X-Build-Id``); ``GET`` l
 ``DELETE /templates/{ref}`` deletes (``name``, ``name:tag``, ``name@digest``);
 shipping a build to another node (issue 19) is ``POST /templates/{ref}/export`` on the
 source, ``POST /templates/imports`` on the target, which reads the source's
-``GET /template-exports/{digest}/stream`` with the ticket (as a move's stream).
+``GET /template-exports/{digest}/stream`` with the ticket (as a move's stream). A
+process started with ``open_stdin`` or ``pty`` takes input as the raw body of ``POST
+/sandboxes/{id}/processes/{pid}/stdin`` (``?eof=true`` closes it; answers ``{"bytes":
+n}``) and a new window size as ``POST .../resize`` ``{"rows", "cols"}`` (204); ``GET
+/sandboxes/{id}/files/watch?path=&recursive=`` answers a directory's changes as NDJSON
+(``watch_lines``).
 ``GET /sandboxes/{id}/metrics`` answers ``{"samples": [SandboxMetrics, ...]}``. A
 sandbox's egress policy is ``PUT /sandboxes/{id}/egress`` with ``{"policy": {...} |
 null}`` (204); ``GET /sandboxes/{id}/egress/log?limit=N`` (1 to MAX_EGRESS_LOG_EVENTS,
@@ -67,10 +72,12 @@ from space.node.api import (
     decode_egress_policy,
     decode_exec_request,
     decode_grants,
+    decode_pty_size,
     decode_snapshot_id,
     encode,
     encode_templates,
     ndjson_lines,
+    watch_lines,
 )
 from space.node.api.http_connections import (
     HEADER_TIMEOUT_S,
@@ -242,6 +249,22 @@ async def _kill(node: Node, sandbox_id: str, process_id: str, request: Request) 
     return Response(status_code=204)
 
 
+@_router.post("/sandboxes/{sandbox_id}/processes/{process_id}/stdin")
+async def _stdin(
+    node: Node, sandbox_id: str, process_id: str, request: Request, eof: bool = False
+) -> Any:
+    """The raw body to the process's stdin (the edge bounds it; the channel checks it
+    against MAX_INPUT_BYTES); ``?eof=true`` closes stdin after it."""
+    data = await request.body()
+    return {"bytes": await node.write_stdin(sandbox_id, process_id, data, eof=eof)}
+
+
+@_router.post("/sandboxes/{sandbox_id}/processes/{process_id}/resize", status_code=204)
+async def _resize(node: Node, sandbox_id: str, process_id: str, request: Request) -> Response:
+    await node.resize_pty(sandbox_id, process_id, decode_pty_size(await request.json()))
+    return Response(status_code=204)
+
+
 @_router.get("/sandboxes/{sandbox_id}/files")
 async def _read(node: Node, sandbox_id: str, path: str, user: str = "user") -> StreamingResponse:
     reader = await node.read_file(sandbox_id, path, user)
@@ -272,6 +295,14 @@ async def _write(
 ) -> Any:
     stat = await node.write_file(sandbox_id, path, _chunks(request), user=user, mode=mode)
     return encode(stat)
+
+
+@_router.get("/sandboxes/{sandbox_id}/files/watch")
+async def _watch(
+    node: Node, sandbox_id: str, path: str, recursive: bool = False, user: str = "user"
+) -> StreamingResponse:
+    stream = await node.watch_dir(sandbox_id, path, recursive=recursive, user=user)
+    return StreamingResponse(watch_lines(stream), media_type=NDJSON)
 
 
 @_router.get("/sandboxes/{sandbox_id}/files/list")

@@ -141,6 +141,11 @@ def _build_into(root: Path, digest: str, final: Path, build: BuildStep) -> None:
             # lock file, EACCES). Images hold no secret: the node key seals disks later.
             os.chmod(tmp / name, 0o644)
             _fsync_path(tmp / name)
+        # Readable by all, whatever the umask: a root server builds under umask 077
+        # (issue 18) and its node agent reads the entry after it drops root. An image
+        # is public (a Debian system and the guest daemon); only root may write here.
+        for name in (*files, MANIFEST_NAME):
+            os.chmod(tmp / name, 0o644)
         os.chmod(tmp, 0o755)
         os.rename(tmp, final)
         _fsync_path(root)
