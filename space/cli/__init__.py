@@ -16,6 +16,7 @@ from space.cli._control import control
 from space.cli._demo import demo
 from space.cli._egress import egress
 from space.cli._lifecycle import fork, hibernate, restore, snapshot, timeouts
+from space.cli._metrics import metrics
 from space.cli._nodes import NODE_COMMANDS
 from space.cli._pools import pools
 from space.cli._quotas import quota
@@ -37,7 +38,7 @@ def main(ctx: click.Context) -> None:
 
 for _command in (
     *(serve, control, node, keys, quota, template, create, ls, rm, pause, hibernate, resume),
-    *(snapshot, restore, fork, timeouts, exec_, cp, egress, secret, pools, demo),
+    *(snapshot, restore, fork, timeouts, exec_, cp, egress, secret, pools, demo, metrics),
 ):
     main.add_command(_command)
 for _command in NODE_COMMANDS:

@@ -26,10 +26,12 @@ from space.control.deps import ControlContext, load_or_create_node_token
 from space.control.edges import control_edges
 from space.control.errors import install_error_handlers
 from space.control.nodes import NodeRegistry
+from space.control.prometheus import router as prometheus_router
 from space.control.routers import (
     commands,
     egress,
     files,
+    metrics,
     pools,
     quotas,
     sandboxes,
@@ -104,8 +106,9 @@ def create_app(
     app = FastAPI(title="SPACE", version="1", lifespan=lifespan)
     install_error_handlers(app)
     routers = (sandboxes, snapshots, egress, secrets, commands, files, pools, templates, quotas)
-    for module in routers:
+    for module in (*routers, metrics):
         app.include_router(module.router)
     app.include_router(node_routes.router)
+    app.include_router(prometheus_router)
     app.add_middleware(control_edges)
     return app

@@ -16,6 +16,7 @@ from fastapi import Depends, Request
 from space.control import quota_checks
 from space.control.activity import Activity
 from space.control.errors import ApiError
+from space.control.instruments import PlatformMetrics
 from space.control.keys import tenant_for_key
 from space.control.nodes import NodeRegistry
 from space.control.quotas import TenantSlots
@@ -54,6 +55,8 @@ class ControlContext:
     #: Work this replica runs in the background of a request (template shipping after
     #: a build, space.control.shipping), cancelled when the app stops.
     tasks: set[asyncio.Task[None]] = field(init=False, default_factory=set)
+    #: This replica's Prometheus histograms (space.control.prometheus serves them).
+    metrics: PlatformMetrics = field(init=False, default_factory=PlatformMetrics)
 
     def __post_init__(self) -> None:
         self.activity = Activity(self.db, self.clock)

@@ -240,7 +240,9 @@ async def _start(
         try:
             if source is not None:
                 await fetch_snapshot(ctx, source, node_id)
-            status = await ctx.nodes.get(node_id).create_sandbox(_spec(record, from_snapshot))
+            node = ctx.nodes.get(node_id)
+            with ctx.metrics.timing_create("template" if source is None else "snapshot"):
+                status = await node.create_sandbox(_spec(record, from_snapshot))
         except InsufficientCapacity as exc:
             log.info("node %s has no room for sandbox %s: %s", node_id, record.id, exc)
             refusals.append(exc)

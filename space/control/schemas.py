@@ -36,7 +36,14 @@ from space.limits import (
     PROCESS_TAG_PATTERN,
     MapLimit,
 )
-from space.node.api import EgressEvent, FileStat, PoolInfo, ProcessInfo, TemplateInfo
+from space.node.api import (
+    EgressEvent,
+    FileStat,
+    PoolInfo,
+    ProcessInfo,
+    SandboxMetrics,
+    TemplateInfo,
+)
 
 __all__ = [
     "MAX_NODE_TEMPLATES",
@@ -56,6 +63,8 @@ __all__ = [
     "RenameBody",
     "RestoreBody",
     "SandboxCreate",
+    "SandboxMetricOut",
+    "SandboxMetricsOut",
     "SandboxOut",
     "SandboxSecretOut",
     "SecretName",
@@ -502,6 +511,40 @@ class EgressLogOut(BaseModel):
 
     events: list[EgressEventOut]
     dropped: int
+
+
+class SandboxMetricOut(BaseModel):
+    """One sample of a sandbox's resource use: E2B's SandboxMetric in snake_case (its
+    ``timestampUnix``, ``cpuUsedPct``, ``memUsed``... are ours with underscores). Sizes
+    in bytes; ``cpu_used_pct`` is the share of all vCPUs busy since the sample before."""
+
+    timestamp: str
+    timestamp_unix: int
+    cpu_count: int
+    cpu_used_pct: float = Field(ge=0, le=100)
+    mem_used: int
+    mem_total: int
+    disk_used: int
+    disk_total: int
+
+    @classmethod
+    def of(cls, sample: SandboxMetrics) -> SandboxMetricOut:
+        return cls(
+            timestamp=_iso(sample.timestamp) or "",
+            timestamp_unix=int(sample.timestamp),
+            cpu_count=sample.cpu_count,
+            cpu_used_pct=sample.cpu_used_pct,
+            mem_used=sample.mem_used,
+            mem_total=sample.mem_total,
+            disk_used=sample.disk_used,
+            disk_total=sample.disk_total,
+        )
+
+
+class SandboxMetricsOut(BaseModel):
+    """``GET /v1/sandboxes/{id}/metrics``: the samples kept, oldest first."""
+
+    metrics: list[SandboxMetricOut]
 
 
 class PoolOut(BaseModel):

@@ -230,7 +230,8 @@ async def _fork(
     await quota_checks.insert_sandboxes(ctx, children, "fork", idem)
     node = ctx.nodes.get(parent.node_id)
     try:
-        statuses = await node.fork_sandbox(parent.id, [child.id for child in children])
+        with ctx.metrics.timing_create("fork", count=len(children)):
+            statuses = await node.fork_sandbox(parent.id, [child.id for child in children])
     except NodeError:
         await _fork_failed(ctx, children)
         raise

@@ -35,6 +35,7 @@ from space.protocol import (
 from . import AGENT, _exec, _files, _identity, _watch
 from ._errors import OpError, SessionLost, from_oserror
 from ._identity import IdentitySystem
+from ._metrics import MetricsSampler
 from ._processes import ProcessTable
 from ._request import Accounts, Fields
 from ._session import Session, Stream
@@ -62,6 +63,7 @@ _HANDLERS: dict[str, Handler] = {
     Op.FILE_WATCH: lambda d, s, f: _watch.op_watch(s, f, d.accounts, d.watches),
     Op.SYSTEM_INFO: lambda d, s, f: _system_info(),
     Op.SYSTEM_IDENTITY: lambda d, s, f: _identity.op_identity(f, d.identity),
+    Op.SYSTEM_METRICS: lambda d, s, f: d.metrics.sample(),
 }
 
 
@@ -73,6 +75,7 @@ class Daemon:
     processes: ProcessTable
     watches: _watch.Watches
     identity: IdentitySystem
+    metrics: MetricsSampler
 
     def __init__(
         self, transport: Transport, accounts: Accounts, *, identity: IdentitySystem
@@ -82,6 +85,8 @@ class Daemon:
         self.identity = identity
         self.processes = ProcessTable()
         self.watches = _watch.Watches()
+        #: Holds the previous CPU reading: a sample covers the time since the last one.
+        self.metrics = MetricsSampler()
         self.session: Session | None = None
         self.stopped = asyncio.Event()
         self._decoder = FrameDecoder()

@@ -1,7 +1,7 @@
 """The wire protocol between the host and `spaced`, shared by both sides (stdlib only).
 
 See docs/protocol.md for the session and stream rules; this package holds the framing
-(`_frames`) and the payload codecs (`_messages`).
+(`_frames`) and the payload codecs (`_messages`, `_metrics`).
 """
 
 from ._frames import (
@@ -52,6 +52,7 @@ from ._messages import (
     encode_eof,
     encode_json,
 )
+from ._metrics import MAX_METRICS_BYTES, MAX_METRICS_CPUS, METRICS_FIELDS, Metrics
 
 #: Name of the virtio-serial port the guest daemon talks on.
 PORT_NAME = "space.agent"
@@ -67,12 +68,15 @@ __all__ = [
     "MAX_HOSTNAME_CHARS",
     "MAX_INPUT_BYTES",
     "MAX_JSON_BYTES",
+    "MAX_METRICS_BYTES",
+    "MAX_METRICS_CPUS",
     "MAX_PAYLOAD_BYTES",
     "MAX_PING_BYTES",
     "MAX_PTY_SIZE",
     "MAX_STREAMS",
     "MAX_TAG_CHARS",
     "MAX_TIME_NS",
+    "METRICS_FIELDS",
     "MIN_ENTROPY_BYTES",
     "MIN_TIME_NS",
     "PORT_NAME",
@@ -84,6 +88,7 @@ __all__ = [
     "FrameDecoder",
     "FrameKind",
     "Identity",
+    "Metrics",
     "Op",
     "ProtocolError",
     "check_length",

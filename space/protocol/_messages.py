@@ -97,6 +97,7 @@ class Op(enum.StrEnum):
     FILE_WATCH = "file.watch"
     SYSTEM_INFO = "system.info"
     SYSTEM_IDENTITY = "system.identity"
+    SYSTEM_METRICS = "system.metrics"
 
 
 class ErrorCode(enum.StrEnum):

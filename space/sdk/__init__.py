@@ -24,6 +24,7 @@ from space.sdk._client import AsyncSpace
 from space.sdk._commands import AsyncCommandHandle, AsyncCommands
 from space.sdk._files import AsyncFiles, ByteStream
 from space.sdk._http import ConnectionConfig
+from space.sdk._metrics import SandboxMetric
 from space.sdk._models import (
     CommandResult,
     EgressEvent,
@@ -105,6 +106,7 @@ __all__ = [
     "ResourceExhausted",
     "Sandbox",
     "SandboxInfo",
+    "SandboxMetric",
     "SecretBinding",
     "SecretInfo",
     "Secrets",

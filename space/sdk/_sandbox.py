@@ -8,6 +8,7 @@ from __future__ import annotations
 import builtins
 import enum
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from types import TracebackType
 from typing import Any, Final
 
@@ -17,6 +18,7 @@ from space.limits import ENV, MAX_FORK_CHILDREN, METADATA
 from space.sdk._commands import AsyncCommands
 from space.sdk._files import AsyncFiles
 from space.sdk._http import ApiClient, json_object, listed, one_call, same_contract
+from space.sdk._metrics import SandboxMetric, get_metrics
 from space.sdk._models import PoolInfo, SandboxInfo, SnapshotInfo
 from space.sdk._network import AsyncNetwork
 from space.sdk._sandbox_requests import (
@@ -303,6 +305,19 @@ class AsyncSandbox:
         """Fresh information about this sandbox (state, expiry...). NotFound once gone."""
         self._info = await _get_info(self._api, self.sandbox_id)
         return self._info
+
+    async def get_metrics(
+        self, *, start: datetime | float | None = None, end: datetime | float | None = None
+    ) -> builtins.list[SandboxMetric]:
+        """The sandbox's recent CPU, memory and disk samples, oldest first, those taken
+        from ``start`` to ``end`` (datetimes or Unix seconds, both optional).
+
+        A running sandbox is sampled now unless its last sample is younger than 5 s; a
+        paused or hibernated one is not woken: it answers the samples its node kept
+        (none after a node restart), any other state none. Does not count as activity.
+        Raises NotFound once the sandbox is gone. Read-only.
+        """
+        return await get_metrics(self._api, self.sandbox_id, start, end)
 
     async def pause(self) -> SandboxInfo:
         """Pause the sandbox: its vCPUs stop, its memory and processes are kept.

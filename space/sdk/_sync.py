@@ -330,6 +330,7 @@ class Sandbox(_Facade[AsyncSandbox]):
     list_pools = staticmethod(_blocking_static(AsyncSandbox.list_pools))
 
     get_info = _blocking(AsyncSandbox.get_info)
+    get_metrics = _blocking(AsyncSandbox.get_metrics)
     pause = _blocking(AsyncSandbox.pause)
     resume = _blocking(AsyncSandbox.resume)
     hibernate = _blocking(AsyncSandbox.hibernate)

@@ -14,6 +14,9 @@ The stdin, pty and watch cells (issue 20) feed a background ``cat`` in pieces an
 it by tag, drive a PTY session through a resize and a Ctrl-C, and watch a directory
 recursively, on every origin.
 
+The metrics cell reads the sandbox's CPU, memory and disk as its guest reports them
+(issue 20), and again once it is paused, which must not wake it.
+
 The follow-ups ride on the same cells: the fork cell of the ``fork-child`` origin forks
 a fork, the snapshot cell of ``restored`` snapshots a restored sandbox, and
 ``re-adopted`` is a warm-pool hit that lived through a node restart before its
@@ -99,6 +102,7 @@ _FETCH = (
     "print(u.urlopen(r, timeout=20).read().decode())\n"
 )
 _WAIT_S = 60.0
+_MIB = 1024 * 1024
 
 
 @dataclass
@@ -473,6 +477,22 @@ class TestEveryOperation:
         argv = sandbox.commands.run(["python3", "-c", "import sys; print(sys.argv[1])", "a b"])
         assert argv.stdout == "a b\n"
         assert _sh(sandbox, "hostname") == sandbox.sandbox_id
+        _check_whole(subject)
+
+    def test_metrics(self, subject: Subject) -> None:
+        sandbox = subject.sandbox
+        _running(sandbox)
+        info = sandbox.get_info()
+        latest = sandbox.get_metrics()[-1]
+        assert latest.cpu_count == info.cpus
+        # The guest kernel keeps part of its RAM to itself: MemTotal is a little less.
+        assert 0.75 * info.memory_mib * _MIB < latest.mem_total <= info.memory_mib * _MIB
+        assert 0 < latest.mem_used < latest.mem_total
+        assert 0 < latest.disk_used < latest.disk_total
+        assert sandbox.pause().state == "paused"
+        assert sandbox.get_metrics()[-1] == latest  # what the node kept: not woken for it
+        assert sandbox.get_info().state == "paused"
+        assert sandbox.resume().state == "running"
         _check_whole(subject)
 
     def test_files(self, subject: Subject) -> None:

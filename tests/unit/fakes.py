@@ -32,6 +32,7 @@ from space.node.api import (
     PermissionDenied,
     PoolInfo,
     ProcessInfo,
+    SandboxMetrics,
     SandboxSpec,
     SandboxState,
     SandboxStatus,
@@ -60,6 +61,7 @@ _LIFECYCLE = frozenset(
         "set_egress",
         "egress_log",
         "set_secrets",
+        "sandbox_metrics",
     }
 )
 _RUNNING, _PAUSED, _HIBERNATED = SandboxState.RUNNING, SandboxState.PAUSED, SandboxState.HIBERNATED
@@ -175,6 +177,10 @@ class FakeNode(FakeTemplates, FakeEgress, FakeMoves, FakeArchives, FakeStdio, Fa
         self.grants: dict[str, list[SecretGrant]] = {}
         self.grant_pushes: list[tuple[str, list[SecretGrant]]] = []
         self.scripts: dict[str, list[ExecEvent | NodeError]] = {}
+        #: What ``info`` reports as the egress gateway's decision counts.
+        self.egress_decisions: dict[str, int] = {}
+        #: Each sandbox's kept metrics samples, as the node's (sandbox_metrics).
+        self.metrics: dict[str, list[SandboxMetrics]] = {}
 
     def _known(self, sandbox_id: str) -> bool:
         return sandbox_id in self.boxes
@@ -213,7 +219,28 @@ class FakeNode(FakeTemplates, FakeEgress, FakeMoves, FakeArchives, FakeStdio, Fa
             self.boot_id,
             self.capacity,
             archives=self.archive_store is not None,
+            egress_decisions=dict(self.egress_decisions),
         )
+
+    async def sandbox_metrics(self, sandbox_id: str) -> list[SandboxMetrics]:
+        """As the node: a RUNNING sandbox gets a new sample (of its own shape, 10 % of
+        its CPU busy), any other state answers the samples kept, never waking it."""
+        status = self._box("sandbox_metrics", sandbox_id).status
+        samples = self.metrics.setdefault(sandbox_id, [])
+        if status.state is _RUNNING:
+            mib = 1024 * 1024
+            samples.append(
+                SandboxMetrics(
+                    timestamp=time.time(),
+                    cpu_count=status.cpus,
+                    cpu_used_pct=10.0,
+                    mem_used=status.memory_mib * mib // 4,
+                    mem_total=status.memory_mib * mib,
+                    disk_used=status.disk_mib * mib // 8,
+                    disk_total=status.disk_mib * mib,
+                )
+            )
+        return list(samples)
 
     async def set_secrets(self, sandbox_id: str, grants: list[SecretGrant]) -> None:
         self._box("set_secrets", sandbox_id)

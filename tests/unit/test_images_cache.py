@@ -56,6 +56,18 @@ def test_first_call_builds_and_writes_a_manifest_with_sizes(tmp_path: Path) -> N
     assert builder.calls == 1
 
 
+def test_an_entry_built_under_umask_077_is_readable_by_every_user(tmp_path: Path) -> None:
+    # space serve builds as root under umask 077, its node agent then reads as `space`.
+    old = os.umask(0o077)
+    try:
+        entry = ensure_entry(tmp_path, DIGEST, _Builder())
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in entry.iterdir()}
+    assert modes == {"rootfs.img": 0o644, "vmlinuz": 0o644, MANIFEST_NAME: 0o644}
+    assert entry.stat().st_mode & 0o777 == 0o755
+
+
 def test_unchanged_digest_is_reused_without_building_in_milliseconds(tmp_path: Path) -> None:
     builder = _Builder()
     ensure_entry(tmp_path, DIGEST, builder)

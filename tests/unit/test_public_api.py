@@ -20,6 +20,7 @@ SDK_NAMES = {
     "AsyncNetwork", "EgressEvent", "EgressLog", "Network", "allow",
     "AsyncSecrets", "SecretBinding", "SecretInfo", "Secrets",
     "AsyncSpace", "Space",
+    "SandboxMetric",
 }  # fmt: skip
 
 TOP_NAMES = {
@@ -53,6 +54,7 @@ NODE_API_NAMES = {
     "encode", "encode_exec_request", "encode_grants", "encode_templates", "error_for_code",
     "error_line", "event_line", "host_addresses", "host_matches", "ndjson_lines", "normalize_name",
     "parse_ip_literal", "snapshot_archive",
+    "MAX_METRICS_SAMPLES", "METRICS_INTERVAL_S", "SandboxMetrics", "EGRESS_DECISIONS",
 }  # fmt: skip
 
 

@@ -25,6 +25,7 @@ from space.sdk import (
     PoolInfo,
     ProcessInfo,
     SandboxInfo,
+    SandboxMetric,
     SecretBinding,
     SecretInfo,
     SnapshotInfo,
@@ -44,6 +45,8 @@ MODELS: dict[type[Any], tuple[str, dict[str, str], set[str]]] = {
     EgressEvent: ("EgressEventOut", {}, set()),
     ProcessInfo: ("ProcessOut", {}, {"started_at"}),
     FileInfo: ("FileStatOut", {}, set()),
+    # ``timestamp_unix`` is ``timestamp`` in whole seconds (E2B's timestampUnix).
+    SandboxMetric: ("SandboxMetricOut", {}, {"timestamp_unix"}),
 }
 
 
@@ -76,7 +79,7 @@ class _Samples:
         if "enum" in prop:
             return prop["enum"][n % len(prop["enum"])]
         if kind == "string":
-            if key.endswith("_at") or key == "time":
+            if key.endswith("_at") or key in ("time", "timestamp"):
                 return datetime.fromtimestamp(1_800_000_000 + n, UTC).isoformat()
             return f"{key}-{n}"
         if kind in ("integer", "number") and "maximum" in prop:  # in range, n-dependent

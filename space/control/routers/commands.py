@@ -45,7 +45,8 @@ async def exec_command(body: ExecBody, sandbox: LiveSandbox, ctx: Context) -> St
     sandbox counts as active while the stream is open (space.control.activity).
     """
     node = ctx.nodes.get(sandbox.node_id)
-    stream = await node.exec(sandbox.id, _exec_request(body))
+    with ctx.metrics.timing_exec_start():
+        stream = await node.exec(sandbox.id, _exec_request(body))
     lines = ctx.activity.watch(sandbox.id, ndjson_lines(stream, scrub))
     return StreamingResponse(lines, media_type=NDJSON)
 

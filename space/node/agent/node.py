@@ -5,8 +5,9 @@ handed what it needs when the node is made: ``Sandboxes`` (lifecycle), ``GuestOp
 (exec, processes, files), ``Snapshots``, ``Templates`` (builds, ready states),
 ``Pools`` (warm pools), ``Egress`` (policies, secrets, audit logs), ``Moves`` and
 ``Shipping`` (hibernated sandboxes and built templates to and from other nodes,
-issue 19). They share one ``Registry`` (space.node.agent._registry): the live
-sandboxes, their locks and stores.
+issue 19) and ``MetricsKeeper`` (each sandbox's recent metrics samples). They share
+one ``Registry`` (space.node.agent._registry): the live sandboxes, their locks and
+stores.
 
 Every transition is written to ``data_dir/sandboxes/<id>.json`` before it is
 acknowledged; ``Node.start`` re-adopts every VM that survived the previous node
@@ -28,6 +29,7 @@ from space.node.agent._archives import Archives
 from space.node.agent._catalog import Catalog
 from space.node.agent._egress import Egress, SandboxNetwork
 from space.node.agent._guest import GuestOps
+from space.node.agent._metrics import MetricsKeeper
 from space.node.agent._moves import Moves
 from space.node.agent._pool import Pools
 from space.node.agent._recovery import recover
@@ -49,6 +51,7 @@ from space.node.api import (
     NodeInfo,
     ProcessInfo,
     PtySize,
+    SandboxMetrics,
     SandboxSpec,
     SandboxStatus,
     SecretGrant,
@@ -111,6 +114,7 @@ class Node:
         self.snapshots = Snapshots(self._registry)
         self.sandboxes = Sandboxes(self._registry, snapshots=self.snapshots, pools=self.pools)
         self.guest = GuestOps(self._registry, self.sandboxes)
+        self.metrics = MetricsKeeper(self._registry)
         self.templates = Templates(self._registry, self.pools)
         self.egress = Egress(self._registry)
         self.moves = Moves(self._registry, self._peer, keys.key_id)
@@ -244,6 +248,7 @@ class Node:
             boot_id=self._boot_id,
             capacity=capacity,
             archives=self.archives.enabled,
+            egress_decisions=await self._gateway.decisions(),
         )
 
     # sandboxes (each service documents its calls: raises, idempotence, persistence)
@@ -344,6 +349,9 @@ class Node:
 
     async def rename(self, sandbox_id: str, src: str, dst: str, user: str = "user") -> FileStat:
         return await self.guest.rename(sandbox_id, src, dst, user)
+
+    async def sandbox_metrics(self, sandbox_id: str) -> list[SandboxMetrics]:
+        return await self.metrics.sandbox_metrics(sandbox_id, self.guest.channel)
 
     # egress
 

@@ -41,6 +41,9 @@ from space.node.api.errors import (
 )
 from space.node.api.host_addresses import host_addresses
 from space.node.api.interface import (
+    EGRESS_DECISIONS,
+    MAX_METRICS_SAMPLES,
+    METRICS_INTERVAL_S,
     TENANT_PREFIX,
     BuildEvent,
     BuildFailed,
@@ -64,6 +67,7 @@ from space.node.api.interface import (
     PoolInfo,
     ProcessInfo,
     PtySize,
+    SandboxMetrics,
     SandboxSpec,
     SandboxState,
     SandboxStatus,
@@ -118,12 +122,15 @@ from space.node.api.wire import (
 
 __all__ = [
     "BUILD_ID_HEADER",
+    "EGRESS_DECISIONS",
     "ERROR_BY_CODE",
     "FILE_STAT_HEADER",
     "MAX_BUILD_LOG_BYTES",
     "MAX_EGRESS_LOG_EVENTS",
     "MAX_FORK_CHILDREN",
     "MAX_GRANTS",
+    "MAX_METRICS_SAMPLES",
+    "METRICS_INTERVAL_S",
     "NDJSON",
     "NODE_API_PREFIX",
     "STATUS_BY_CODE",
@@ -162,6 +169,7 @@ __all__ = [
     "ProcessInfo",
     "PtySize",
     "ResourceExhausted",
+    "SandboxMetrics",
     "SandboxSpec",
     "SandboxState",
     "SandboxStatus",

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 __all__ = [
+    "EGRESS_DECISIONS",
+    "MAX_METRICS_SAMPLES",
+    "METRICS_INTERVAL_S",
     "TENANT_PREFIX",
     "BuildEvent",
     "BuildFailed",
@@ -38,6 +41,7 @@ __all__ = [
     "PoolInfo",
     "ProcessInfo",
     "PtySize",
+    "SandboxMetrics",
     "SandboxSpec",
     "SandboxState",
     "SandboxStatus",
@@ -197,6 +201,11 @@ class EgressEvent:
     bytes_in: int = 0
     #: Names of the secrets injected into this request.
     secrets: tuple[str, ...] = ()
+
+
+#: The decisions the egress gateway makes about a guest's traffic (EgressEvent.decision;
+#: its audit also writes ``drop`` events of its own, which decide nothing).
+EGRESS_DECISIONS = ("allow", "deny")
 
 
 @dataclass(frozen=True, slots=True)
@@ -520,6 +529,33 @@ class NodeInfo:
     capacity: CapacityInfo | None = None
     #: Whether the node keeps snapshots and hibernated sandboxes in an artifact store.
     archives: bool = False
+    #: The egress gateway's decisions since it started, by kind (``allow``, ``deny``;
+    #: back to 0 when the gateway restarts), for the platform's Prometheus counters.
+    egress_decisions: dict[str, int] = field(default_factory=dict)
+
+
+#: Most samples a node keeps per sandbox for ``sandbox_metrics``: with one new sample
+#: at most every METRICS_INTERVAL_S, ten minutes of a sandbox polled without pause.
+MAX_METRICS_SAMPLES = 120
+#: A request for metrics within this many seconds of the last sample answers the
+#: samples kept without asking the guest again (a dashboard polling every second
+#: wakes a guest every 5 s, as E2B samples, not every time).
+METRICS_INTERVAL_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxMetrics:
+    """One sample of a sandbox's resource use, measured by spaced in the guest and
+    checked by the node (space.protocol.Metrics has the meaning and the bounds).
+    ``timestamp`` is the node's clock (Unix seconds) when the guest answered."""
+
+    timestamp: float
+    cpu_count: int
+    cpu_used_pct: float
+    mem_used: int
+    mem_total: int
+    disk_used: int
+    disk_total: int
 
 
 def snapshot_archive(snapshot_id: str) -> str:
@@ -617,6 +653,15 @@ class NodeService(Protocol):
     """
 
     async def info(self) -> NodeInfo: ...
+
+    async def sandbox_metrics(self, sandbox_id: str) -> list[SandboxMetrics]:
+        """The samples the node keeps of a sandbox, oldest first (at most
+        MAX_METRICS_SAMPLES). A RUNNING sandbox is sampled first unless its last sample
+        is younger than METRICS_INTERVAL_S; a sandbox in any other state is never woken
+        for it: the samples kept answer (none after a node restart or a move). NotFound
+        for an unknown id; a guest that answers absurd values loses its channel
+        (Unavailable), as for any malformed message."""
+        ...
 
     async def create_sandbox(self, spec: SandboxSpec) -> SandboxStatus: ...
 

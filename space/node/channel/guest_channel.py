@@ -57,6 +57,8 @@ from space.protocol import (
     Frame,
     FrameKind,
     Identity,
+    Metrics,
+    Op,
     ProtocolError,
     decode_json,
     encode_frame,
@@ -408,6 +410,14 @@ class GuestChannel(ChannelCore):
 
     async def system_info(self) -> dict[str, object]:
         return await self._request({"op": "system.info"}, _system_info)
+
+    async def metrics(self) -> Metrics:
+        """One sample of the guest's CPU, memory and disk (space.protocol.Metrics).
+
+        A RESULT outside Metrics' bounds is a protocol violation: the channel closes and
+        this raises Unavailable; also Timeout, or the guest's error. Read-only.
+        """
+        return await self._request({"op": str(Op.SYSTEM_METRICS)}, Metrics.from_result)
 
     async def set_identity(
         self,

@@ -7,9 +7,10 @@ the next agent adopts the gateway. The node speaks JSON lines on the unix socket
 ``{"id": 1, "op": "attach", "sandbox": ..., "netns": ..., "policy": {...}, "ca":
 path}``, ``"policy"`` (sandbox, policy), ``"secrets"`` (sandbox, grants), ``"detach"``
 (sandbox), ``"retain"`` (sandboxes: detach all others), ``"ping"`` (answers the
-``--version`` it was started with and its pid) and ``"shutdown"``. Answers are ``{"id":
-1, "ok": true, ...}`` or ``{"id": 1, "error": "..."}`` (an error never quotes a
-secret). It exits on ``shutdown`` or SIGTERM.
+``--version`` it was started with and its pid), ``"stats"`` (answers ``decisions``:
+how many ``allow`` and ``deny`` decisions it audited since it began) and
+``"shutdown"``. Answers are ``{"id": 1, "ok": true, ...}`` or ``{"id": 1, "error":
+"..."}`` (an error never quotes a secret). It exits on ``shutdown`` or SIGTERM.
 """
 
 from __future__ import annotations
@@ -159,6 +160,8 @@ async def _handle(
             answer["attached"] = await _attach(gateway, request, fds)
         elif op == "ping":
             answer.update(identity)
+        elif op == "stats":
+            answer["decisions"] = gateway.decisions()
         elif op == "shutdown":
             stop.set()
         elif op == "retain":

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from space.node.api import EgressEvent, InvalidArgument, Unavailable
+from space.node.api import EGRESS_DECISIONS, EgressEvent, InvalidArgument, Unavailable
 from space.node.core.token_bucket import Clock, TokenBucket
 from space.node.core.validation import check_id
 
@@ -53,6 +53,7 @@ DEFAULT_RATE_PER_S = 50.0
 DEFAULT_BURST = 200
 #: The decision of the audit's own event that counts the events it dropped.
 DROP_DECISION = "drop"
+
 #: Seconds between two drop events of one sandbox: a sustained flood adds one a second.
 _DROP_REPORT_INTERVAL_S = 1.0
 #: Sandboxes whose budget is kept before idle (full, nothing pending) ones go.
@@ -105,6 +106,9 @@ class AuditLog:
         self._clock = clock
         self._budgets: dict[str, _Budget] = {}
         self._dropped: dict[str, int] = {}
+        # Decisions of every sandbox since this process began, written or dropped: the
+        # node's Prometheus counters (issue 20), which must not undercount a flood.
+        self._decisions = dict.fromkeys(EGRESS_DECISIONS, 0)
         self._lock = threading.Lock()
 
     def write(self, sandbox_id: str, event: EgressEvent) -> None:
@@ -118,6 +122,8 @@ class AuditLog:
         try:
             line = _encode(event)
             with self._lock:
+                if event.decision in self._decisions:
+                    self._decisions[event.decision] += 1
                 report = self._admit(sandbox_id)
                 if report is None:
                     return
@@ -127,6 +133,12 @@ class AuditLog:
                 self._append(path, line)
         except (OSError, ValueError, TypeError) as exc:
             log.warning("egress audit of %s lost an event: %s", sandbox_id, exc)
+
+    def decisions(self) -> dict[str, int]:
+        """How many egress decisions of each kind (EGRESS_DECISIONS) this process has audited,
+        of every sandbox, those dropped over a write budget included."""
+        with self._lock:
+            return dict(self._decisions)
 
     def dropped(self, sandbox_id: str) -> int:
         """How many of the sandbox's events were dropped over its write budget, as of

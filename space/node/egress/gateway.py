@@ -117,6 +117,10 @@ class Gateway:
         self._attached: dict[str, _Attached] = {}
         self._cas: dict[str, certs.CertStore] = {}
 
+    def decisions(self) -> dict[str, int]:
+        """The allow and deny decisions audited since this gateway began (AuditLog)."""
+        return self._audit.decisions()
+
     async def attach(
         self,
         sandbox_id: str,

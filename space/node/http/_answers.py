@@ -17,6 +17,7 @@ import httpx
 from pydantic import ValidationError
 
 from space.node.api import (
+    EGRESS_DECISIONS,
     ERROR_BY_CODE,
     BuildEvent,
     BuildLog,
@@ -100,7 +101,8 @@ def member(body: object, name: str, sandbox_id: str | None = None) -> object:
 
 
 def node_info(body: object) -> NodeInfo:
-    """The NodeInfo in ``body``; a pool whose counts are not JSON integers >= 0 is malformed.
+    """The NodeInfo in ``body``; a pool or egress decision count that is not a JSON
+    integer >= 0 (or a decision not in EGRESS_DECISIONS) is malformed.
 
     Decoding alone would take ``true``, ``"3"`` or ``3.0`` for a count.
     """
@@ -111,6 +113,11 @@ def node_info(body: object) -> NodeInfo:
         if bad or not pool.get("template"):
             fields = ", ".join(bad) or "template"
             raise Unavailable(f"malformed pool from node: {fields} in {pool!r:.200}")
+    decisions = body.get("egress_decisions", {}) if isinstance(body, dict) else {}
+    if not isinstance(decisions, dict) or not all(
+        name in EGRESS_DECISIONS and _is_count(count) for name, count in decisions.items()
+    ):
+        raise Unavailable(f"malformed egress decisions from node: {decisions!r:.200}")
     return info
 
 

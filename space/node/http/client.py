@@ -20,6 +20,7 @@ import httpx
 from space.node.api import (
     BUILD_ID_HEADER,
     FILE_STAT_HEADER,
+    MAX_METRICS_SAMPLES,
     NODE_API_PREFIX,
     EgressEvent,
     EgressLog,
@@ -31,6 +32,7 @@ from space.node.api import (
     NodeService,
     ProcessInfo,
     PtySize,
+    SandboxMetrics,
     SandboxSpec,
     SandboxStatus,
     SecretGrant,
@@ -366,6 +368,16 @@ class RemoteNode(NodeService):
             "GET", f"/sandboxes/{sandbox_id}/files/stat", sandbox_id, params=params
         )
         return parse(FileStat, body, sandbox_id)
+
+    async def sandbox_metrics(self, sandbox_id: str) -> list[SandboxMetrics]:
+        body = await self._json("GET", f"/sandboxes/{sandbox_id}/metrics", sandbox_id)
+        samples = parse(list[SandboxMetrics], member(body, "samples", sandbox_id), sandbox_id)
+        if len(samples) > MAX_METRICS_SAMPLES:
+            raise Unavailable(
+                f"node answered {len(samples)} samples, more than {MAX_METRICS_SAMPLES}",
+                sandbox_id=sandbox_id,
+            )
+        return samples
 
     async def make_dir(self, sandbox_id: str, path: str, user: str = "user") -> FileStat:
         url = f"/sandboxes/{sandbox_id}/files/mkdir"

@@ -18,7 +18,8 @@ process started with ``open_stdin`` or ``pty`` takes input as the raw body of ``
 /sandboxes/{id}/processes/{pid}/stdin`` (``?eof=true`` closes it; answers ``{"bytes":
 n}``) and a new window size as ``POST .../resize`` ``{"rows", "cols"}`` (204); ``GET
 /sandboxes/{id}/files/watch?path=&recursive=`` answers a directory's changes as NDJSON
-(``watch_lines``). A
+(``watch_lines``).
+``GET /sandboxes/{id}/metrics`` answers ``{"samples": [SandboxMetrics, ...]}``. A
 sandbox's egress policy is ``PUT /sandboxes/{id}/egress`` with ``{"policy": {...} |
 null}`` (204); ``GET /sandboxes/{id}/egress/log?limit=N`` (1 to MAX_EGRESS_LOG_EVENTS,
 default 100) answers ``{"events": [EgressEvent, ...], "dropped": N}``, oldest first
@@ -226,6 +227,11 @@ async def _exec(node: Node, sandbox_id: str, request: Request) -> StreamingRespo
 @_router.get("/sandboxes/{sandbox_id}/processes")
 async def _processes(node: Node, sandbox_id: str) -> Any:
     return [encode(info) for info in await node.list_processes(sandbox_id)]
+
+
+@_router.get("/sandboxes/{sandbox_id}/metrics")
+async def _metrics(node: Node, sandbox_id: str) -> Any:
+    return {"samples": [encode(sample) for sample in await node.sandbox_metrics(sandbox_id)]}
 
 
 @_router.get("/sandboxes/{sandbox_id}/processes/{process_id}/attach")

@@ -134,7 +134,12 @@ def _build_into(root: Path, digest: str, final: Path, build: BuildStep) -> None:
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.name != MANIFEST_NAME}
         manifest = {"digest": digest, "files": files, **extras}
         _write_synced(tmp / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True))
-        for name in files:
+        for name in [*files, MANIFEST_NAME]:
+            # Readable by all whatever the builder's umask: ``space serve`` builds as
+            # root under umask 077 (issue 18), then its node agent, as the unprivileged
+            # ``space`` user, reads the same entry (a 0600 one sent it to the root-only
+            # lock file, EACCES). Images hold no secret: the node key seals disks later.
+            os.chmod(tmp / name, 0o644)
             _fsync_path(tmp / name)
         # Readable by all, whatever the umask: a root server builds under umask 077
         # (issue 18) and its node agent reads the entry after it drops root. An image

@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from space.node.api import (
+    EGRESS_DECISIONS,
     InvalidArgument,
     NodeError,
     PolicyBounds,
@@ -54,6 +55,8 @@ __all__ = ["GatewayProcess", "fingerprint", "running_gateways"]
 log = logging.getLogger(__name__)
 
 _REQUEST_TIMEOUT_S = 10.0
+#: A stats request waits behind no more than this (it serves a Prometheus scrape).
+_STATS_TIMEOUT_S = 1.0
 _START_TIMEOUT_S = 30.0
 _STOP_TIMEOUT_S = 5.0
 _POLL_S = 0.05
@@ -175,6 +178,28 @@ class GatewayProcess:
         """Detach every sandbox this node did not attach (an adopted gateway may serve
         some a node deleted while another agent ran)."""
         await self._call({"op": "retain", "sandboxes": sorted(self._attached)})
+
+    async def decisions(self) -> dict[str, int]:
+        """The gateway's ``allow`` and ``deny`` counts since it began (they restart from
+        0 with a new gateway, as Prometheus counters may). Never starts or restarts a
+        gateway for it: {} when none answers within _STATS_TIMEOUT_S or it answers
+        something else (a gateway of older code)."""
+        if self._stream is None:
+            return {}
+        try:
+            async with asyncio.timeout(_STATS_TIMEOUT_S), self._lock:
+                answer = await self._exchange({"op": "stats"})
+        except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError) as exc:
+            log.info("egress gateway gave no decision counts: %s", exc)
+            return {}
+        counts = answer.get("decisions")
+        if not isinstance(counts, dict):
+            return {}
+        return {
+            str(name): count
+            for name, count in counts.items()
+            if name in EGRESS_DECISIONS and type(count) is int and count >= 0
+        }
 
     async def close(self) -> None:
         """Leave the gateway serving the attached sandboxes for the next node to adopt;
