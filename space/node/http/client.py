@@ -435,10 +435,19 @@ class RemoteNode(NodeService):
     ) -> AsyncIterator[bytes]:
         """The framed stream of an export (space.node.agent._moves), read with the
         ticket as the credential (not this client's token)."""
+        url = f"/exports/{quote(sandbox_id)}/stream"
+        async for chunk in self._ticket_stream(url, ticket, parent, sandbox_id):
+            yield chunk
+
+    async def _ticket_stream(
+        self, url: str, ticket: str, parent: str | None, sandbox_id: str | None
+    ) -> AsyncIterator[bytes]:
+        """A move's or a shipment's stream (incremental against ``parent``), the ticket
+        its credential."""
         params = {} if parent is None else {"parent": parent}
         response = await self._send(
             "GET",
-            f"/exports/{quote(sandbox_id)}/stream",
+            url,
             sandbox_id,
             params=params,
             headers={"Authorization": f"Bearer {ticket}"},
@@ -510,21 +519,9 @@ class RemoteNode(NodeService):
     ) -> AsyncIterator[bytes]:
         """The framed stream of a template's build (space.node.agent._shipping), read
         with the ticket as the credential (not this client's token)."""
-        params = {} if parent is None else {"parent": parent}
-        response = await self._send(
-            "GET",
-            f"/template-exports/{quote(digest, safe='')}/stream",
-            params=params,
-            headers={"Authorization": f"Bearer {ticket}"},
-            timeout=self._stream_timeout,
-        )
-        try:
-            async for chunk in response.aiter_raw():
-                yield chunk
-        except httpx.HTTPError as exc:
-            raise transport_error(exc, None) from exc
-        finally:
-            await response.aclose()
+        url = f"/template-exports/{quote(digest, safe='')}/stream"
+        async for chunk in self._ticket_stream(url, ticket, parent, None):
+            yield chunk
 
     async def import_template(self, ticket: TemplateTicket, source_url: str) -> TemplateImport:
         """Reads the whole stream and makes the ready state before it answers: the
