@@ -74,6 +74,7 @@ from space.node.storage.streams import (
 
 __all__ = [
     "EXPORT_TTL_S",
+    "STREAM_SLACK",
     "Moves",
     "Source",
     "clear_staging",
@@ -92,7 +93,7 @@ _LENGTH = struct.Struct(">I")
 _TRAILER = struct.Struct(">32sQ")
 #: What a stream may exceed the volume's own bound by: btrfs send's framing and
 #: metadata (a few percent of the data; measured 0.1% for a 256 MiB guest).
-_STREAM_SLACK = 1.25
+STREAM_SLACK = 1.25
 _MIN_STREAM_BYTES = 64 << 20
 _MAX_RECORD_KEYS = 32
 
@@ -383,7 +384,7 @@ def stream_bound(shape: SandboxSpec | SnapshotInfo) -> int:
     """The most bytes a stream of a sandbox (or snapshot) of ``shape`` may take: its
     volume's bound (disk and saved memory) and btrfs send's framing."""
     limit = volume_limit_mib(shape.disk_mib, shape.memory_mib) << 20
-    return max(int(limit * _STREAM_SLACK), _MIN_STREAM_BYTES)
+    return max(int(limit * STREAM_SLACK), _MIN_STREAM_BYTES)
 
 
 def portable_record(record: SandboxRecord) -> dict[str, object]:

@@ -51,7 +51,7 @@ from typing import Protocol
 
 from space.limits import RESOURCES
 from space.node.agent._catalog import Build, Catalog
-from space.node.agent._moves import _Frames, _template_subvolumes, framed
+from space.node.agent._moves import STREAM_SLACK, _Frames, _template_subvolumes, framed
 from space.node.agent._registry import Registry
 from space.node.agent._templates import Templates
 from space.node.api import (
@@ -95,7 +95,6 @@ _BUILD_KEYS = frozenset({"digest", "base", "created_at", "shape", "env", "workdi
 #: What a stream may take beyond the template's disk: its kernel and initrd (about
 #: 60 MiB for Debian's cloud kernel) and btrfs send's framing (a few percent).
 _EXTRA_MIB = 512
-_STREAM_SLACK = 1.25
 
 
 class TemplateSource(Protocol):
@@ -290,7 +289,7 @@ def _key(ticket: str) -> str:
 
 def _stream_bound(shape: Shape) -> int:
     """The most bytes a stream of a template of ``shape`` may take."""
-    return int(((shape.disk_mib + _EXTRA_MIB) << 20) * _STREAM_SLACK)
+    return int(((shape.disk_mib + _EXTRA_MIB) << 20) * STREAM_SLACK)
 
 
 def _base_of(catalog: Catalog, text: str) -> Template | None:
