@@ -38,6 +38,7 @@ from space.node.agent._egress import parse_policy
 from space.node.agent._moves import (
     clear_staging,
     install_received,
+    new_staging,
     portable_record,
     record_from,
     stream_bound,
@@ -136,7 +137,7 @@ class Archives:
             if info.snapshot_id != snapshot_id:
                 raise InvalidArgument(f"the bundle of {snapshot_id} holds another snapshot")
             pool = registry.pool
-            staging = await self._staging()
+            staging = await new_staging(registry.pool)
             try:
                 received = await self._receive(bundle, staging, stream_bound(info))
                 # Snapshots are read-only: received writable (to be the agent's), then
@@ -208,7 +209,7 @@ class Archives:
             # Admitted as a move is (space.node.agent._moves), before a byte is read.
             claim = Claim.sandbox(record.spec.memory_mib, record.spec.disk_mib)
             with registry.admission.claim({sandbox_id: claim}, sandbox_id=sandbox_id):
-                staging = await self._staging()
+                staging = await new_staging(registry.pool)
                 try:
                     received = await self._receive(bundle, staging, stream_bound(record.spec))
                     await install_received(registry, record, received.path)
@@ -260,11 +261,6 @@ class Archives:
             return await receive_stream(
                 pool.broker, pool.root, staging, chunks, max_bytes=max_bytes
             )
-
-    async def _staging(self) -> Path:
-        staging = self._registry.pool.root / "incoming" / secrets.token_hex(8)
-        await asyncio.to_thread(staging.mkdir, 0o700, parents=True)
-        return staging
 
     async def _frozen(self, volume: Path, sandbox_id: str) -> Path:
         """A read-only snapshot of ``volume`` to stream from, in the pool's exports."""

@@ -81,6 +81,7 @@ __all__ = [
     "framed",
     "frames_of",
     "install_received",
+    "new_staging",
     "portable_record",
     "record_from",
     "stream_bound",
@@ -256,8 +257,7 @@ class Moves:
             claim = Claim.sandbox(record.spec.memory_mib, record.spec.disk_mib)
             with registry.admission.claim({sid: claim}, sandbox_id=sid):
                 parent = await asyncio.to_thread(_shared_parent, registry.pool.root, ticket.parents)
-                staging = registry.pool.root / "incoming" / secrets.token_hex(8)
-                await asyncio.to_thread(staging.mkdir, 0o700, parents=True)
+                staging = await new_staging(registry.pool)
                 try:
                     size = await self._receive(ticket, source_url, parent, staging, record)
                 finally:
@@ -316,6 +316,14 @@ async def install_received(registry: Registry, record: SandboxRecord, received: 
         sandbox = registry.sandboxes.get(record.sandbox_id) or registry.live(record)
         await asyncio.shield(registry.destroy(sandbox))
         raise
+
+
+async def new_staging(pool: BtrfsPool) -> Path:
+    """A new, empty staging directory under the pool's ``incoming/`` for one receive
+    (``clear_staging`` removes it; a restart's ``sweep`` removes what a crash left)."""
+    staging = pool.root / "incoming" / secrets.token_hex(8)
+    await asyncio.to_thread(staging.mkdir, 0o700, parents=True)
+    return staging
 
 
 async def clear_staging(pool: BtrfsPool, staging: Path) -> None:

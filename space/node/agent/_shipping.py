@@ -51,7 +51,13 @@ from typing import Protocol
 
 from space.limits import RESOURCES
 from space.node.agent._catalog import Build, Catalog
-from space.node.agent._moves import STREAM_SLACK, _Frames, _template_subvolumes, framed
+from space.node.agent._moves import (
+    STREAM_SLACK,
+    _Frames,
+    _template_subvolumes,
+    framed,
+    new_staging,
+)
 from space.node.agent._registry import Registry
 from space.node.agent._templates import Templates
 from space.node.api import (
@@ -218,8 +224,7 @@ class Shipping:
                 raise Conflict(f"newer builds of {name} hold every tag of {build.digest[:12]}")
             pool = self._registry.pool
             parent = await asyncio.to_thread(_nearest_parent, pool.root, ticket.parents)
-            staging = pool.root / "incoming" / secrets.token_hex(8)
-            await asyncio.to_thread(staging.mkdir, 0o700, parents=True)
+            staging = await new_staging(pool)
             try:
                 size = await self._receive(ticket, source_url, parent, staging, name, build)
             finally:
