@@ -11,6 +11,7 @@ is served over TCP on the same port.
 from __future__ import annotations
 
 import contextlib
+import errno
 import socket
 import threading
 import time
@@ -88,17 +89,33 @@ class Upstream:
                 conn.sendall(len(wire).to_bytes(2, "big") + wire)
 
 
+def _bound(reply: Reply, attempts: int = 20) -> Upstream:
+    """An Upstream whose sockets are bound; the UDP port the kernel picks may be taken
+    for TCP or on 127.0.0.2 by another process, so a clash picks again."""
+    for _ in range(attempts):
+        server = Upstream(reply)
+        sockets = (server.udp, server.tcp, server.other_port, server.other_address)
+        try:
+            server.udp.bind(("127.0.0.1", 0))
+            server.tcp.bind(("127.0.0.1", server.port))
+            server.other_port.bind(("127.0.0.1", 0))
+            server.other_address.bind(("127.0.0.2", server.port))
+            return server
+        except OSError as error:
+            for sock in sockets:
+                sock.close()
+            if error.errno != errno.EADDRINUSE:
+                raise
+    raise AssertionError(f"no loopback port free for UDP and TCP in {attempts} tries")
+
+
 @contextlib.contextmanager
 def upstream(reply: Reply) -> Iterator[Upstream]:
     """A running Upstream; on exit its threads are joined and its sockets closed."""
-    server = Upstream(reply)
+    server = _bound(reply)
     sockets = (server.udp, server.tcp, server.other_port, server.other_address)
     try:
-        server.udp.bind(("127.0.0.1", 0))
-        server.tcp.bind(("127.0.0.1", server.port))
         server.tcp.listen()
-        server.other_port.bind(("127.0.0.1", 0))
-        server.other_address.bind(("127.0.0.2", server.port))
         for sock in sockets:
             sock.settimeout(0.05)
         threads = [threading.Thread(target=f) for f in (server.serve_udp, server.serve_tcp)]
