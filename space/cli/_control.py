@@ -61,6 +61,7 @@ def control(
     node_heartbeat: float,
     node_lease: float,
     node_ca_file: Path | None,
+    sandbox_domain: str,
     tls_cert: Path | None,
     tls_key: Path | None,
     egress_operator_ranges: tuple[str, ...],
@@ -90,6 +91,7 @@ def control(
             egress_operator_ranges=egress_operator_ranges,
             egress_allow_wide_any_port=egress_allow_wide_any_port,
             node_ca_file=node_ca_file,
+            sandbox_domain=sandbox_domain,
         )
         _owner_only(data_dir)  # the options are known good: before the first write
         open_database(settings)

@@ -142,7 +142,7 @@ EGRESS_CA_OPTION = click.option(
 def api_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """What every command that serves the API takes: ``reaper_interval``,
     ``reconcile_interval``, ``reconcile_grace``, ``node_heartbeat``, ``node_lease``,
-    ``node_ca_file``, ``tls_cert`` and ``tls_key``."""
+    ``node_ca_file``, ``sandbox_domain``, ``tls_cert`` and ``tls_key``."""
     for option in reversed(
         (
             click.option(
@@ -175,6 +175,11 @@ def api_options(command: Callable[..., Any]) -> Callable[..., Any]:
                 "--node-ca-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
                 help="CA bundle node agents' https certificates are checked with"
                 " (default: the system's).",
+            ),
+            click.option(
+                "--sandbox-domain", default="", metavar="DOMAIN",
+                help="Serve sandboxes' ports (and the E2B envd routes) at"
+                " <port>-<id>.DOMAIN: point wildcard DNS and TLS for *.DOMAIN here.",
             ),
             *_TLS_OPTIONS,
         )
@@ -256,6 +261,7 @@ def serve(
     node_heartbeat: float,
     node_lease: float,
     node_ca_file: Path | None,
+    sandbox_domain: str,
     tls_cert: Path | None,
     tls_key: Path | None,
     egress_resolvers: tuple[str, ...],
@@ -288,6 +294,7 @@ def serve(
             egress_operator_ranges=egress_operator_ranges,
             egress_allow_wide_any_port=egress_allow_wide_any_port,
             node_ca_file=node_ca_file,
+            sandbox_domain=sandbox_domain,
         )
         _owner_only(data_dir)  # once the options are known good: before the first write
         load_keyring(settings, create=True)  # an unsafe key file stops us before any VM

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -9,6 +10,10 @@ from space.control.quotas import QuotaLimits
 from space.node.api import InvalidArgument, PolicyBounds, host_addresses
 
 __all__ = ["ControlSettings"]
+
+_DOMAIN_RE = re.compile(
+    r"(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)*[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?"
+)
 
 
 @dataclass(frozen=True)
@@ -51,9 +56,18 @@ class ControlSettings:
     #: The CA bundle node agents' https certificates are checked with (None: the
     #: system's); node agents served over plain http need none.
     node_ca_file: Path | None = None
+    #: The domain sandboxes' ports are served under (issue 20): ``<port>-<id>.<domain>``
+    #: reaches port ``port`` of sandbox ``id`` (wildcard DNS and TLS point it at the
+    #: control plane). Empty: only the ``E2b-Sandbox-Id``/``-Port`` headers route.
+    sandbox_domain: str = ""
 
     def __post_init__(self) -> None:
         _ = self.egress_bounds  # a bad operator range raises InvalidArgument here
+        if self.sandbox_domain and not _DOMAIN_RE.fullmatch(self.sandbox_domain):
+            raise InvalidArgument(
+                f"sandbox domain {self.sandbox_domain[:100]!r} is not a DNS name"
+                " (lower-case labels separated by dots)"
+            )
         if not 0 < self.node_heartbeat_s < self.node_lease_s:
             raise InvalidArgument(
                 f"a node's heartbeat interval ({self.node_heartbeat_s} s) must be positive "
