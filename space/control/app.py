@@ -40,6 +40,7 @@ from space.control.routers import (
     templates,
 )
 from space.control.routers import nodes as node_routes
+from space.control.sandbox_traffic import SandboxTraffic
 from space.control.secrets import load_keyring, rotate
 from space.control.settings import ControlSettings
 from space.control.store import Database
@@ -111,4 +112,6 @@ def create_app(
     app.include_router(node_routes.router)
     app.include_router(prometheus_router)
     app.add_middleware(control_edges)
+    # Outermost: a request addressed to a sandbox never reaches the API's edge.
+    app.add_middleware(SandboxTraffic)
     return app

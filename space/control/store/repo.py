@@ -32,6 +32,7 @@ __all__ = [
     "mark_deleted",
     "mark_failed",
     "on_node",
+    "sandbox_by_id",
     "set_desired_deleted",
     "set_egress",
     "set_node",
@@ -157,6 +158,15 @@ def find_sandbox(
     query = select(SandboxRow).where(SandboxRow.id == sandbox_id, SandboxRow.tenant_id == tenant_id)
     if not include_deleted:
         query = query.where(SandboxRow.state != DELETED)
+    row = session.scalars(query).one_or_none()
+    return _record(row) if row else None
+
+
+def sandbox_by_id(session: Session, sandbox_id: str) -> SandboxRecord | None:
+    """Any tenant's sandbox that is not deleted, or None. Only for requests a
+    per-sandbox token authenticates (space.control.sandbox_traffic): the id names the
+    sandbox and the token, checked next, proves the right to it."""
+    query = select(SandboxRow).where(SandboxRow.id == sandbox_id, SandboxRow.state != DELETED)
     row = session.scalars(query).one_or_none()
     return _record(row) if row else None
 
