@@ -135,3 +135,59 @@ def test_negative_the_e2b_sdk_raises_its_own_exceptions(platform: Platform) -> N
         "bad_key": "AuthenticationException",
         "left": [],
     }
+
+
+def test_the_e2b_sdk_forks_snapshots_restores_and_reads_metrics(platform: Platform) -> None:
+    key = platform.create_key("e2b-snapshots")
+    result = run_e2b(
+        f"""
+        import asyncio
+
+        parent = Sandbox.create(metadata={{"role": "parent"}}, timeout=300, {_CREATE})
+        (child,) = parent.fork(count=1, timeout=120, {_CREATE})
+        child_info = child.get_info()
+        snapshot = parent.create_snapshot(name="first")
+        listed = parent.list_snapshots().next_items()
+        restored = Sandbox.create(snapshot.snapshot_id, timeout=300, {_CREATE})
+        restored_info = restored.get_info()
+        metrics = parent.get_metrics()
+
+        async def listed_async():
+            paginator = AsyncSandbox.list(query=SandboxQuery(metadata={{"role": "parent"}}))
+            return [s.sandbox_id for s in await paginator.next_items()]
+
+        async_ids = asyncio.run(listed_async())
+        killed = [s.kill() for s in (restored, child, parent)]
+        report({{
+            "parent": parent.sandbox_id,
+            "child": child.sandbox_id,
+            "child_metadata": child_info.metadata,
+            "child_state": child_info.state.value,
+            "child_left_s": (child_info.end_at - child_info.started_at).total_seconds(),
+            "snapshot": [snapshot.snapshot_id, snapshot.names],
+            "listed": [s.snapshot_id for s in listed],
+            "restored_template": restored_info.template_id,
+            "restored_metadata": restored_info.metadata,
+            "metrics": [[m.cpu_count, m.mem_total > 0, m.disk_total > 0] for m in metrics],
+            "async_ids": async_ids,
+            "deleted": Sandbox.delete_snapshot(snapshot.snapshot_id),
+            "deleted_again": Sandbox.delete_snapshot(snapshot.snapshot_id),
+            "killed": killed,
+        }})
+        """,
+        url=platform.url,
+        api_key=key,
+        timeout_s=900,
+    )
+    assert result["child"] != result["parent"]
+    assert result["child_metadata"] == {"role": "parent"}  # a fork copies its parent
+    assert result["child_state"] == "running"
+    assert 100 <= result["child_left_s"] <= 400  # about 120 s from its fork
+    snapshot_id, names = result["snapshot"]
+    assert snapshot_id.startswith("sn-") and names == ["first"]
+    assert result["listed"] == [snapshot_id]
+    assert result["restored_template"] == "base"
+    assert result["metrics"] and all(m[1] and m[2] for m in result["metrics"])
+    assert result["async_ids"] == [result["parent"], result["child"]]
+    assert result["deleted"] is True and result["deleted_again"] is False
+    assert result["killed"] == [True, True, True]

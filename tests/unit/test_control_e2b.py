@@ -15,6 +15,7 @@ from space.control.access_tokens import TokenPurpose, sandbox_token
 from space.control.e2b import ENVD_VERSION
 from space.control.e2b._network import INTERNET
 from space.limits import MAX_JSON_BODY_BYTES
+from space.node.api import InsufficientCapacity, Unavailable
 from tests.unit.fakes import Harness, control_app
 
 pytestmark = pytest.mark.anyio
@@ -367,6 +368,7 @@ async def test_fork_snapshot_create_from_it_and_delete_it(tmp_path: Path) -> Non
         deleted = await h.client.delete(f"/templates/{snapshot_id}", headers=headers)
         assert deleted.status_code == 204
         assert (await h.client.get("/snapshots", headers=headers)).json() == []
+        _e2b_error(await h.client.delete(f"/templates/{snapshot_id}", headers=headers), 404)
         _e2b_error(await h.client.delete("/templates/sn-" + "0" * 24, headers=headers), 404)
         _e2b_error(await h.client.delete("/templates/base", headers=headers), 404)
 
@@ -386,3 +388,34 @@ async def test_negative_unsupported_routes_answer_404_in_e2b_shape(tmp_path: Pat
         # Our own API keeps its own shape.
         ours = await h.client.get("/v1/sandboxes/sb-nope", headers=headers)
         assert ours.status_code == 404 and set(ours.json()) == {"error"}
+
+
+async def test_an_error_sandbox_is_hidden_from_e2b_but_can_be_killed(tmp_path: Path) -> None:
+    async with control_app(tmp_path) as h:
+        headers = _key(h)
+        h.node.fail_create = Unavailable("the VM did not boot")
+        failed = await h.client.post("/v2/sandboxes", json={"templateID": "base"}, headers=headers)
+        _e2b_error(failed, 503)
+        assert failed.headers["Should-Retry"] == "false"  # the SDK would make another
+        h.node.fail_create = None
+        (ours,) = (await h.client.get("/v1/sandboxes", headers=headers)).json()["sandboxes"]
+        assert ours["state"] == "error"
+        assert (await h.client.get("/v2/sandboxes", headers=headers)).json() == []
+        hidden = await h.client.get(f"/sandboxes/{ours['id']}", headers=headers)
+        assert "error" in _e2b_error(hidden, 404)
+        killed = await h.client.delete(f"/sandboxes/{ours['id']}", headers=headers)
+        assert killed.status_code == 204
+        assert (await h.client.get("/v1/sandboxes", headers=headers)).json()["sandboxes"] == []
+
+
+async def test_negative_no_room_answers_503_with_retry_after_and_keeps_nothing(
+    tmp_path: Path,
+) -> None:
+    async with control_app(tmp_path) as h:
+        headers = _key(h)
+        h.node.fail_create = InsufficientCapacity("no memory", resource="memory", retry_after_s=7)
+        refused = await h.client.post("/v2/sandboxes", json={"templateID": "base"}, headers=headers)
+        _e2b_error(refused, 503)  # the SDK's ServiceBusyException, after its retries
+        assert refused.headers["Retry-After"] == "7"
+        assert "Should-Retry" not in refused.headers
+        assert (await h.client.get("/v1/sandboxes", headers=headers)).json()["sandboxes"] == []

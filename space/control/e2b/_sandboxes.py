@@ -200,8 +200,13 @@ async def get_sandbox(sandbox: E2BSandbox, ctx: Context) -> dict[str, Any]:
 
 
 @router.delete("/sandboxes/{sandbox_id}", status_code=204)
-async def kill_sandbox(sandbox: E2BSandbox, ctx: Context) -> Response:
-    await lifecycle.delete_sandbox(ctx, sandbox)
+async def kill_sandbox(sandbox_id: str, tenant: Tenant, ctx: Context) -> Response:
+    """Delete the sandbox, whatever its state (one E2B does not show, too: an error
+    sandbox is killed as any); 404 once deleted."""
+    record = await ctx.db.run(lambda s: repo.find_sandbox(s, tenant, sandbox_id))
+    if record is None:
+        raise E2BError(404, f"sandbox {sandbox_id!r} not found")
+    await lifecycle.delete_sandbox(ctx, record)
     return Response(status_code=204)
 
 
