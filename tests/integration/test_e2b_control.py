@@ -1,7 +1,8 @@
 """The real, unmodified E2B SDK (``.venv-e2b``, tests/e2b_sdk.py) drives a real
 `space serve` through its control API (issue 20): create with metadata and envs, list
-with filters and pages, get_info, set_timeout, pause, connect (which resumes), kill, and
-the SDK's own exceptions for an unknown template, an unknown id and a bad key.
+with filters and pages, get_info, set_timeout, update_network, pause, connect (which
+resumes), kill, fork, snapshots and metrics, and the SDK's own exceptions for an unknown
+template, an unknown id and a bad key.
 
 Only control-plane calls: the SDK reaches no envd for any of them (create and connect
 do not call into the sandbox), so nothing here needs the sandbox-side routes.
@@ -34,7 +35,14 @@ def test_the_e2b_sdk_creates_lists_times_out_pauses_connects_and_kills(
     key = platform.create_key("e2b-control")
     result = run_e2b(
         f"""
-        from e2b import SandboxState
+        import os
+
+        import httpx
+        from e2b import ALL_TRAFFIC, SandboxState
+
+        def our_egress(sandbox_id):  # our own /v1 API, for what the SDK cannot read
+            url = f"{{os.environ['E2B_API_URL']}}/v1/sandboxes/{{sandbox_id}}/egress"
+            return httpx.get(url, headers={{"X-API-Key": os.environ["E2B_API_KEY"]}}).json()
 
         first = Sandbox.create(
             "base", metadata={{"suite": "e2b", "n": "1"}}, envs={{"A": "1"}}, timeout=300,
@@ -49,6 +57,9 @@ def test_the_e2b_sdk_creates_lists_times_out_pauses_connects_and_kills(
         before = first.get_info().end_at
         first.set_timeout(3600)
         after = first.get_info().end_at
+        default_rules = len(our_egress(first.sandbox_id)["allow"])
+        first.update_network({{"allow_out": ["pypi.org"], "deny_out": [ALL_TRAFFIC]}})
+        updated = our_egress(first.sandbox_id)
         paused = first.pause()
         paused_again = Sandbox.pause(first.sandbox_id)
         state_paused = Sandbox.get_info(first.sandbox_id).state.value
@@ -67,6 +78,7 @@ def test_the_e2b_sdk_creates_lists_times_out_pauses_connects_and_kills(
             "only_first": [s.sandbox_id for s in only_first],
             "pages": pages,
             "extended_s": (after - before).total_seconds(),
+            "default_rules": default_rules, "updated": updated,
             "paused": paused, "paused_again": paused_again,
             "state_paused": state_paused,
             "listed_paused": [s.sandbox_id for s in listed_paused],
@@ -91,6 +103,8 @@ def test_the_e2b_sdk_creates_lists_times_out_pauses_connects_and_kills(
     assert result["only_first"] == [first]
     assert result["pages"] == [[first], [second]]
     assert result["extended_s"] > 3000  # from about 300 s left to about 3600 s
+    assert result["default_rules"] == 12  # internet: names of 1-10 labels, IPv4, IPv6
+    assert result["updated"] == {"allow": [{"domain": "pypi.org", "ports": [80, 443]}]}
     assert result["paused"] is True and result["paused_again"] is False
     assert result["state_paused"] == "paused" and result["listed_paused"] == [first]
     assert result["connected"] == first and result["state_connected"] == "running"

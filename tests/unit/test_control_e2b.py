@@ -379,9 +379,13 @@ async def test_negative_unsupported_routes_answer_404_in_e2b_shape(tmp_path: Pat
         sandbox_id = (await _create(h, headers))["sandboxID"]
         for method, path in [
             ("GET", f"/v2/sandboxes/{sandbox_id}/logs"),
-            ("PUT", f"/sandboxes/{sandbox_id}/network"),
+            ("GET", f"/sandboxes/{sandbox_id}/logs"),
             ("POST", f"/sandboxes/{sandbox_id}/refreshes"),
             ("GET", "/templates/base/files"),
+            ("GET", "/templates"),
+            ("POST", "/v3/templates"),
+            ("GET", "/volumes"),
+            ("DELETE", "/secrets/x"),
         ]:
             response = await h.client.request(method, path, json={}, headers=headers)
             assert "not supported" in _e2b_error(response, 404)
@@ -419,3 +423,21 @@ async def test_negative_no_room_answers_503_with_retry_after_and_keeps_nothing(
         assert refused.headers["Retry-After"] == "7"
         assert "Should-Retry" not in refused.headers
         assert (await h.client.get("/v1/sandboxes", headers=headers)).json()["sandboxes"] == []
+
+
+async def test_update_network_replaces_the_egress_policy(tmp_path: Path) -> None:
+    async with control_app(tmp_path) as h:
+        headers = _key(h)
+        sandbox_id = (await _create(h, headers))["sandboxID"]
+        url = f"/sandboxes/{sandbox_id}/network"
+        body = {"allowOut": ["pypi.org"], "denyOut": ["0.0.0.0/0"]}
+        response = await h.client.put(url, json=body, headers=headers)
+        assert response.status_code == 204, response.text
+        pypi_only = {"allow": [{"domain": "pypi.org", "ports": [80, 443]}]}
+        assert h.node.egress[sandbox_id] == pypi_only
+        closed = await h.client.put(url, json={"allow_internet_access": False}, headers=headers)
+        assert closed.status_code == 204
+        assert h.node.egress[sandbox_id] == {"allow": []}
+        bad = await h.client.put(url, json={"egressProxy": {"address": "p:1"}}, headers=headers)
+        assert "egressProxy" in _e2b_error(bad, 400)
+        assert h.node.egress[sandbox_id] == {"allow": []}  # nothing changed

@@ -18,12 +18,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header, Query, Response
 from fastapi.responses import JSONResponse
 
-from space.control import lifecycle
+from space.control import egress, lifecycle
 from space.control.deps import Context, ControlContext, Tenant
 from space.control.e2b._errors import E2BError, E2BRoute
 from space.control.e2b._network import egress_policy
 from space.control.e2b._shapes import (
     E2BConnect,
+    E2BNetworkUpdate,
     E2BNewSandbox,
     E2BPause,
     E2BResume,
@@ -237,6 +238,15 @@ async def pause_sandbox(
     if e2b_state(sandbox) == "paused":
         raise E2BError(409, f"sandbox {sandbox.id} is already paused")
     await lifecycle.pause_sandbox(ctx, sandbox)
+    return Response(status_code=204)
+
+
+@router.put("/sandboxes/{sandbox_id}/network", status_code=204)
+async def update_network(body: E2BNetworkUpdate, sandbox: E2BSandbox, ctx: Context) -> Response:
+    """Replace the sandbox's egress policy (space.control.e2b._network), as ``PUT
+    /v1/sandboxes/{id}/egress`` does."""
+    policy = egress_policy(body.allow_internet_access, body.as_network())
+    await egress.set_policy(ctx, sandbox, policy)
     return Response(status_code=204)
 
 

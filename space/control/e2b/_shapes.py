@@ -35,6 +35,7 @@ __all__ = [
     "E2BConnect",
     "E2BFork",
     "E2BNetwork",
+    "E2BNetworkUpdate",
     "E2BNewSandbox",
     "E2BPause",
     "E2BResume",
@@ -88,6 +89,20 @@ class E2BNetwork(_Body):
     dnsServers: list[str] | None = None
     maskRequestHost: str | None = None
     httpsPorts: list[int] | None = None
+
+
+class E2BNetworkUpdate(_Body):
+    """``PUT /sandboxes/{id}/network``: the whole new configuration (omitted: cleared)."""
+
+    allowOut: list[Annotated[str, Field(max_length=253)]] | None = Field(None, max_length=256)
+    denyOut: list[Annotated[str, Field(max_length=253)]] | None = Field(None, max_length=256)
+    allow_internet_access: bool | None = None
+    rules: dict[str, Any] | None = None
+    egressProxy: dict[str, Any] | None = None
+    dnsServers: list[str] | None = None
+
+    def as_network(self) -> E2BNetwork:
+        return E2BNetwork.model_validate(self.model_dump(exclude={"allow_internet_access"}))
 
 
 class E2BNewSandbox(_Body):
