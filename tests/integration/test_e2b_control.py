@@ -60,6 +60,7 @@ def test_the_e2b_sdk_creates_lists_times_out_pauses_connects_and_kills(
         default_rules = len(our_egress(first.sandbox_id)["allow"])
         first.update_network({{"allow_out": ["pypi.org"], "deny_out": [ALL_TRAFFIC]}})
         updated = our_egress(first.sandbox_id)
+        network_info = first.get_info()
         paused = first.pause()
         paused_again = Sandbox.pause(first.sandbox_id)
         state_paused = Sandbox.get_info(first.sandbox_id).state.value
@@ -79,6 +80,8 @@ def test_the_e2b_sdk_creates_lists_times_out_pauses_connects_and_kills(
             "pages": pages,
             "extended_s": (after - before).total_seconds(),
             "default_rules": default_rules, "updated": updated,
+            "internet_after": network_info.allow_internet_access,
+            "network_after": network_info.network,
             "paused": paused, "paused_again": paused_again,
             "state_paused": state_paused,
             "listed_paused": [s.sandbox_id for s in listed_paused],
@@ -105,6 +108,8 @@ def test_the_e2b_sdk_creates_lists_times_out_pauses_connects_and_kills(
     assert result["extended_s"] > 3000  # from about 300 s left to about 3600 s
     assert result["default_rules"] == 12  # internet: names of 1-10 labels, IPv4, IPv6
     assert result["updated"] == {"allow": [{"domain": "pypi.org", "ports": [80, 443]}]}
+    assert result["internet_after"] is False
+    assert result["network_after"] == {"allow_out": ["pypi.org"], "deny_out": ["0.0.0.0/0"]}
     assert result["paused"] is True and result["paused_again"] is False
     assert result["state_paused"] == "paused" and result["listed_paused"] == [first]
     assert result["connected"] == first and result["state_connected"] == "running"

@@ -77,6 +77,8 @@ async def test_create_maps_auto_pause_and_network_options(tmp_path: Path) -> Non
         assert ours["max_lifetime_s"] is None and ours["idle_timeout_s"] == 60
         detail = (await h.client.get(f"/sandboxes/{paused['sandboxID']}", headers=headers)).json()
         assert detail["lifecycle"] == {"onTimeout": "pause", "autoResume": False}
+        assert detail["allowInternetAccess"] is True
+        assert detail["network"] == {"allowOut": [], "denyOut": []}
 
         closed = await _create(h, headers, allow_internet_access=False)
         ours = (await h.client.get(f"/v1/sandboxes/{closed['sandboxID']}", headers=headers)).json()
@@ -90,6 +92,12 @@ async def test_create_maps_auto_pause_and_network_options(tmp_path: Path) -> Non
                 {"domain": "pypi.org", "ports": [80, 443]},
                 {"cidr": "203.0.113.7/32", "ports": [80, 443]},
             ]
+        }
+        detail = (await h.client.get(f"/sandboxes/{listed['sandboxID']}", headers=headers)).json()
+        assert detail["allowInternetAccess"] is False
+        assert detail["network"] == {
+            "allowOut": ["pypi.org", "203.0.113.7/32"],
+            "denyOut": ["0.0.0.0/0"],
         }
 
 

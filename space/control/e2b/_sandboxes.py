@@ -38,6 +38,7 @@ from space.control.e2b._shapes import (
     sandbox_detail,
 )
 from space.control.idempotency import HEADER, idempotency
+from space.control.node_text import scrub
 from space.control.schemas import SandboxCreate
 from space.control.store import repo
 from space.control.store.repo import SandboxRecord
@@ -60,7 +61,8 @@ async def _e2b_sandbox(sandbox_id: str, tenant: Tenant, ctx: Context) -> Sandbox
     if record is None:
         raise E2BError(404, f"sandbox {sandbox_id!r} not found")
     if e2b_state(record) is None:
-        raise E2BError(404, f"sandbox {sandbox_id!r} is {record.state}: {record.error or ''}")
+        why = scrub(record.error or "")  # a node's words, without its internal names
+        raise E2BError(404, f"sandbox {sandbox_id!r} is {record.state}: {why}")
     return record
 
 

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from space.control.access_tokens import TokenPurpose, sandbox_token
 from space.control.deps import ControlContext
+from space.control.e2b._network import network_info
 from space.control.store.repo import SandboxRecord
 from space.control.store.snapshots import SnapshotRecord
 from space.limits import MAX_FORK_CHILDREN, MAX_TIMEOUT_S
@@ -201,10 +202,12 @@ def listed_sandbox(record: SandboxRecord) -> dict[str, Any]:
 
 def sandbox_detail(ctx: ControlContext, record: SandboxRecord) -> dict[str, Any]:
     """E2B's SandboxDetail."""
+    internet, network = network_info(record.egress)
     return {
         **_common(record),
         "envdAccessToken": sandbox_token(ctx.node_token, record.id, TokenPurpose.ENVD),
-        "allowInternetAccess": None,
+        "allowInternetAccess": internet,
+        "network": network,
         "domain": ctx.settings.sandbox_domain or None,
         "lifecycle": {
             "onTimeout": "pause" if auto_pauses(record) else "kill",
