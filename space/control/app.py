@@ -23,6 +23,7 @@ from fastapi import FastAPI
 
 from space.control import background, broker
 from space.control.deps import ControlContext, load_or_create_node_token
+from space.control.e2b.envd import EnvdHandler
 from space.control.edges import control_edges
 from space.control.errors import install_error_handlers
 from space.control.nodes import NodeRegistry
@@ -113,5 +114,5 @@ def create_app(
     app.include_router(prometheus_router)
     app.add_middleware(control_edges)
     # Outermost: a request addressed to a sandbox never reaches the API's edge.
-    app.add_middleware(SandboxTraffic)
+    app.add_middleware(SandboxTraffic, envd=EnvdHandler())
     return app

@@ -1,0 +1,1 @@
+"""E2B compatibility (issue 20)."""
