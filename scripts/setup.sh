@@ -70,6 +70,9 @@ if [ ! -e "$stamp" ]; then
   touch "$stamp"
 fi
 
+# The real E2B SDK in a venv of its own (tests/e2b_sdk.py runs scripts in it).
+scripts/e2b_sdk_venv.sh
+
 say "building the base guest image (reused at once when unchanged)"
 .venv/bin/space template build-base
 say "setup done"
