@@ -1,0 +1,236 @@
+"""The real E2B SDK's in-sandbox calls (commands, PTY, files, watches) against a real
+platform and a real VM: envd's routes translated by the control plane (issue 20).
+
+The sandbox is created through our own API and handed to the SDK as its ``connect``
+would (sandbox id, envd version, the envd access token, E2b-Sandbox-* headers): every
+byte of a command or a file then goes through the SDK's own Connect and HTTP clients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from space.control.access_tokens import TokenPurpose, sandbox_token
+from tests.e2b_sdk import run_e2b
+
+from .platform import Platform, running_platform
+
+pytestmark = pytest.mark.vm
+
+#: The envd version the SDK is told (what E2B's own API reports): every feature used
+#: here (stdin, octet-stream uploads, recursive watch) is on at this version.
+ENVD_VERSION = "0.6.4"
+
+
+@pytest.fixture(scope="module")
+def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    with running_platform(tmp_path_factory.mktemp("e2b-envd") / "data") as platform:
+        yield platform
+
+
+@pytest.fixture(scope="module")
+def sandbox(platform: Platform) -> Iterator[dict[str, str]]:
+    key = platform.create_key("acme")
+    headers = {"Authorization": f"Bearer {key}"}
+    created = httpx.post(f"{platform.url}/v1/sandboxes", json={}, headers=headers, timeout=300)
+    assert created.status_code == 201, created.text
+    sandbox_id = created.json()["id"]
+    node_token = (platform.data_dir / "node-token").read_text().strip()
+    token = sandbox_token(node_token, sandbox_id, TokenPurpose.ENVD)
+    try:
+        yield {"id": sandbox_id, "token": token, "key": key}
+    finally:
+        url = f"{platform.url}/v1/sandboxes/{sandbox_id}"
+        assert httpx.delete(url, headers=headers, timeout=120).status_code == 204
+
+
+def _run(platform: Platform, sandbox: dict[str, str], script: str) -> Any:
+    """``script`` with ``sandbox``: an SDK Sandbox built as ``Sandbox.connect`` builds
+    one."""
+    prelude = f"""
+from packaging.version import Version
+from e2b.connection_config import ConnectionConfig
+
+_headers = {{
+    "E2b-Sandbox-Id": {sandbox["id"]!r},
+    "E2b-Sandbox-Port": str(ConnectionConfig.envd_port),
+    "X-Access-Token": {sandbox["token"]!r},
+}}
+sandbox = Sandbox(
+    sandbox_id={sandbox["id"]!r},
+    sandbox_domain=None,
+    envd_version=Version({ENVD_VERSION!r}),
+    envd_access_token={sandbox["token"]!r},
+    connection_config=ConnectionConfig(extra_sandbox_headers=_headers),
+)
+"""
+    return run_e2b(prelude + script, url=platform.url, api_key=sandbox["key"], timeout_s=300)
+
+
+def test_commands_run_with_callbacks_stdin_and_a_background_kill(
+    platform: Platform, sandbox: dict[str, str]
+) -> None:
+    result = _run(
+        platform,
+        sandbox,
+        """
+out, err = [], []
+done = sandbox.commands.run(
+    "echo hello; echo oops >&2; exit 0", on_stdout=out.append, on_stderr=err.append
+)
+failed = error_of(sandbox.commands.run, "exit 7")
+with_env = sandbox.commands.run("echo $GREETING from $(pwd) as $(whoami)",
+                                envs={"GREETING": "hi"}, cwd="/tmp")
+as_root = sandbox.commands.run("whoami", user="root")
+
+cat = sandbox.commands.run("cat", background=True, stdin=True)
+sandbox.commands.send_stdin(cat.pid, "piped\\n")
+sandbox.commands.close_stdin(cat.pid)
+cat_result = cat.wait()
+
+sleeper = sandbox.commands.run("sleep 600", background=True)
+listed = [p.pid for p in sandbox.commands.list()]
+killed = sleeper.kill()
+killed_again = sandbox.commands.kill(sleeper.pid)
+after = [p.pid for p in sandbox.commands.list()]
+report({
+    "stdout": done.stdout, "stderr": done.stderr, "exit": done.exit_code,
+    "callbacks": ["".join(out), "".join(err)], "failed": failed,
+    "env": with_env.stdout, "root": as_root.stdout,
+    "cat": cat_result.stdout,
+    "sleeper_listed": sleeper.pid in listed, "killed": killed,
+    "killed_again": killed_again, "sleeper_after": sleeper.pid in after,
+})
+""",
+    )
+    assert result == {
+        "stdout": "hello\n",
+        "stderr": "oops\n",
+        "exit": 0,
+        "callbacks": ["hello\n", "oops\n"],
+        "failed": "CommandExitException",
+        "env": "hi from /tmp as user\n",
+        "root": "root\n",
+        "cat": "piped\n",
+        "sleeper_listed": True,
+        "killed": True,
+        "killed_again": False,
+        "sleeper_after": False,
+    }
+
+
+def test_a_pty_takes_input_and_a_resize(platform: Platform, sandbox: dict[str, str]) -> None:
+    result = _run(
+        platform,
+        sandbox,
+        """
+from e2b import PtySize
+
+seen = bytearray()
+terminal = sandbox.pty.create(PtySize(rows=24, cols=80))
+sandbox.pty.send_stdin(terminal.pid, b"stty size; echo mark-$((6*7))\\n")
+events = iter(terminal)
+while b"mark-42" not in seen:
+    seen.extend(next(events)[2] or b"")
+sandbox.pty.resize(terminal.pid, PtySize(rows=40, cols=132))
+sandbox.pty.send_stdin(terminal.pid, b"stty size; exit\\n")
+for _, _, chunk in events:
+    seen.extend(chunk or b"")
+ended = terminal.wait()
+report({"text": seen.decode(errors="replace"), "exit": ended.exit_code})
+""",
+    )
+    assert "mark-42" in result["text"]
+    assert "24 80" in result["text"] and "40 132" in result["text"]
+    assert result["exit"] == 0
+
+
+def test_files_round_trip_ten_mib_list_watch_and_errors(
+    platform: Platform, sandbox: dict[str, str]
+) -> None:
+    result = _run(
+        platform,
+        sandbox,
+        """
+import hashlib, os, time
+from e2b import FileType, FilesystemEventType
+
+data = os.urandom(10 * 1024 * 1024)
+info = sandbox.files.write("/home/user/big.bin", data)
+back = sandbox.files.read("/home/user/big.bin", format="bytes")
+streamed = sandbox.files.write("/home/user/stream.bin", iter([b"a" * 1000, b"b" * 1000]))
+text = sandbox.files.read("/home/user/stream.bin")
+
+sandbox.files.make_dir("/home/user/d/e")
+made_again = sandbox.files.make_dir("/home/user/d/e")
+sandbox.files.write("/home/user/d/e/f.txt", "f")
+listed = sorted(e.path for e in sandbox.files.list("/home/user/d", depth=2))
+stat = sandbox.files.get_info("/home/user/big.bin")
+
+events = []
+watch = sandbox.files.watch_dir("/home/user/d", recursive=True)
+sandbox.files.write("/home/user/d/e/new.txt", "x")
+sandbox.files.rename("/home/user/d/e/new.txt", "/home/user/d/moved.txt")
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline and not any(e.name == "moved.txt" for e in events):
+    events.extend(watch.get_new_events())
+    time.sleep(0.5)
+watch.stop()
+sandbox.files.remove("/home/user/d")
+
+report({
+    "same": hashlib.sha256(back).hexdigest() == hashlib.sha256(data).hexdigest(),
+    "written": [info.path, info.type.value], "streamed": len(text),
+    "made_again": made_again, "listed": listed,
+    "stat": [stat.size, stat.type.value, stat.owner, stat.permissions],
+    "events": sorted({(e.name, e.type.name) for e in events}),
+    "exists": sandbox.files.exists("/home/user/d"),
+    "missing": error_of(sandbox.files.read, "/home/user/no-such-file"),
+    "missing_list": error_of(sandbox.files.list, "/home/user/no-such-dir"),
+})
+""",
+    )
+    assert result["same"] is True
+    assert result["written"] == ["/home/user/big.bin", "file"]
+    assert result["streamed"] == 2000
+    assert result["made_again"] is False
+    assert result["listed"] == ["/home/user/d/e", "/home/user/d/e/f.txt"]
+    assert result["stat"] == [10 * 1024 * 1024, "file", "user", "-rw-r--r--"]
+    # Names are relative to the watched directory; our guest writes a file as a
+    # temporary one renamed into place, which a watch sees too.
+    assert ["e/new.txt", "CREATE"] in result["events"]
+    assert ["moved.txt", "CREATE"] in result["events"]
+    assert result["exists"] is False
+    assert result["missing"] == "NotFoundException"
+    assert result["missing_list"] == "NotFoundException"
+
+
+def test_negative_a_wrong_access_token_is_an_authentication_error(
+    platform: Platform, sandbox: dict[str, str]
+) -> None:
+    wrong = {**sandbox, "token": "not-the-token"}
+    result = _run(
+        platform,
+        wrong,
+        """
+report({
+    "run": error_of(sandbox.commands.run, "true"),
+    "read": error_of(sandbox.files.read, "/etc/hostname"),
+})
+""",
+    )
+    assert result == {"run": "AuthenticationException", "read": "AuthenticationException"}
+
+
+def test_the_sdk_needs_no_http_version_setting_over_plain_http(
+    platform: Platform, sandbox: dict[str, str], tmp_path: Path
+) -> None:
+    """E2B_HTTP_VERSION unset (the SDK's default, "2") works over plain http: its
+    transport speaks HTTP/1.1 where no TLS negotiates HTTP/2."""
+    result = _run(platform, sandbox, 'report(sandbox.commands.run("echo ok").stdout)')
+    assert result == "ok\n"
