@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 import anyio.to_thread
 from fastapi import FastAPI
 
-from space.control import background, broker
+from space.control import background, broker, e2b
 from space.control.deps import ControlContext, load_or_create_node_token
 from space.control.e2b.envd import EnvdHandler
 from space.control.edges import control_edges
@@ -112,6 +112,7 @@ def create_app(
         app.include_router(module.router)
     app.include_router(node_routes.router)
     app.include_router(prometheus_router)
+    app.include_router(e2b.router)  # last: its catch-all answers E2B's unknown routes
     app.add_middleware(control_edges)
     # Outermost: a request addressed to a sandbox never reaches the API's edge.
     app.add_middleware(SandboxTraffic, envd=EnvdHandler())
