@@ -1,30 +1,25 @@
-"""The real E2B SDK's in-sandbox calls (commands, PTY, files, watches) against a real
-platform and a real VM: envd's routes translated by the control plane (issue 20).
+"""The real, unmodified E2B SDK's in-sandbox calls (commands, PTY, files, watches)
+against a real platform and a real VM: envd's routes, translated by the control plane
+into our guest operations (issue 20).
 
-The sandbox is created through our own API and handed to the SDK as its ``connect``
-would (sandbox id, envd version, the envd access token, E2b-Sandbox-* headers): every
-byte of a command or a file then goes through the SDK's own Connect and HTTP clients.
+The sandbox is made by ``Sandbox.create`` and each script reaches it by
+``Sandbox.connect``, as a user's code does: every byte of a command or a file goes
+through the SDK's own Connect and HTTP clients, with only the variables docs/e2b.md
+names set.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from space.control.access_tokens import TokenPurpose, sandbox_token
 from tests.e2b_sdk import run_e2b
 
 from .platform import Platform, running_platform
 
 pytestmark = pytest.mark.vm
-
-#: The envd version the SDK is told (what E2B's own API reports): every feature used
-#: here (stdin, octet-stream uploads, recursive watch) is on at this version.
-ENVD_VERSION = "0.6.4"
 
 
 @pytest.fixture(scope="module")
@@ -36,39 +31,25 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
 @pytest.fixture(scope="module")
 def sandbox(platform: Platform) -> Iterator[dict[str, str]]:
     key = platform.create_key("acme")
-    headers = {"Authorization": f"Bearer {key}"}
-    created = httpx.post(f"{platform.url}/v1/sandboxes", json={}, headers=headers, timeout=300)
-    assert created.status_code == 201, created.text
-    sandbox_id = created.json()["id"]
-    node_token = (platform.data_dir / "node-token").read_text().strip()
-    token = sandbox_token(node_token, sandbox_id, TokenPurpose.ENVD)
+    created = run_e2b(
+        """
+        sandbox = Sandbox.create("base", timeout=3600, request_timeout=600)
+        report(sandbox.sandbox_id)
+        """,
+        url=platform.url,
+        api_key=key,
+        timeout_s=700,
+    )
     try:
-        yield {"id": sandbox_id, "token": token, "key": key}
+        yield {"id": created, "key": key}
     finally:
-        url = f"{platform.url}/v1/sandboxes/{sandbox_id}"
-        assert httpx.delete(url, headers=headers, timeout=120).status_code == 204
+        killed = run_e2b(f"report(Sandbox.kill({created!r}))", url=platform.url, api_key=key)
+        assert killed is True
 
 
 def _run(platform: Platform, sandbox: dict[str, str], script: str) -> Any:
-    """``script`` with ``sandbox``: an SDK Sandbox built as ``Sandbox.connect`` builds
-    one."""
-    prelude = f"""
-from packaging.version import Version
-from e2b.connection_config import ConnectionConfig
-
-_headers = {{
-    "E2b-Sandbox-Id": {sandbox["id"]!r},
-    "E2b-Sandbox-Port": str(ConnectionConfig.envd_port),
-    "X-Access-Token": {sandbox["token"]!r},
-}}
-sandbox = Sandbox(
-    sandbox_id={sandbox["id"]!r},
-    sandbox_domain=None,
-    envd_version=Version({ENVD_VERSION!r}),
-    envd_access_token={sandbox["token"]!r},
-    connection_config=ConnectionConfig(extra_sandbox_headers=_headers),
-)
-"""
+    """``script`` with ``sandbox``: the SDK's Sandbox, connected by id."""
+    prelude = f"sandbox = Sandbox.connect({sandbox['id']!r}, timeout=3600)\n"
     return run_e2b(prelude + script, url=platform.url, api_key=sandbox["key"], timeout_s=300)
 
 
@@ -206,31 +187,65 @@ report({
     assert ["e/new.txt", "CREATE"] in result["events"]
     assert ["moved.txt", "CREATE"] in result["events"]
     assert result["exists"] is False
-    assert result["missing"] == "NotFoundException"
-    assert result["missing_list"] == "NotFoundException"
+    # The SDK's NotFoundException for files (its subclass FileNotFoundException).
+    assert result["missing"] == "FileNotFoundException"
+    assert result["missing_list"] == "FileNotFoundException"
 
 
 def test_negative_a_wrong_access_token_is_an_authentication_error(
     platform: Platform, sandbox: dict[str, str]
 ) -> None:
-    wrong = {**sandbox, "token": "not-the-token"}
     result = _run(
         platform,
-        wrong,
+        sandbox,
         """
+from e2b.connection_config import ConnectionConfig
+
+config = sandbox.connection_config
+wrong = dict(config.sandbox_headers, **{"X-Access-Token": "not-the-token"})
+forged = Sandbox(
+    sandbox_id=sandbox.sandbox_id, sandbox_domain=None,
+    envd_version=sandbox._envd_version, envd_access_token="not-the-token",
+    connection_config=ConnectionConfig(extra_sandbox_headers=wrong),
+)
 report({
-    "run": error_of(sandbox.commands.run, "true"),
-    "read": error_of(sandbox.files.read, "/etc/hostname"),
+    "run": error_of(forged.commands.run, "true"),
+    "read": error_of(forged.files.read, "/etc/hostname"),
 })
 """,
     )
     assert result == {"run": "AuthenticationException", "read": "AuthenticationException"}
 
 
+def test_a_paused_sandbox_resumes_for_a_command(
+    platform: Platform, sandbox: dict[str, str]
+) -> None:
+    result = _run(
+        platform,
+        sandbox,
+        """
+sandbox.files.write("/home/user/kept.txt", "kept")
+sandbox.pause()
+paused = Sandbox.get_info(sandbox.sandbox_id).state.value
+out = sandbox.commands.run("cat /home/user/kept.txt").stdout
+report({"paused": paused, "out": out,
+        "state": Sandbox.get_info(sandbox.sandbox_id).state.value})
+""",
+    )
+    assert result == {"paused": "paused", "out": "kept", "state": "running"}
+
+
 def test_the_sdk_needs_no_http_version_setting_over_plain_http(
-    platform: Platform, sandbox: dict[str, str], tmp_path: Path
+    platform: Platform, sandbox: dict[str, str]
 ) -> None:
     """E2B_HTTP_VERSION unset (the SDK's default, "2") works over plain http: its
-    transport speaks HTTP/1.1 where no TLS negotiates HTTP/2."""
-    result = _run(platform, sandbox, 'report(sandbox.commands.run("echo ok").stdout)')
-    assert result == "ok\n"
+    transport speaks HTTP/1.1 where no TLS negotiates HTTP/2; "1.1" works too."""
+    script = 'report(sandbox.commands.run("echo ok").stdout)'
+    assert _run(platform, sandbox, script) == "ok\n"
+    one = run_e2b(
+        f"sandbox = Sandbox.connect({sandbox['id']!r})\n" + script,
+        url=platform.url,
+        api_key=sandbox["key"],
+        env={"E2B_HTTP_VERSION": "1.1"},
+    )
+    assert one == "ok\n"

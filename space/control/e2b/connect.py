@@ -60,7 +60,7 @@ __all__ = [
 UNARY_JSON = "application/json"
 CONNECT_JSON = "application/connect+json"
 #: The largest message, request or response, we read or accept: a 1 MiB stdin write
-#: (MAX_INPUT_BYTES) is 1.4 MiB as base64 JSON.
+#: (space.limits.MAX_STDIN_BYTES) is 1.4 MiB as base64 JSON.
 MAX_MESSAGE_BYTES = 2 * 1024 * 1024
 #: Envelope flags (the protocol's): a compressed message, and the end of a stream.
 FLAG_COMPRESSED = 0x01

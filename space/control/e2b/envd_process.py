@@ -14,19 +14,29 @@ one that has ended answers not_found (the SDK's ``kill`` then returns False).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from space.control.e2b.connect import Code, ConnectError, Fields, b64
-from space.limits import ENV, MAX_COMMAND_TIMEOUT_S, MAX_PTY_SIZE, PROCESS_TAG_PATTERN
+from space.limits import (
+    ENV,
+    MAX_COMMAND_TIMEOUT_S,
+    MAX_PTY_SIZE,
+    MAX_STDIN_BYTES,
+    PROCESS_TAG_PATTERN,
+)
 from space.node.api import ExecExited, ExecRequest, ExecStream, NodeService, ProcessInfo, PtySize
-from space.protocol import MAX_INPUT_BYTES
 
-__all__ = ["ProcessService"]
+__all__ = ["KILL_WAIT_S", "ProcessService"]
 
-_SIGNALS = {"SIGNAL_UNSPECIFIED": 0, "SIGNAL_SIGTERM": 15, "SIGNAL_SIGKILL": 9}
+_SIGKILL = 9
+_SIGNALS = {"SIGNAL_UNSPECIFIED": 0, "SIGNAL_SIGTERM": 15, "SIGNAL_SIGKILL": _SIGKILL}
+#: Longest a SIGKILL waits for the process to be gone before it answers.
+KILL_WAIT_S = 2.0
 _MAX_ARGS = 4096
 _TAG_RE = re.compile(PROCESS_TAG_PATTERN)
 _GO_SIGNAL_NAMES = {9: "killed", 15: "terminated", 2: "interrupt", 1: "hangup"}
@@ -140,7 +150,20 @@ class ProcessService:
             raise ConnectError(Code.INVALID_ARGUMENT, "signal must be SIGTERM or SIGKILL")
         info = await self._select(fields)
         await self.node.kill_process(self.sandbox_id, info.process_id, signal)
+        if signal == _SIGKILL:
+            await self._gone(info.process_id)
         return {}
+
+    async def _gone(self, process_id: str) -> None:
+        """Wait (at most KILL_WAIT_S) until the guest has reaped the process, so that a
+        List or a second kill right after a SIGKILL no longer finds it, as with envd."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(KILL_WAIT_S):
+                while True:
+                    infos = await self.node.list_processes(self.sandbox_id)
+                    if not any(i.process_id == process_id and i.running for i in infos):
+                        return
+                    await asyncio.sleep(0.05)
 
     async def update(self, fields: Fields) -> dict[str, Any]:
         info = await self._select(fields)
@@ -153,7 +176,7 @@ class ProcessService:
         member = None if given is None else given.oneof("stdin", "pty")
         if given is None or member is None:
             return
-        data = given.data(member[0], max_bytes=MAX_INPUT_BYTES)
+        data = given.data(member[0], max_bytes=MAX_STDIN_BYTES)
         if data:
             await self.node.write_stdin(self.sandbox_id, info.process_id, data)
 
