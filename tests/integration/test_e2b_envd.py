@@ -192,6 +192,49 @@ report({
     assert result["missing_list"] == "FileNotFoundException"
 
 
+def test_the_async_sdk_streams_input_output_and_a_directory_watch(
+    platform: Platform, sandbox: dict[str, str]
+) -> None:
+    result = run_e2b(
+        f"""
+import asyncio
+
+async def main():
+    sandbox = await AsyncSandbox.connect({sandbox["id"]!r}, timeout=3600)
+    out = []
+    done = await sandbox.commands.run("seq 1 3", on_stdout=out.append)
+
+    cat = await sandbox.commands.run("cat", background=True, stdin=True)
+    async with sandbox.commands.stream_input(cat.pid) as feed:
+        await feed.send("one ")
+        await feed.send(b"two")
+    await sandbox.commands.close_stdin(cat.pid)
+    fed = await cat.wait()
+
+    await sandbox.files.make_dir("/home/user/aw")
+    events = []
+    watch = await sandbox.files.watch_dir("/home/user/aw", on_event=events.append)
+    await sandbox.files.write("/home/user/aw/x.txt", "x")
+    for _ in range(60):
+        if any(e.name == "x.txt" for e in events):
+            break
+        await asyncio.sleep(0.5)
+    await watch.stop()
+    await sandbox.files.remove("/home/user/aw")
+    report({{"out": "".join(out), "stdout": done.stdout, "fed": fed.stdout,
+             "events": sorted({{(e.name, e.type.name) for e in events}})}})
+
+asyncio.run(main())
+""",
+        url=platform.url,
+        api_key=sandbox["key"],
+        timeout_s=300,
+    )
+    assert result["out"] == result["stdout"] == "1\n2\n3\n"
+    assert result["fed"] == "one two"
+    assert ["x.txt", "CREATE"] in result["events"]
+
+
 def test_negative_a_wrong_access_token_is_an_authentication_error(
     platform: Platform, sandbox: dict[str, str]
 ) -> None:

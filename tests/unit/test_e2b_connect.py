@@ -3,8 +3,9 @@ that envd's translation reads requests with."""
 
 from __future__ import annotations
 
+import asyncio
 import struct
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import pytest
@@ -23,6 +24,7 @@ from space.control.e2b.connect import (
     read_envelopes,
     timeout_of,
 )
+from space.control.e2b.envd import with_keepalives
 from space.control.e2b.multipart import MAX_PARTS, MultipartError, MultipartReader, boundary_of
 
 pytestmark = pytest.mark.anyio
@@ -191,3 +193,27 @@ async def test_negative_a_form_past_the_part_limit_or_cut_short_is_refused() -> 
     cut = _form("b", [("f", b"data")])[:-12]
     with pytest.raises(MultipartError):
         await _read_form([cut], "b")
+
+
+async def test_an_idle_stream_gets_keepalives_and_closing_it_closes_its_source() -> None:
+    closed = []
+
+    async def slow() -> AsyncIterator[dict[str, Any]]:
+        try:
+            yield {"n": 1}
+            await asyncio.sleep(0.25)
+            yield {"n": 2}
+            await asyncio.sleep(3600)
+            yield {"n": 3}
+        finally:
+            closed.append(True)
+
+    source = slow()
+    stream = with_keepalives(source, {"keepalive": {}}, 0.1)
+    seen = [await anext(stream) for _ in range(4)]
+    assert seen[0] == {"n": 1} and seen[-1] == {"n": 2}
+    assert {"keepalive": {}} in seen[1:3]
+    assert await anext(stream) == {"keepalive": {}}  # idle: the source is waiting
+    await stream.aclose()  # type: ignore[attr-defined]
+    await source.aclose()  # type: ignore[attr-defined]
+    assert closed == [True]

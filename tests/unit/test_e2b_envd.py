@@ -18,6 +18,7 @@ from space.control.access_tokens import TokenPurpose, sandbox_token
 from space.control.e2b.connect import envelope
 from space.control.e2b.envd_filesystem import MAX_BUFFERED_EVENTS, MAX_WATCHERS_PER_SANDBOX
 from space.control.sandbox_traffic import ENVD_PORT, UNAUTHORIZED_MESSAGE
+from space.control.store import repo
 from space.node.api import ExecExited, ExecOutput, SandboxState, WatchEvent
 from tests.unit.fakes import Harness, control_app
 
@@ -398,3 +399,19 @@ async def test_a_paused_sandbox_is_resumed_before_its_operation(tmp_path: Path) 
             f"/v1/sandboxes/{envd.sandbox_id}", headers=envd.h.key("acme")
         )
         assert got.json()["state"] == "running"
+
+
+async def test_negative_a_sandbox_that_is_not_running_is_not_found_as_the_sdk_reads_it(
+    tmp_path: Path,
+) -> None:
+    async with _envd(tmp_path) as envd:
+        ctx = envd.h.app.state.ctx
+        await ctx.db.run(lambda s: repo.set_state(s, envd.sandbox_id, "stopped", error=None))
+        health = await envd.h.client.get("/health", headers=envd.headers())
+        assert health.status_code == 502 and "was not found" in health.json()["message"]
+        listed = await envd.unary("process.Process/List", {})
+        assert listed.status_code == 503 and listed.json()["code"] == "unavailable"
+        assert "was not found" in listed.json()["message"]
+        events = await envd.stream("process.Process/Start", {"process": {"cmd": "/bin/true"}})
+        assert events[0][1]["error"]["code"] == "unavailable"
+        assert ("exec", envd.sandbox_id) not in envd.h.node.calls

@@ -54,12 +54,12 @@ from space.control.e2b.envd_filesystem import KEEPALIVE as WATCH_KEEPALIVE
 from space.control.e2b.envd_filesystem import FilesystemService, Watchers
 from space.control.e2b.envd_process import KEEPALIVE as PROCESS_KEEPALIVE
 from space.control.e2b.envd_process import ProcessService
-from space.control.e2b.envd_request import user_of
+from space.control.e2b.envd_request import not_running_message, user_of
 from space.control.errors import ApiError
 from space.control.store.repo import SandboxRecord
 from space.node.api.errors import NodeError
 
-__all__ = ["EnvdHandler"]
+__all__ = ["EnvdHandler", "with_keepalives"]
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ def _live(ctx: ControlContext) -> Callable[[SandboxRecord], Awaitable[SandboxRec
         except (ApiError, NodeError) as exc:
             error = connect_error_of(exc)
             if isinstance(exc, ApiError) and exc.code == "conflict":
-                error = ConnectError(Code.UNAVAILABLE, f"{exc.message}: sandbox not running")
+                error = ConnectError(Code.UNAVAILABLE, not_running_message(record))
             raise error from None
 
     return live
@@ -297,7 +297,7 @@ async def _server_messages(
     ``keepalive_s``, then the end-stream envelope (carrying the error, if any)."""
     error: ConnectError | None = None
     try:
-        async for message in _with_keepalives(messages, keepalive, keepalive_s):
+        async for message in with_keepalives(messages, keepalive, keepalive_s):
             yield envelope(message)
     except Exception as exc:
         error = _error_of(exc, rpc)
@@ -317,7 +317,7 @@ async def _one_envelope(receive: Receive) -> Fields:
     return found
 
 
-async def _with_keepalives(
+async def with_keepalives(
     messages: AsyncIterator[dict[str, Any]], keepalive: dict[str, Any], interval_s: float | None
 ) -> AsyncIterator[dict[str, Any]]:
     if interval_s is None:
@@ -341,4 +341,7 @@ async def _with_keepalives(
             yield message
     finally:
         if pending is not None and not pending.done():
+            # Let the cancelled step finish, so that closing ``messages`` next finds
+            # it idle (not "already running").
             pending.cancel()
+            await asyncio.wait({pending})

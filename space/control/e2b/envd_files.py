@@ -24,7 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from space.control.deps import ControlContext
 from space.control.e2b.connect import HTTP_STATUS, Code, ConnectError, connect_error_of
-from space.control.e2b.envd_request import checked_user, user_of
+from space.control.e2b.envd_request import checked_user, not_running_message, user_of
 from space.control.e2b.multipart import MultipartError, MultipartReader, boundary_of
 from space.control.errors import ApiError
 from space.control.routers.files import download
@@ -79,7 +79,7 @@ async def serve(
         response: Response = (
             Response(status_code=204)
             if healthy
-            else JSONResponse({"code": 502, "message": f"sandbox {record.id} is not running"}, 502)
+            else JSONResponse({"code": 502, "message": not_running_message(record)}, 502)
         )
     elif route in (("GET", "/files"), ("POST", "/files")):
         try:

@@ -13,8 +13,9 @@ import re
 from starlette.datastructures import Headers
 
 from space.control.e2b.connect import Code, ConnectError
+from space.control.store.repo import SandboxRecord
 
-__all__ = ["DEFAULT_USER", "checked_user", "user_of"]
+__all__ = ["DEFAULT_USER", "checked_user", "not_running_message", "user_of"]
 
 DEFAULT_USER = "user"
 _USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
@@ -38,3 +39,9 @@ def user_of(headers: Headers) -> str:
     except (binascii.Error, UnicodeDecodeError):
         raise ConnectError(Code.INVALID_ARGUMENT, "malformed Basic authorization") from None
     return checked_user(decoded.partition(":")[0] or DEFAULT_USER)
+
+
+def not_running_message(record: SandboxRecord) -> str:
+    """What envd's proxy says of a sandbox that is not running: the SDK looks for "was
+    not found" in it to raise SandboxNotRunningException."""
+    return f"sandbox {record.id} was not found: it is {record.state}"
