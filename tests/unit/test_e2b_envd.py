@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import json
 import struct
 from collections.abc import AsyncIterator
@@ -415,3 +416,13 @@ async def test_negative_a_sandbox_that_is_not_running_is_not_found_as_the_sdk_re
         events = await envd.stream("process.Process/Start", {"process": {"cmd": "/bin/true"}})
         assert events[0][1]["error"]["code"] == "unavailable"
         assert ("exec", envd.sandbox_id) not in envd.h.node.calls
+
+
+async def test_envd_is_reached_by_its_host_name_under_the_sandbox_domain(tmp_path: Path) -> None:
+    async with _envd(tmp_path) as envd:
+        ctx = envd.h.app.state.ctx
+        ctx.settings = dataclasses.replace(ctx.settings, sandbox_domain="sbx.example.com")
+        host = f"{ENVD_PORT}-{envd.sandbox_id}.sbx.example.com"
+        headers = {"Host": host, "X-Access-Token": envd.token, "Content-Type": "application/json"}
+        answer = await envd.h.client.post("/process.Process/List", json={}, headers=headers)
+        assert answer.status_code == 200 and answer.json() == {"processes": []}

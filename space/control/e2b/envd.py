@@ -19,6 +19,7 @@ The user an operation runs as is E2B's ``Authorization: Basic base64(<user>:)``
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -68,7 +69,9 @@ log = logging.getLogger(__name__)
 _KEEPALIVE_BOUNDS_S = (1.0, 300.0)
 
 
-class _Kind:
+class _Kind(enum.Enum):
+    """How an RPC's messages flow (Connect: unary, server or client streaming)."""
+
     UNARY = "unary"
     SERVER = "server"
     CLIENT = "client"
@@ -76,7 +79,7 @@ class _Kind:
 
 @dataclass(frozen=True)
 class _Rpc:
-    kind: str
+    kind: _Kind
     service: str
     method: str
     #: What a Conflict from the node is to the client, where it is not a state.

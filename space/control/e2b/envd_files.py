@@ -31,9 +31,8 @@ from space.control.routers.files import download
 from space.control.schemas import MAX_PATH_BYTES
 from space.control.store import repo
 from space.control.store.repo import SandboxRecord
-from space.node.api import FileStat, NodeService
+from space.node.api import FileStat, NodeService, SandboxState
 from space.node.api.errors import NodeError
-from space.node.api.interface import SandboxState
 
 __all__ = ["serve"]
 
