@@ -43,8 +43,17 @@ def sandbox(platform: Platform) -> Iterator[dict[str, str]]:
     try:
         yield {"id": created, "key": key}
     finally:
-        killed = run_e2b(f"report(Sandbox.kill({created!r}))", url=platform.url, api_key=key)
-        assert killed is True
+        # Killed, the sandbox is no longer running to the SDK (not a wrong token).
+        after = run_e2b(
+            f"""
+            sandbox = Sandbox.connect({created!r})
+            killed = sandbox.kill()
+            report([killed, sandbox.is_running(), error_of(sandbox.commands.run, "true")])
+            """,
+            url=platform.url,
+            api_key=key,
+        )
+        assert after == [True, False, "SandboxNotRunningException"]
 
 
 def _run(platform: Platform, sandbox: dict[str, str], script: str) -> Any:

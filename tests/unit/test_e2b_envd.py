@@ -426,3 +426,20 @@ async def test_envd_is_reached_by_its_host_name_under_the_sandbox_domain(tmp_pat
         headers = {"Host": host, "X-Access-Token": envd.token, "Content-Type": "application/json"}
         answer = await envd.h.client.post("/process.Process/List", json={}, headers=headers)
         assert answer.status_code == 200 and answer.json() == {"processes": []}
+
+
+async def test_a_deleted_sandbox_is_gone_to_its_token_holder_and_unknown_to_others(
+    tmp_path: Path,
+) -> None:
+    async with _envd(tmp_path) as envd:
+        url = f"/v1/sandboxes/{envd.sandbox_id}"
+        assert (await envd.h.client.delete(url, headers=envd.h.key("acme"))).status_code == 204
+        health = await envd.h.client.get("/health", headers=envd.headers())
+        assert health.status_code == 502
+        assert health.json()["message"] == f"sandbox {envd.sandbox_id} was not found"
+        listed = await envd.unary("process.Process/List", {})
+        assert listed.status_code == 502  # the SDK: SandboxNotRunningException
+        wrong = Envd(envd.h, envd.sandbox_id, token="wrong")
+        answer = await wrong.unary("process.Process/List", {})
+        assert answer.status_code == 401
+        assert answer.json() == {"code": 401, "message": UNAUTHORIZED_MESSAGE}

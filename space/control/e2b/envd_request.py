@@ -13,6 +13,7 @@ import re
 from starlette.datastructures import Headers
 
 from space.control.e2b.connect import Code, ConnectError
+from space.control.sandbox_traffic import gone_message
 from space.control.store.repo import SandboxRecord
 
 __all__ = ["DEFAULT_USER", "checked_user", "not_running_message", "user_of"]
@@ -42,6 +43,5 @@ def user_of(headers: Headers) -> str:
 
 
 def not_running_message(record: SandboxRecord) -> str:
-    """What envd's proxy says of a sandbox that is not running: the SDK looks for "was
-    not found" in it to raise SandboxNotRunningException."""
-    return f"sandbox {record.id} was not found: it is {record.state}"
+    """What envd's proxy says of a sandbox that is not running (and not deleted)."""
+    return f"{gone_message(record.id)}: it is {record.state}"
