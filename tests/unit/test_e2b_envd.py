@@ -3,6 +3,7 @@ in raw Connect and HTTP over httpx to the control plane over a fake node."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import dataclasses
@@ -16,11 +17,17 @@ import httpx
 import pytest
 
 from space.control.access_tokens import TokenPurpose, sandbox_token
-from space.control.e2b.connect import envelope
-from space.control.e2b.envd_filesystem import MAX_BUFFERED_EVENTS, MAX_WATCHERS_PER_SANDBOX
+from space.control.e2b.connect import ConnectError, envelope
+from space.control.e2b.envd_filesystem import (
+    MAX_BUFFERED_EVENTS,
+    MAX_WATCHERS_PER_SANDBOX,
+    WATCHER_IDLE_S,
+    Watchers,
+)
 from space.control.sandbox_traffic import ENVD_PORT, UNAUTHORIZED_MESSAGE
 from space.control.store import repo
 from space.node.api import ExecExited, ExecOutput, SandboxState, WatchEvent
+from tests.unit._fake_stdio import FakeWatchStream
 from tests.unit.fakes import Harness, control_app
 
 pytestmark = pytest.mark.anyio
@@ -443,3 +450,30 @@ async def test_a_deleted_sandbox_is_gone_to_its_token_holder_and_unknown_to_othe
         answer = await wrong.unary("process.Process/List", {})
         assert answer.status_code == 401
         assert answer.json() == {"code": 401, "message": UNAUTHORIZED_MESSAGE}
+
+
+async def test_negative_a_watcher_nobody_polls_expires_and_releases_its_watch() -> None:
+    now = [0.0]
+    watchers = Watchers(clock=lambda: now[0])
+    stream = FakeWatchStream("/w", [])
+    tasks: list[asyncio.Task[None]] = []
+
+    def spawn(coroutine: Any) -> asyncio.Task[None]:
+        tasks.append(asyncio.get_running_loop().create_task(coroutine))
+        return tasks[-1]
+
+    async def open_watch() -> FakeWatchStream:
+        return stream
+
+    watcher_id = await watchers.create("sbx-1", open_watch, spawn)
+    now[0] = WATCHER_IDLE_S  # exactly the idle limit: kept
+    await watchers.expire()
+    assert watchers.count("sbx-1") == 1
+    now[0] = WATCHER_IDLE_S + 0.01
+    await watchers.expire()
+    assert watchers.count("sbx-1") == 0 and stream.closed
+    with pytest.raises(ConnectError):
+        await watchers.events("sbx-1", watcher_id)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

@@ -113,6 +113,8 @@ class Watchers:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._watchers: dict[str, _Watcher] = {}
         self._clock = clock
+        #: Expires idle watchers while there are any (also when nobody calls in).
+        self._reaper: asyncio.Task[None] | None = None
 
     def count(self, sandbox_id: str) -> int:
         return sum(1 for w in self._watchers.values() if w.sandbox_id == sandbox_id)
@@ -135,7 +137,14 @@ class Watchers:
         watcher = _Watcher(sandbox_id, stream, polled_at=self._clock())
         self._watchers[watcher_id] = watcher
         watcher.task = spawn(self._pump(watcher))
+        if self._reaper is None or self._reaper.done():
+            self._reaper = spawn(self._reap())
         return watcher_id
+
+    async def _reap(self) -> None:
+        while self._watchers:
+            await asyncio.sleep(WATCHER_IDLE_S / 4)
+            await self.expire()
 
     async def _pump(self, watcher: _Watcher) -> None:
         try:
@@ -145,9 +154,6 @@ class Watchers:
             watcher.ended = ConnectError(Code.NOT_FOUND, "the watched directory is gone")
         except Exception as exc:  # the watch ended; the next poll says so
             watcher.ended = ConnectError(Code.UNAVAILABLE, f"the watch ended: {exc}")
-        finally:
-            with contextlib.suppress(Exception):
-                await watcher.stream.aclose()
 
     def _get(self, sandbox_id: str, watcher_id: str) -> _Watcher:
         watcher = self._watchers.get(watcher_id)
@@ -174,6 +180,9 @@ class Watchers:
             watcher.task.cancel()
             with contextlib.suppress(BaseException):
                 await watcher.task
+        # Here, not in the pump: a pump cancelled before it ran has no finally to run.
+        with contextlib.suppress(Exception):
+            await watcher.stream.aclose()
 
     async def expire(self) -> None:
         """Remove the watchers nobody polled for WATCHER_IDLE_S."""
