@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-__all__ = ["E2B_VENV", "e2b_environment", "run_e2b"]
+__all__ = ["E2B_VENV", "ROOT", "e2b_environment", "run_e2b"]
 
 ROOT = Path(__file__).resolve().parents[1]
 E2B_VENV = ROOT / ".venv-e2b"

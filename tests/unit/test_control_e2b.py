@@ -15,6 +15,7 @@ from space.control.access_tokens import TokenPurpose, sandbox_token
 from space.control.e2b import ENVD_VERSION
 from space.control.e2b._network import INTERNET
 from space.limits import MAX_JSON_BODY_BYTES
+from space.node.api import InsufficientCapacity, Unavailable
 from tests.unit.fakes import Harness, control_app
 
 pytestmark = pytest.mark.anyio
@@ -76,6 +77,8 @@ async def test_create_maps_auto_pause_and_network_options(tmp_path: Path) -> Non
         assert ours["max_lifetime_s"] is None and ours["idle_timeout_s"] == 60
         detail = (await h.client.get(f"/sandboxes/{paused['sandboxID']}", headers=headers)).json()
         assert detail["lifecycle"] == {"onTimeout": "pause", "autoResume": False}
+        assert detail["allowInternetAccess"] is True
+        assert detail["network"] == {"allowOut": [], "denyOut": []}
 
         closed = await _create(h, headers, allow_internet_access=False)
         ours = (await h.client.get(f"/v1/sandboxes/{closed['sandboxID']}", headers=headers)).json()
@@ -89,6 +92,12 @@ async def test_create_maps_auto_pause_and_network_options(tmp_path: Path) -> Non
                 {"domain": "pypi.org", "ports": [80, 443]},
                 {"cidr": "203.0.113.7/32", "ports": [80, 443]},
             ]
+        }
+        detail = (await h.client.get(f"/sandboxes/{listed['sandboxID']}", headers=headers)).json()
+        assert detail["allowInternetAccess"] is False
+        assert detail["network"] == {
+            "allowOut": ["pypi.org", "203.0.113.7/32"],
+            "denyOut": ["0.0.0.0/0"],
         }
 
 
@@ -367,6 +376,7 @@ async def test_fork_snapshot_create_from_it_and_delete_it(tmp_path: Path) -> Non
         deleted = await h.client.delete(f"/templates/{snapshot_id}", headers=headers)
         assert deleted.status_code == 204
         assert (await h.client.get("/snapshots", headers=headers)).json() == []
+        _e2b_error(await h.client.delete(f"/templates/{snapshot_id}", headers=headers), 404)
         _e2b_error(await h.client.delete("/templates/sn-" + "0" * 24, headers=headers), 404)
         _e2b_error(await h.client.delete("/templates/base", headers=headers), 404)
 
@@ -377,12 +387,65 @@ async def test_negative_unsupported_routes_answer_404_in_e2b_shape(tmp_path: Pat
         sandbox_id = (await _create(h, headers))["sandboxID"]
         for method, path in [
             ("GET", f"/v2/sandboxes/{sandbox_id}/logs"),
-            ("PUT", f"/sandboxes/{sandbox_id}/network"),
+            ("GET", f"/sandboxes/{sandbox_id}/logs"),
             ("POST", f"/sandboxes/{sandbox_id}/refreshes"),
             ("GET", "/templates/base/files"),
+            ("GET", "/templates"),
+            ("POST", "/v3/templates"),
+            ("GET", "/volumes"),
+            ("DELETE", "/secrets/x"),
         ]:
             response = await h.client.request(method, path, json={}, headers=headers)
             assert "not supported" in _e2b_error(response, 404)
         # Our own API keeps its own shape.
         ours = await h.client.get("/v1/sandboxes/sb-nope", headers=headers)
         assert ours.status_code == 404 and set(ours.json()) == {"error"}
+
+
+async def test_an_error_sandbox_is_hidden_from_e2b_but_can_be_killed(tmp_path: Path) -> None:
+    async with control_app(tmp_path) as h:
+        headers = _key(h)
+        h.node.fail_create = Unavailable("the VM did not boot")
+        failed = await h.client.post("/v2/sandboxes", json={"templateID": "base"}, headers=headers)
+        _e2b_error(failed, 503)
+        assert failed.headers["Should-Retry"] == "false"  # the SDK would make another
+        h.node.fail_create = None
+        (ours,) = (await h.client.get("/v1/sandboxes", headers=headers)).json()["sandboxes"]
+        assert ours["state"] == "error"
+        assert (await h.client.get("/v2/sandboxes", headers=headers)).json() == []
+        hidden = await h.client.get(f"/sandboxes/{ours['id']}", headers=headers)
+        assert "error" in _e2b_error(hidden, 404)
+        killed = await h.client.delete(f"/sandboxes/{ours['id']}", headers=headers)
+        assert killed.status_code == 204
+        assert (await h.client.get("/v1/sandboxes", headers=headers)).json()["sandboxes"] == []
+
+
+async def test_negative_no_room_answers_503_with_retry_after_and_keeps_nothing(
+    tmp_path: Path,
+) -> None:
+    async with control_app(tmp_path) as h:
+        headers = _key(h)
+        h.node.fail_create = InsufficientCapacity("no memory", resource="memory", retry_after_s=7)
+        refused = await h.client.post("/v2/sandboxes", json={"templateID": "base"}, headers=headers)
+        _e2b_error(refused, 503)  # the SDK's ServiceBusyException, after its retries
+        assert refused.headers["Retry-After"] == "7"
+        assert "Should-Retry" not in refused.headers
+        assert (await h.client.get("/v1/sandboxes", headers=headers)).json()["sandboxes"] == []
+
+
+async def test_update_network_replaces_the_egress_policy(tmp_path: Path) -> None:
+    async with control_app(tmp_path) as h:
+        headers = _key(h)
+        sandbox_id = (await _create(h, headers))["sandboxID"]
+        url = f"/sandboxes/{sandbox_id}/network"
+        body = {"allowOut": ["pypi.org"], "denyOut": ["0.0.0.0/0"]}
+        response = await h.client.put(url, json=body, headers=headers)
+        assert response.status_code == 204, response.text
+        pypi_only = {"allow": [{"domain": "pypi.org", "ports": [80, 443]}]}
+        assert h.node.egress[sandbox_id] == pypi_only
+        closed = await h.client.put(url, json={"allow_internet_access": False}, headers=headers)
+        assert closed.status_code == 204
+        assert h.node.egress[sandbox_id] == {"allow": []}
+        bad = await h.client.put(url, json={"egressProxy": {"address": "p:1"}}, headers=headers)
+        assert "egressProxy" in _e2b_error(bad, 400)
+        assert h.node.egress[sandbox_id] == {"allow": []}  # nothing changed

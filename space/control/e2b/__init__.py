@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from starlette.datastructures import Headers
 from starlette.types import Scope
 
@@ -31,8 +31,20 @@ from space.control.e2b._shapes import ENVD_VERSION
 
 __all__ = ["E2B_ROUTES", "ENVD_VERSION", "authenticate", "render_refusal", "router"]
 
-#: The paths of E2B's control API (a sandbox's own traffic, to envd, is not here).
-E2B_ROUTES = re.compile(r"/(v2/)?sandboxes(/.*)?|/snapshots|/templates/.*")
+#: The path families of E2B's API (a sandbox's own traffic, to envd, is not here): what
+#: SPACE does not serve of them answers 404 in E2B's shape, after the key is checked.
+_FAMILIES = (
+    "/sandboxes",
+    "/v2/sandboxes",
+    "/snapshots",
+    "/templates",
+    "/v2/templates",
+    "/v3/templates",
+    "/volumes",
+    "/secrets",
+)
+#: The paths the edge treats as E2B's.
+E2B_ROUTES = re.compile("|".join(f"{re.escape(family)}(/.*)?" for family in _FAMILIES))
 
 router = APIRouter(route_class=E2BRoute)
 # /sandboxes/metrics before /sandboxes/{sandbox_id}.
@@ -43,13 +55,16 @@ router.include_router(_sandboxes.router)
 _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
 
 
-@router.api_route("/sandboxes/{rest:path}", methods=_METHODS, include_in_schema=False)
-@router.api_route("/v2/sandboxes/{rest:path}", methods=_METHODS, include_in_schema=False)
-@router.api_route("/templates/{rest:path}", methods=_METHODS, include_in_schema=False)
-async def unsupported(rest: str) -> None:
-    """Any other E2B route (logs, network updates, refreshes, templates...): 404 in
+async def unsupported(request: Request) -> None:
+    """Any other E2B route (logs, refreshes, templates, volumes, secrets...): 404 in
     E2B's shape rather than our own (mounted after every other E2B route)."""
-    raise E2BError(404, f"this route ({rest!r}) is not supported by SPACE's E2B API")
+    route = f"{request.method} {request.url.path}"
+    raise E2BError(404, f"{route[:200]} is not supported by SPACE's E2B API")
+
+
+for _family in _FAMILIES:
+    for _path in (_family, _family + "/{rest:path}"):
+        router.add_api_route(_path, unsupported, methods=_METHODS, include_in_schema=False)
 
 
 async def authenticate(scope: Scope, headers: Headers) -> None:

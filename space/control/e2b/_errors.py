@@ -2,9 +2,10 @@
 
 The E2B SDK reads the status and the message (e2b.api.handle_api_exception): 401 is its
 AuthenticationException, 429 RateLimitException, 503 ServiceBusyException (retried by
-it), 404 on a sandbox route SandboxNotFoundException, 409 on pause "already paused";
-anything else a SandboxException carrying the status. So every failure of these routes,
-our coded errors, request validation and the unexpected alike, answers in that shape:
+it: see ``_retry_headers``), 404 on a sandbox route SandboxNotFoundException, 409 on
+pause "already paused"; anything else a SandboxException carrying the status. So every
+failure of these routes, our coded errors, request validation and the unexpected alike,
+answers in that shape:
 
     our code             status   (STATUS_BY_CODE, but:)
     invalid_argument     400      E2B answers a bad request 400, not 422
@@ -69,9 +70,7 @@ def _answer(exc: Exception) -> JSONResponse:
     if isinstance(exc, E2BError):
         return e2b_error(exc.status, exc.message)
     if isinstance(exc, ApiError | NodeError):
-        retry = exc.details.get("retry_after_s")
-        headers = {"Retry-After": str(retry)} if isinstance(retry, int) and retry > 0 else None
-        return e2b_error(status_of(exc.code), scrub(exc.message), headers)
+        return e2b_error(status_of(exc.code), scrub(exc.message), _retry_headers(exc.details))
     if isinstance(exc, RequestValidationError | ValidationError):
         # ValidationError: our own request, made from E2B's, refused it (the template).
         return e2b_error(400, _validation_message(exc))
@@ -79,6 +78,20 @@ def _answer(exc: Exception) -> JSONResponse:
         return e2b_error(exc.status_code, str(exc.detail))
     log.exception("unhandled error on an E2B route", exc_info=exc)
     return e2b_error(500, f"internal error: {type(exc).__name__}")
+
+
+def _retry_headers(details: Mapping[str, Any]) -> dict[str, str]:
+    """The SDK retries a 429, 502, 503 or 504 unless told ``Should-Retry: false``, after
+    ``Retry-After`` seconds if given. An error naming a sandbox left something behind (a
+    create whose sandbox failed is kept in state ``error``): a retry would make another,
+    so it is told not to; a refusal that made nothing (capacity, quota) may be retried."""
+    headers = {}
+    retry = details.get("retry_after_s")
+    if isinstance(retry, int) and not isinstance(retry, bool) and retry > 0:
+        headers["Retry-After"] = str(retry)
+    if details.get("sandbox_id"):
+        headers["Should-Retry"] = "false"
+    return headers
 
 
 def _validation_message(exc: RequestValidationError | ValidationError) -> str:

@@ -20,12 +20,14 @@ The result is checked by the egress parser like any policy (400 naming the bad r
 from __future__ import annotations
 
 import ipaddress
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from space.control.e2b._errors import E2BError
-from space.control.e2b._shapes import E2BNetwork
 
-__all__ = ["ALL_TRAFFIC", "INTERNET", "MAX_NAME_LABELS", "egress_policy"]
+if TYPE_CHECKING:  # _shapes reads policies back with network_info
+    from space.control.e2b._shapes import E2BNetwork
+
+__all__ = ["ALL_TRAFFIC", "INTERNET", "MAX_NAME_LABELS", "egress_policy", "network_info"]
 
 ALL_TRAFFIC = "0.0.0.0/0"
 MAX_NAME_LABELS = 10
@@ -75,3 +77,17 @@ def _rule(entry: str) -> dict[str, str]:
         return {"cidr": str(ipaddress.ip_network(entry))}
     except ValueError:
         return {"domain": entry}
+
+
+def _target(rule: dict[str, Any]) -> str:
+    return str(rule.get("domain") or rule.get("cidr"))
+
+
+def network_info(policy: dict[str, Any] | None) -> tuple[bool, dict[str, list[str]]]:
+    """How E2B reads a sandbox's (canonical) policy: whether it has internet access (all
+    of ``INTERNET``), and ``network`` with the other rules as ``allowOut`` (without
+    internet access, ``denyOut`` is all traffic)."""
+    targets = [_target(rule) for rule in (policy or {}).get("allow", [])]
+    internet = {_target(rule) for rule in INTERNET} <= set(targets)
+    others = [t for t in targets if not internet or t not in {_target(r) for r in INTERNET}]
+    return internet, {"allowOut": others, "denyOut": [] if internet else [ALL_TRAFFIC]}

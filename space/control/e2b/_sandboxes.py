@@ -18,12 +18,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header, Query, Response
 from fastapi.responses import JSONResponse
 
-from space.control import lifecycle
+from space.control import egress, lifecycle
 from space.control.deps import Context, ControlContext, Tenant
 from space.control.e2b._errors import E2BError, E2BRoute
 from space.control.e2b._network import egress_policy
 from space.control.e2b._shapes import (
     E2BConnect,
+    E2BNetworkUpdate,
     E2BNewSandbox,
     E2BPause,
     E2BResume,
@@ -37,6 +38,7 @@ from space.control.e2b._shapes import (
     sandbox_detail,
 )
 from space.control.idempotency import HEADER, idempotency
+from space.control.node_text import scrub
 from space.control.schemas import SandboxCreate
 from space.control.store import repo
 from space.control.store.repo import SandboxRecord
@@ -59,7 +61,8 @@ async def _e2b_sandbox(sandbox_id: str, tenant: Tenant, ctx: Context) -> Sandbox
     if record is None:
         raise E2BError(404, f"sandbox {sandbox_id!r} not found")
     if e2b_state(record) is None:
-        raise E2BError(404, f"sandbox {sandbox_id!r} is {record.state}: {record.error or ''}")
+        why = scrub(record.error or "")  # a node's words, without its internal names
+        raise E2BError(404, f"sandbox {sandbox_id!r} is {record.state}: {why}")
     return record
 
 
@@ -200,8 +203,13 @@ async def get_sandbox(sandbox: E2BSandbox, ctx: Context) -> dict[str, Any]:
 
 
 @router.delete("/sandboxes/{sandbox_id}", status_code=204)
-async def kill_sandbox(sandbox: E2BSandbox, ctx: Context) -> Response:
-    await lifecycle.delete_sandbox(ctx, sandbox)
+async def kill_sandbox(sandbox_id: str, tenant: Tenant, ctx: Context) -> Response:
+    """Delete the sandbox, whatever its state (one E2B does not show, too: an error
+    sandbox is killed as any); 404 once deleted."""
+    record = await ctx.db.run(lambda s: repo.find_sandbox(s, tenant, sandbox_id))
+    if record is None:
+        raise E2BError(404, f"sandbox {sandbox_id!r} not found")
+    await lifecycle.delete_sandbox(ctx, record)
     return Response(status_code=204)
 
 
@@ -232,6 +240,15 @@ async def pause_sandbox(
     if e2b_state(sandbox) == "paused":
         raise E2BError(409, f"sandbox {sandbox.id} is already paused")
     await lifecycle.pause_sandbox(ctx, sandbox)
+    return Response(status_code=204)
+
+
+@router.put("/sandboxes/{sandbox_id}/network", status_code=204)
+async def update_network(body: E2BNetworkUpdate, sandbox: E2BSandbox, ctx: Context) -> Response:
+    """Replace the sandbox's egress policy (space.control.e2b._network), as ``PUT
+    /v1/sandboxes/{id}/egress`` does."""
+    policy = egress_policy(body.allow_internet_access, body.as_network())
+    await egress.set_policy(ctx, sandbox, policy)
     return Response(status_code=204)
 
 

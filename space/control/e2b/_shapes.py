@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from space.control.access_tokens import TokenPurpose, sandbox_token
 from space.control.deps import ControlContext
+from space.control.e2b._network import network_info
 from space.control.store.repo import SandboxRecord
 from space.control.store.snapshots import SnapshotRecord
 from space.limits import MAX_FORK_CHILDREN, MAX_TIMEOUT_S
@@ -35,6 +36,7 @@ __all__ = [
     "E2BConnect",
     "E2BFork",
     "E2BNetwork",
+    "E2BNetworkUpdate",
     "E2BNewSandbox",
     "E2BPause",
     "E2BResume",
@@ -88,6 +90,20 @@ class E2BNetwork(_Body):
     dnsServers: list[str] | None = None
     maskRequestHost: str | None = None
     httpsPorts: list[int] | None = None
+
+
+class E2BNetworkUpdate(_Body):
+    """``PUT /sandboxes/{id}/network``: the whole new configuration (omitted: cleared)."""
+
+    allowOut: list[Annotated[str, Field(max_length=253)]] | None = Field(None, max_length=256)
+    denyOut: list[Annotated[str, Field(max_length=253)]] | None = Field(None, max_length=256)
+    allow_internet_access: bool | None = None
+    rules: dict[str, Any] | None = None
+    egressProxy: dict[str, Any] | None = None
+    dnsServers: list[str] | None = None
+
+    def as_network(self) -> E2BNetwork:
+        return E2BNetwork.model_validate(self.model_dump(exclude={"allow_internet_access"}))
 
 
 class E2BNewSandbox(_Body):
@@ -186,10 +202,12 @@ def listed_sandbox(record: SandboxRecord) -> dict[str, Any]:
 
 def sandbox_detail(ctx: ControlContext, record: SandboxRecord) -> dict[str, Any]:
     """E2B's SandboxDetail."""
+    internet, network = network_info(record.egress)
     return {
         **_common(record),
         "envdAccessToken": sandbox_token(ctx.node_token, record.id, TokenPurpose.ENVD),
-        "allowInternetAccess": None,
+        "allowInternetAccess": internet,
+        "network": network,
         "domain": ctx.settings.sandbox_domain or None,
         "lifecycle": {
             "onTimeout": "pause" if auto_pauses(record) else "kill",

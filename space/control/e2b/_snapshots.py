@@ -96,13 +96,14 @@ async def list_snapshots(
 
 @router.delete("/templates/{template_id}", status_code=204)
 async def delete_snapshot(template_id: str, tenant: Tenant, ctx: Context) -> Response:
-    """Delete one of the tenant's snapshots (idempotent while its row is kept)."""
+    """Delete one of the tenant's snapshots; 404 once deleted (the SDK's False). One
+    whose deletion failed half-way is deleted again."""
     if not SNAPSHOT_ID.fullmatch(template_id):
         raise E2BError(404, f"no snapshot {template_id!r}: SPACE's E2B API deletes only snapshots")
     record = await ctx.db.run(
         lambda s: snaps.find_snapshot(s, tenant, template_id, include_deleted=True)
     )
-    if record is None:
+    if record is None or record.state == snaps.DELETED:
         raise E2BError(404, f"no snapshot {template_id!r}")
     await snapshots.delete_snapshot(ctx, record)
     return Response(status_code=204)
