@@ -83,6 +83,10 @@ sandbox.commands.send_stdin(cat.pid, "piped\\n")
 sandbox.commands.close_stdin(cat.pid)
 cat_result = cat.wait()
 
+big = sandbox.commands.run("head -c 3000000 /dev/urandom | base64 -w 0")
+later = sandbox.commands.run("echo one; sleep 3; echo two", background=True)
+reattached = sandbox.commands.connect(later.pid).wait()
+
 sleeper = sandbox.commands.run("sleep 600", background=True)
 listed = [p.pid for p in sandbox.commands.list()]
 killed = sleeper.kill()
@@ -92,7 +96,7 @@ report({
     "stdout": done.stdout, "stderr": done.stderr, "exit": done.exit_code,
     "callbacks": ["".join(out), "".join(err)], "failed": failed,
     "env": with_env.stdout, "root": as_root.stdout,
-    "cat": cat_result.stdout,
+    "cat": cat_result.stdout, "big": len(big.stdout), "reattached": reattached.stdout,
     "sleeper_listed": sleeper.pid in listed, "killed": killed,
     "killed_again": killed_again, "sleeper_after": sleeper.pid in after,
 })
@@ -107,6 +111,8 @@ report({
         "env": "hi from /tmp as user\n",
         "root": "root\n",
         "cat": "piped\n",
+        "big": 4_000_000,
+        "reattached": "one\ntwo\n",
         "sleeper_listed": True,
         "killed": True,
         "killed_again": False,

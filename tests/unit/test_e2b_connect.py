@@ -215,5 +215,24 @@ async def test_an_idle_stream_gets_keepalives_and_closing_it_closes_its_source()
     assert {"keepalive": {}} in seen[1:3]
     assert await anext(stream) == {"keepalive": {}}  # idle: the source is waiting
     await stream.aclose()  # type: ignore[attr-defined]
-    await source.aclose()  # type: ignore[attr-defined]
+    for _ in range(200):  # the task driving the source closes it, soon
+        if closed:
+            break
+        await asyncio.sleep(0.01)
+    assert closed == [True]
+
+
+async def test_without_keepalives_closing_the_stream_closes_its_source() -> None:
+    closed = []
+
+    async def endless() -> AsyncIterator[dict[str, Any]]:
+        try:
+            while True:
+                yield {}
+        finally:
+            closed.append(True)
+
+    stream = with_keepalives(endless(), {"keepalive": {}}, None)
+    assert await anext(stream) == {}
+    await stream.aclose()  # type: ignore[attr-defined]
     assert closed == [True]

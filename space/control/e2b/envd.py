@@ -297,15 +297,14 @@ async def _server_messages(
     keepalive_s: float | None,
 ) -> AsyncIterator[bytes]:
     """The stream's envelopes: its messages, a keepalive after each idle
-    ``keepalive_s``, then the end-stream envelope (carrying the error, if any)."""
+    ``keepalive_s``, then the end-stream envelope (carrying the error, if any).
+    Closing it closes ``messages`` (with_keepalives owns them)."""
     error: ConnectError | None = None
     try:
         async for message in with_keepalives(messages, keepalive, keepalive_s):
             yield envelope(message)
     except Exception as exc:
         error = _error_of(exc, rpc)
-    finally:
-        await messages.aclose()  # type: ignore[attr-defined]
     yield end_stream(error)
 
 
@@ -323,28 +322,54 @@ async def _one_envelope(receive: Receive) -> Fields:
 async def with_keepalives(
     messages: AsyncIterator[dict[str, Any]], keepalive: dict[str, Any], interval_s: float | None
 ) -> AsyncIterator[dict[str, Any]]:
+    """``messages``, with ``keepalive`` after each ``interval_s`` without one (None:
+    never). Owns ``messages``: closing the result closes it.
+
+    With keepalives, ``messages`` is driven by a task of its own feeding a one-slot
+    queue, so that waiting on it can time out without cancelling it mid-step; closing
+    the result cancels that task, which closes ``messages`` itself (a request's cancel
+    scope, which cancels every await of the request, never reaches it).
+    """
     if interval_s is None:
-        async for message in messages:
-            yield message
+        try:
+            async for message in messages:
+                yield message
+        finally:
+            await messages.aclose()  # type: ignore[attr-defined]
         return
-    pending: asyncio.Future[dict[str, Any]] | None = None
+    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(maxsize=1)
+    producer = asyncio.get_running_loop().create_task(_produce(messages, queue))
+    _PRODUCERS.add(producer)
+    producer.add_done_callback(_PRODUCERS.discard)
     try:
         while True:
-            if pending is None:
-                pending = asyncio.ensure_future(anext(messages))
-            done, _ = await asyncio.wait({pending}, timeout=interval_s)
-            if not done:
+            try:
+                async with asyncio.timeout(interval_s):
+                    kind, value = await queue.get()
+            except TimeoutError:
                 yield keepalive
                 continue
-            try:
-                message = pending.result()
-            except StopAsyncIteration:
+            if kind == "end":
                 return
-            pending = None
-            yield message
+            if kind == "error":
+                raise value
+            yield value
     finally:
-        if pending is not None and not pending.done():
-            # Let the cancelled step finish, so that closing ``messages`` next finds
-            # it idle (not "already running").
-            pending.cancel()
-            await asyncio.wait({pending})
+        producer.cancel()
+
+
+#: The tasks driving streams with keepalives (a reference keeps each alive).
+_PRODUCERS: set[asyncio.Task[None]] = set()
+
+
+async def _produce(
+    messages: AsyncIterator[dict[str, Any]], queue: asyncio.Queue[tuple[str, Any]]
+) -> None:
+    try:
+        async for message in messages:
+            await queue.put(("message", message))
+        await queue.put(("end", None))
+    except Exception as exc:
+        await queue.put(("error", exc))
+    finally:
+        await messages.aclose()  # type: ignore[attr-defined]
