@@ -23,6 +23,7 @@ from fastapi import FastAPI
 
 from space.control import background, broker, e2b
 from space.control.deps import ControlContext, load_or_create_node_token
+from space.control.e2b.envd import EnvdHandler
 from space.control.edges import control_edges
 from space.control.errors import install_error_handlers
 from space.control.nodes import NodeRegistry
@@ -114,5 +115,5 @@ def create_app(
     app.include_router(e2b.router)  # last: its catch-all answers E2B's unknown routes
     app.add_middleware(control_edges)
     # Outermost: a request addressed to a sandbox never reaches the API's edge.
-    app.add_middleware(SandboxTraffic)
+    app.add_middleware(SandboxTraffic, envd=EnvdHandler())
     return app

@@ -12,7 +12,9 @@ control plane translates to spaced (space.control.e2b); any other port is a serv
 the sandbox, reached through spaced (space.control.ports). Each of the two handlers
 authenticates the request itself with the sandbox's token
 (space.control.access_tokens): the id alone opens nothing, and an unknown id is answered
-exactly like a known one with a wrong token, so ids cannot be probed.
+exactly like a known one with a wrong token, so ids cannot be probed. Only a request
+that carries the envd token of a sandbox that is gone hears so (502, ``gone_message``),
+which E2B's SDK needs to tell a killed sandbox from a wrong token.
 
 Everything else passes through to the API untouched.
 """
@@ -28,6 +30,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocketClose
 
+from space.control.access_tokens import TokenPurpose, check_token
 from space.control.deps import ControlContext
 from space.control.store import repo
 from space.control.store.repo import SandboxRecord
@@ -39,6 +42,7 @@ __all__ = [
     "SandboxHandler",
     "SandboxTarget",
     "SandboxTraffic",
+    "gone_message",
     "refuse",
     "target_of",
 ]
@@ -136,12 +140,28 @@ class SandboxTraffic:
             await refuse(scope, receive, send, 502, f"port {target.port} is not served here")
             return
         record = await ctx.db.run(lambda s: repo.sandbox_by_id(s, target.sandbox_id))
+        if record is None and target.port == ENVD_PORT and _proves_envd(ctx, target, scope):
+            # Whoever holds the sandbox's own token may learn that it is gone: E2B's SDK
+            # reads this as "no longer running" (is_running() False).
+            await refuse(scope, receive, send, 502, gone_message(target.sandbox_id))
+            return
         if record is None:
             # The same answer as a wrong token for a sandbox that exists (handlers
             # refuse with UNAUTHORIZED_MESSAGE), so ids cannot be probed.
             await refuse(scope, receive, send, 401, UNAUTHORIZED_MESSAGE)
             return
         await handler(ctx, record, target.port, scope, receive, send)
+
+
+def _proves_envd(ctx: ControlContext, target: SandboxTarget, scope: Scope) -> bool:
+    given = Headers(scope=scope).get("x-access-token")
+    return check_token(ctx.node_token, target.sandbox_id, TokenPurpose.ENVD, given)
+
+
+def gone_message(sandbox_id: str) -> str:
+    """What a sandbox that no longer runs is said to be: E2B's SDK looks for "was not
+    found" to raise SandboxNotRunningException."""
+    return f"sandbox {sandbox_id} was not found"
 
 
 #: What a request with a wrong or missing sandbox token, or for no sandbox, is told.
