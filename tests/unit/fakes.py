@@ -44,6 +44,7 @@ from space.node.api import (
 from tests.unit._fake_archives import FakeArchives, FakeArchiveStore
 from tests.unit._fake_egress import FakeEgress
 from tests.unit._fake_moves import FakeMoves
+from tests.unit._fake_ports import FakePorts
 from tests.unit._fake_stdio import FakeStdio, FakeWatches
 from tests.unit._fake_templates import FakeTemplates
 
@@ -142,7 +143,9 @@ class _Snapshot:
     contents: _Box
 
 
-class FakeNode(FakeTemplates, FakeEgress, FakeMoves, FakeArchives, FakeStdio, FakeWatches):
+class FakeNode(
+    FakeTemplates, FakeEgress, FakeMoves, FakeArchives, FakeStdio, FakeWatches, FakePorts
+):
     """An in-memory NodeService. ``calls`` records (method, sandbox_id) of every call.
 
     ``pools`` and ``capacity`` are what ``info`` reports as the node's warm pools and
@@ -163,6 +166,7 @@ class FakeNode(FakeTemplates, FakeEgress, FakeMoves, FakeArchives, FakeStdio, Fa
         FakeArchives.__init__(self, store)
         FakeStdio.__init__(self)
         FakeWatches.__init__(self)
+        FakePorts.__init__(self)
         self.node_id = node_id
         self.boxes: dict[str, _Box] = {}
         self.calls: list[tuple[str, str]] = []
