@@ -26,6 +26,7 @@ from space.control.deps import ControlContext, load_or_create_node_token
 from space.control.edges import control_edges
 from space.control.errors import install_error_handlers
 from space.control.nodes import NodeRegistry
+from space.control.ports import PortProxy
 from space.control.prometheus import router as prometheus_router
 from space.control.routers import (
     commands,
@@ -113,5 +114,5 @@ def create_app(
     app.include_router(prometheus_router)
     app.add_middleware(control_edges)
     # Outermost: a request addressed to a sandbox never reaches the API's edge.
-    app.add_middleware(SandboxTraffic)
+    app.add_middleware(SandboxTraffic, ports=PortProxy())
     return app

@@ -539,6 +539,7 @@ async def control_app(
     reaper_interval_s: float = 3600.0,
     clock: FakeClock | None = None,
     egress_operator_ranges: tuple[str, ...] = (),
+    sandbox_domain: str = "",
 ) -> AsyncIterator[Harness]:
     """The control plane over a FakeNode (as "local"), lifespan running, with a client,
     on the test's database (``DATABASE_URL``)."""
@@ -549,6 +550,7 @@ async def control_app(
         database_url=DATABASE_URL,
         reaper_interval_s=reaper_interval_s,
         egress_operator_ranges=egress_operator_ranges,
+        sandbox_domain=sandbox_domain,
     )
     if registry is None:
         registry = NodeRegistry()

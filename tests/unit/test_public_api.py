@@ -20,7 +20,7 @@ SDK_NAMES = {
     "AsyncNetwork", "EgressEvent", "EgressLog", "Network", "allow",
     "AsyncSecrets", "SecretBinding", "SecretInfo", "Secrets",
     "AsyncSpace", "Space",
-    "SandboxMetric",
+    "SandboxMetric", "PortsInfo",
 }  # fmt: skip
 
 TOP_NAMES = {

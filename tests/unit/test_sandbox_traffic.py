@@ -76,11 +76,15 @@ async def test_negative_sandbox_traffic_never_reaches_the_api(tmp_path: Path) ->
     async with control_app(tmp_path) as h:
         sandbox = (await h.client.post("/v1/sandboxes", json={}, headers=h.key("acme"))).json()
         # An API route, addressed to a sandbox: it is not the API's, with or without a key.
-        for port in ("8080", str(ENVD_PORT)):
-            headers = {**h.key("acme"), "E2b-Sandbox-Id": sandbox["id"], "E2b-Sandbox-Port": port}
-            answer = await h.client.get("/v1/sandboxes", headers=headers)
-            assert answer.status_code == 502
-            assert answer.json() == {"code": 502, "message": f"port {port} is not served here"}
+        port = str(ENVD_PORT)
+        headers = {**h.key("acme"), "E2b-Sandbox-Id": sandbox["id"], "E2b-Sandbox-Port": port}
+        answer = await h.client.get("/v1/sandboxes", headers=headers)
+        assert answer.status_code == 502
+        assert answer.json() == {"code": 502, "message": f"port {port} is not served here"}
+        # Any other port is space.control.ports': off by default (tests/unit/test_control_ports.py).
+        headers["E2b-Sandbox-Port"] = "8080"
+        answer = await h.client.get("/v1/sandboxes", headers=headers)
+        assert answer.status_code == 403 and "exposes no ports" in answer.json()["message"]
         bad = {"E2b-Sandbox-Id": sandbox["id"], "E2b-Sandbox-Port": "70000"}
         answer = await h.client.get("/v1/sandboxes", headers=bad)
         assert answer.status_code == 400 and answer.json()["code"] == 400

@@ -36,7 +36,7 @@ from space.node.api import (
     PortTunnel,
     Unavailable,
 )
-from space.node.http.websocket import WebSocketClient, WebSocketError, connect_tcp
+from space.node.api.websocket_client import WebSocketClient, WebSocketError, connect_tcp
 
 __all__ = ["EOF_MESSAGE", "RemotePortTunnel", "open_remote_tunnel", "serve_tunnel"]
 
