@@ -16,7 +16,12 @@ import httpx
 import pytest
 
 from space.control.access_tokens import TokenPurpose, sandbox_token
-from space.control.ports import MAX_REQUEST_BODY_BYTES
+from space.control.ports import (
+    MAX_REQUEST_BODY_BYTES,
+    MAX_TUNNELS_PER_SANDBOX,
+    MAX_TUNNELS_PER_TENANT,
+    PortProxy,
+)
 from space.control.sandbox_traffic import UNAUTHORIZED_MESSAGE
 from space.sdk import AsyncSandbox, InvalidArgument
 from tests.unit.fakes import Harness, control_app
@@ -213,3 +218,23 @@ async def test_the_sdk_exposes_ports_and_names_the_host_of_a_port(tmp_path: Path
             finally:
                 await sandbox.kill()
                 await sandbox.close()
+
+
+async def test_negative_connections_past_the_per_sandbox_or_tenant_bound_are_429(
+    tmp_path: Path,
+) -> None:
+    async with control_app(tmp_path) as h:
+        with http_server(tmp_path) as port:
+            sandbox = await _sandbox(h, ports={"enabled": True, "public": True})
+            (proxy,) = [m.kwargs["ports"] for m in h.app.user_middleware if "ports" in m.kwargs]
+            assert isinstance(proxy, PortProxy)
+            proxy.open_by_sandbox[sandbox["id"]] = MAX_TUNNELS_PER_SANDBOX  # as if all open
+            answer = await h.client.get("/", headers=_to(sandbox, port))
+            assert answer.status_code == 429 and "connections to sandbox" in answer.text
+            del proxy.open_by_sandbox[sandbox["id"]]
+            proxy.open_by_tenant["acme"] = MAX_TUNNELS_PER_TENANT
+            answer = await h.client.get("/", headers=_to(sandbox, port))
+            assert answer.status_code == 429 and "tenant's sandboxes" in answer.text
+            del proxy.open_by_tenant["acme"]
+            assert (await h.client.get("/", headers=_to(sandbox, port))).status_code == 200
+            assert not proxy.open_by_sandbox and not proxy.open_by_tenant  # released
