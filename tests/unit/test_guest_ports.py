@@ -31,10 +31,14 @@ async def serving(handler: Handler, host: str = "127.0.0.1") -> AsyncIterator[in
 
 
 async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    while data := await reader.read(65536):
-        writer.write(data)
-        await writer.drain()
-    writer.close()
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except ConnectionError:
+        pass  # the tunnel was closed mid-way
+    finally:
+        writer.close()
 
 
 async def read_all(tunnel: PortTunnel) -> bytes:
@@ -143,16 +147,20 @@ def test_negative_connections_past_the_guest_bound_are_refused_and_freed_on_clos
 
 def test_a_tunnel_does_not_hold_up_exec_on_the_same_channel(tmp_path: Path) -> None:
     async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(b"z" * (8 * 1024 * 1024))  # more than the window: the relay waits
-        await writer.drain()
-        await reader.read()
-        writer.close()
+        try:
+            writer.write(b"z" * (8 * 1024 * 1024))  # more than the window: the relay waits
+            await writer.drain()
+            await reader.read()
+        except ConnectionError:
+            pass  # the tunnel was closed under a blocked write: what the test does
+        finally:
+            writer.close()
 
     async def body(channel: GuestChannel, guest: Guest) -> None:
         async with serving(stall) as port:
             tunnel = await channel.open_port(port)
             await tunnel.read()  # the relay now waits for our credit
-            async with asyncio.timeout(10):
+            async with asyncio.timeout(30):
                 assert (await channel.system_info())["agent"]
             await tunnel.aclose()
 
