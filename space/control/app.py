@@ -27,6 +27,7 @@ from space.control.e2b.envd import EnvdHandler
 from space.control.edges import control_edges
 from space.control.errors import install_error_handlers
 from space.control.nodes import NodeRegistry
+from space.control.ports import PortProxy
 from space.control.prometheus import router as prometheus_router
 from space.control.routers import (
     commands,
@@ -115,5 +116,5 @@ def create_app(
     app.include_router(e2b.router)  # last: its catch-all answers E2B's unknown routes
     app.add_middleware(control_edges)
     # Outermost: a request addressed to a sandbox never reaches the API's edge.
-    app.add_middleware(SandboxTraffic, envd=EnvdHandler())
+    app.add_middleware(SandboxTraffic, envd=EnvdHandler(), ports=PortProxy())
     return app

@@ -137,8 +137,10 @@ _RESUMABLE = frozenset({SandboxState.PAUSED.value, SandboxState.HIBERNATED.value
 
 
 async def live_sandbox(ctx: ControlContext, record: SandboxRecord) -> SandboxRecord:
-    """``record`` running: resumed first if it was paused or hibernated, and marked
-    active. Raises ApiError(conflict) in any other state (and what resuming raises)."""
+    """``record`` running: resumed first if paused or hibernated (within its tenant's
+    quotas), and marked active. Raises ApiError(conflict) in any other state, and what
+    resuming raises. Also for requests that reach a sandbox without the API (envd's
+    translation, space.control.e2b, and space.control.ports)."""
     if record.state in _RESUMABLE:
         # Guest operations resume a paused or hibernated sandbox transparently (the node
         # would too); resuming here first keeps the row's state true, and a wake within

@@ -101,6 +101,25 @@ async def test_create_maps_auto_pause_and_network_options(tmp_path: Path) -> Non
         }
 
 
+async def test_create_turns_ports_on_with_the_token_unless_public_traffic_is_allowed(
+    tmp_path: Path,
+) -> None:
+    async with control_app(tmp_path) as h:
+        headers = _key(h)
+        for network, public in (
+            (None, False),
+            ({"allowPublicTraffic": False}, False),
+            ({"allowPublicTraffic": True}, True),
+        ):
+            extra = {} if network is None else {"network": network}
+            made = await _create(h, headers, **extra)
+            ours = await h.client.get(f"/v1/sandboxes/{made['sandboxID']}", headers=headers)
+            ports = ours.json()["ports"]
+            assert (ports["enabled"], ports["public"]) == (True, public), network
+            # The traffic token E2B's SDK sends to a port is the one our API shows.
+            assert made["trafficAccessToken"] == ports["traffic_token"]
+
+
 async def test_create_reports_the_configured_sandbox_domain(tmp_path: Path) -> None:
     async with control_app(tmp_path) as h:
         h.app.state.ctx.settings = dataclasses.replace(h.settings, sandbox_domain="sb.example")

@@ -77,9 +77,10 @@ async def test_negative_sandbox_traffic_never_reaches_the_api(tmp_path: Path) ->
         sandbox = (await h.client.post("/v1/sandboxes", json={}, headers=h.key("acme"))).json()
         # An API route, addressed to a sandbox: it is not the API's, with or without a key.
         headers = {**h.key("acme"), "E2b-Sandbox-Id": sandbox["id"], "E2b-Sandbox-Port": "8080"}
+        # Any port but envd's is space.control.ports': off by default
+        # (tests/unit/test_control_ports.py).
         answer = await h.client.get("/v1/sandboxes", headers=headers)
-        assert answer.status_code == 502
-        assert answer.json() == {"code": 502, "message": "port 8080 is not served here"}
+        assert answer.status_code == 403 and "exposes no ports" in answer.json()["message"]
         # envd's port takes the sandbox's envd token, never an API key.
         headers["E2b-Sandbox-Port"] = str(ENVD_PORT)
         answer = await h.client.get("/v1/sandboxes", headers=headers)

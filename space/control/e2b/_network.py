@@ -27,7 +27,14 @@ from space.control.e2b._errors import E2BError
 if TYPE_CHECKING:  # _shapes reads policies back with network_info
     from space.control.e2b._shapes import E2BNetwork
 
-__all__ = ["ALL_TRAFFIC", "INTERNET", "MAX_NAME_LABELS", "egress_policy", "network_info"]
+__all__ = [
+    "ALL_TRAFFIC",
+    "INTERNET",
+    "MAX_NAME_LABELS",
+    "egress_policy",
+    "network_info",
+    "public_traffic",
+]
 
 ALL_TRAFFIC = "0.0.0.0/0"
 MAX_NAME_LABELS = 10
@@ -67,8 +74,13 @@ def _refuse_unsupported(network: E2BNetwork) -> None:
     for name in _UNSUPPORTED:
         if getattr(network, name) is not None:
             raise E2BError(400, f"network.{name} is not supported by SPACE")
-    if network.allowPublicTraffic is False:
-        raise E2BError(400, "network.allowPublicTraffic: false is not supported by SPACE")
+
+
+def public_traffic(network: E2BNetwork | None) -> bool:
+    """Whether a sandbox's ports take requests without its traffic token: only when
+    ``network.allowPublicTraffic`` is true. Omitted, E2B applies the project's default;
+    SPACE's is the token (space.control.ports)."""
+    return network is not None and network.allowPublicTraffic is True
 
 
 def _rule(entry: str) -> dict[str, str]:

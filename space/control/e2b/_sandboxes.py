@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from space.control import egress, lifecycle
 from space.control.deps import Context, ControlContext, Tenant
 from space.control.e2b._errors import E2BError, E2BRoute
-from space.control.e2b._network import egress_policy
+from space.control.e2b._network import egress_policy, public_traffic
 from space.control.e2b._shapes import (
     E2BConnect,
     E2BNetworkUpdate,
@@ -88,6 +88,9 @@ def _create_body(body: E2BNewSandbox, settings_default_s: int) -> SandboxCreate:
         # autoPause: no lifetime; hibernated after ``timeout`` seconds idle (see _shapes).
         "timeout_s": None if body.autoPause else timeout,
         "idle_timeout_s": timeout if body.autoPause else None,
+        # E2B's sandbox URLs always reach its ports (get_host, the code interpreter's
+        # 49999); ours require the traffic token unless allowPublicTraffic says public.
+        "ports": {"enabled": True, "public": public_traffic(body.network)},
     }
     if SNAPSHOT_ID.fullmatch(body.templateID):
         fields["from_snapshot"] = body.templateID

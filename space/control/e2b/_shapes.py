@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from space.control.access_tokens import TokenPurpose, sandbox_token
 from space.control.deps import ControlContext
 from space.control.e2b._network import network_info
+from space.control.ports import ports_out
 from space.control.store.repo import SandboxRecord
 from space.control.store.snapshots import SnapshotRecord
 from space.limits import MAX_FORK_CHILDREN, MAX_TIMEOUT_S
@@ -224,7 +225,8 @@ def created_sandbox(ctx: ControlContext, record: SandboxRecord) -> dict[str, Any
         "clientID": record.node_id,
         "envdVersion": ENVD_VERSION,
         "envdAccessToken": sandbox_token(ctx.node_token, record.id, TokenPurpose.ENVD),
-        "trafficAccessToken": sandbox_token(ctx.node_token, record.id, TokenPurpose.TRAFFIC),
+        # None for public ports, as E2B's: nothing to send.
+        "trafficAccessToken": ports_out(ctx, record).traffic_token,
         "domain": ctx.settings.sandbox_domain or None,
     }
 
