@@ -19,6 +19,8 @@ debian_packages=(
   btrfs-progs util-linux
   nftables iproute2
   postgresql
+  # The code interpreter's server, tested on the host too (tests/unit/test_code_interpreter_server.py).
+  python3-ipykernel python3-jupyter-client python3-matplotlib
 )
 missing=()
 for p in "${debian_packages[@]}"; do

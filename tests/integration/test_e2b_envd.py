@@ -21,10 +21,14 @@ from .platform import Platform, running_platform
 
 pytestmark = pytest.mark.vm
 
+#: The platform's --sandbox-domain: what E2B's get_host names (no DNS: the Host header).
+DOMAIN = "e2b.test"
+
 
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
-    with running_platform(tmp_path_factory.mktemp("e2b-envd") / "data") as platform:
+    data_dir = tmp_path_factory.mktemp("e2b-envd") / "data"
+    with running_platform(data_dir, ["--sandbox-domain", DOMAIN]) as platform:
         yield platform
 
 
@@ -313,3 +317,41 @@ def test_the_sdk_needs_no_http_version_setting_over_plain_http(
         env={"E2B_HTTP_VERSION": "1.1"},
     )
     assert one == "ok\n"
+
+
+def test_get_host_reaches_a_server_in_the_sandbox_with_the_traffic_token(
+    platform: Platform, sandbox: dict[str, str]
+) -> None:
+    """E2B's port exposure: a server started by commands.run is reached at
+    ``sandbox.get_host(port)`` through SPACE (the Host header stands in for wildcard
+    DNS), with the create answer's traffic token; without it, refused."""
+    result = _run(
+        platform,
+        sandbox,
+        """
+import os, time
+import httpx
+
+sandbox.files.write("/home/user/site/index.html", "served from the guest")
+sandbox.commands.run(
+    "python3 -m http.server 8000 --directory /home/user/site", background=True, timeout=0
+)
+host = sandbox.get_host(8000)
+url = os.environ["E2B_SANDBOX_URL"]
+token = {"e2b-traffic-access-token": sandbox.traffic_access_token}
+for _ in range(120):
+    answer = httpx.get(url + "/index.html", headers={"Host": host, **token}, timeout=60)
+    if answer.status_code != 502:  # 502: nothing listening yet
+        break
+    time.sleep(0.5)
+refused = httpx.get(url + "/index.html", headers={"Host": host}, timeout=60)
+report({"host": host, "status": answer.status_code, "body": answer.text,
+        "without_token": refused.status_code})
+""",
+    )
+    assert result == {
+        "host": f"8000-{sandbox['id']}.{DOMAIN}",
+        "status": 200,
+        "body": "served from the guest",
+        "without_token": 401,
+    }
