@@ -6,7 +6,8 @@ that the difference is the translation alone:
 - exec round trip of ``true``: ``POST /v1/sandboxes/{id}/exec`` (NDJSON) against E2B's
   ``process.Process/Start`` (Connect, server-streaming) addressed by the
   ``E2b-Sandbox-Id``/``-Port`` headers, on the same sandbox, interleaved;
-- create (to running): ``POST /v1/sandboxes`` against ``POST /v2/sandboxes``;
+- create (to running): ``POST /v1/sandboxes`` against ``POST /v2/sandboxes``, of the
+  same sandbox (E2B's default: internet egress, ports on with the token);
 
 each with a few sandboxes on the node and again with ``--load`` more idle ones, and the
 real SDKs end to end: E2B's ``Sandbox.commands.run`` (in ``.venv-e2b``) against ours.
@@ -35,9 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._platform import Api, embedded_platform, say
 from space import Sandbox
+from space.control.e2b import INTERNET
 from tests.e2b_sdk import E2B_VENV, e2b_environment
-
-_MEMORY_MIB = 256
 
 
 def _p(values: list[float], q: float) -> float:
@@ -74,7 +74,8 @@ class Paths:
         self.e2b_key = {"X-API-KEY": api.key}
 
     def ours_create(self) -> str:
-        body = {"memory_mib": _MEMORY_MIB}
+        """The sandbox E2B's default create makes (space.control.e2b), through /v1."""
+        body = {"timeout_s": 3600, "egress": {"allow": list(INTERNET)}, "ports": {"enabled": True}}
         answer = self.client.post("/v1/sandboxes", json=body, headers=self.key)
         answer.raise_for_status()
         return str(answer.json()["id"])
@@ -186,7 +187,7 @@ def _sdk_rounds(api: Api, runs: int) -> tuple[list[float], list[float]]:
         check=True,
     )
     e2b = [float(value) for value in json.loads(done.stdout.strip().splitlines()[-1])]
-    sandbox = Sandbox.create(api_url=api.url, api_key=api.key, memory_mib=_MEMORY_MIB)
+    sandbox = Sandbox.create(api_url=api.url, api_key=api.key)
     try:
         sandbox.commands.run(["true"])
         ours = [_timed(lambda: sandbox.commands.run(["true"])) for _ in range(runs)]

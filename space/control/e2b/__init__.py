@@ -27,9 +27,17 @@ from space.control.deps import ControlContext
 from space.control.deps import authenticate as authenticate_key
 from space.control.e2b import _sandboxes, _snapshots
 from space.control.e2b._errors import E2BError, E2BRoute, render_refusal
+from space.control.e2b._network import INTERNET
 from space.control.e2b._shapes import ENVD_VERSION
 
-__all__ = ["E2B_ROUTES", "ENVD_VERSION", "authenticate", "render_refusal", "router"]
+__all__ = [
+    "E2B_ROUTES",
+    "ENVD_VERSION",
+    "INTERNET",
+    "authenticate",
+    "render_refusal",
+    "router",
+]
 
 #: The path families of E2B's API (a sandbox's own traffic, to envd, is not here): what
 #: SPACE does not serve of them answers 404 in E2B's shape, after the key is checked.
