@@ -12,6 +12,8 @@ if [ "$(id -u)" -ne 0 ]; then
   exit 1
 fi
 
+# python3-ipykernel and the like: the code interpreter's server (templates/), tested on
+# the host too (tests/unit/test_code_interpreter_server.py).
 debian_packages=(
   python3 python3-venv python3-dev gcc ca-certificates
   qemu-system-x86 qemu-utils
@@ -19,7 +21,6 @@ debian_packages=(
   btrfs-progs util-linux
   nftables iproute2
   postgresql
-  # The code interpreter's server, tested on the host too (tests/unit/test_code_interpreter_server.py).
   python3-ipykernel python3-jupyter-client python3-matplotlib
 )
 missing=()

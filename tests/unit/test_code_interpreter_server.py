@@ -86,9 +86,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
         log.close()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 90  # kernels shut down slowly on a loaded machine
         while any(Path(f"/proc/{pid}").exists() for pid in kernels):
-            assert time.monotonic() < deadline, f"kernels {kernels} outlived the server"
+            assert time.monotonic() < deadline, f"kernels {kernels} outlived the server by 90 s"
             time.sleep(0.2)
 
 
