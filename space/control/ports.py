@@ -88,7 +88,16 @@ _HOP_BY_HOP = frozenset(
         b"upgrade",
     }
 )
-_OURS = frozenset({b"e2b-sandbox-id", b"e2b-sandbox-port", *(h.encode() for h in TOKEN_HEADERS)})
+# The envd token too: e2b-code-interpreter sends it with every request to its port, and
+# it opens the sandbox's own control (space.control.e2b) to whoever holds it.
+_OURS = frozenset(
+    {
+        b"e2b-sandbox-id",
+        b"e2b-sandbox-port",
+        b"x-access-token",
+        *(h.encode() for h in TOKEN_HEADERS),
+    }
+)
 # Handshake headers the WebSocket client makes itself.
 _WS_OWN = frozenset(
     {

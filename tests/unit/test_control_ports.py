@@ -41,6 +41,7 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
         self.send_header("content-length", str(len(answer)))
         self.send_header("x-seen-host", self.headers.get("host", ""))
         self.send_header("x-seen-token", self.headers.get("x-space-traffic-token", "-"))
+        self.send_header("x-seen-envd-token", self.headers.get("x-access-token", "-"))
         self.end_headers()
         self.wfile.write(answer)
 
@@ -112,11 +113,14 @@ async def test_http_reaches_the_server_by_headers_and_by_host_with_the_token(
             answer = await h.client.get("/big.bin", headers=_to(sandbox, port, token))
             assert answer.status_code == 200 and answer.content == big
             host = {"Host": f"{port}-{sandbox['id']}.{DOMAIN}", "e2b-traffic-access-token": token}
-            answer = await h.client.post("/echo?x=1", content=b"hello", headers=host)
+            # e2b-code-interpreter sends the envd token to its port too: never to the guest.
+            envd = {"X-Access-Token": "the-envd-token"}
+            answer = await h.client.post("/echo?x=1", content=b"hello", headers=host | envd)
             assert answer.status_code == 201
             assert answer.content == b"got hello at /echo?x=1"
             assert answer.headers["x-seen-host"] == host["Host"]
             assert answer.headers["x-seen-token"] == "-"  # our headers stay with us
+            assert answer.headers["x-seen-envd-token"] == "-"
             assert ("open_port", sandbox["id"]) in h.node.calls
 
 
