@@ -86,10 +86,19 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
         log.close()
-        deadline = time.monotonic() + 90  # kernels shut down slowly on a loaded machine
-        while any(Path(f"/proc/{pid}").exists() for pid in kernels):
-            assert time.monotonic() < deadline, f"kernels {kernels} outlived the server by 90 s"
+        deadline = time.monotonic() + 30
+        while any(_running(pid) for pid in kernels):
+            assert time.monotonic() < deadline, f"kernels {kernels} outlived the server by 30 s"
             time.sleep(0.2)
+
+
+def _running(pid: int) -> bool:
+    """Alive: neither gone nor a zombie (one an earlier test's subreaper left unreaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _default_ready(url: str) -> bool:
