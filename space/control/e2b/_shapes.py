@@ -79,29 +79,29 @@ class E2BFlag(_Body):
     enabled: bool
 
 
-class E2BNetwork(_Body):
-    """E2B's ``network``. SPACE's egress policy is an allow-list, so ``denyOut`` may only
-    be all traffic (then ``allowOut`` is the whole list)."""
+class _E2BEgress(_Body):
+    """The outbound rules E2B's create and network update both take."""
 
     allowOut: list[Annotated[str, Field(max_length=253)]] | None = Field(None, max_length=256)
     denyOut: list[Annotated[str, Field(max_length=253)]] | None = Field(None, max_length=256)
-    allowPublicTraffic: bool | None = None
     rules: dict[str, Any] | None = None
     egressProxy: dict[str, Any] | None = None
     dnsServers: list[str] | None = None
+
+
+class E2BNetwork(_E2BEgress):
+    """E2B's ``network``. SPACE's egress policy is an allow-list, so ``denyOut`` may only
+    be all traffic (then ``allowOut`` is the whole list)."""
+
+    allowPublicTraffic: bool | None = None
     maskRequestHost: str | None = None
     httpsPorts: list[int] | None = None
 
 
-class E2BNetworkUpdate(_Body):
+class E2BNetworkUpdate(_E2BEgress):
     """``PUT /sandboxes/{id}/network``: the whole new configuration (omitted: cleared)."""
 
-    allowOut: list[Annotated[str, Field(max_length=253)]] | None = Field(None, max_length=256)
-    denyOut: list[Annotated[str, Field(max_length=253)]] | None = Field(None, max_length=256)
     allow_internet_access: bool | None = None
-    rules: dict[str, Any] | None = None
-    egressProxy: dict[str, Any] | None = None
-    dnsServers: list[str] | None = None
 
     def as_network(self) -> E2BNetwork:
         return E2BNetwork.model_validate(self.model_dump(exclude={"allow_internet_access"}))
