@@ -11,7 +11,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
+from space.control.scheduler import rank_nodes
+from space.control.schemas import SandboxCreate
+from space.control.store.nodes import NodeRecord
 from space.node.api import GUEST_CHOICES, InvalidArgument, SandboxSpec, SandboxState
 from space.node.api.wire import decode
 from space.node.core.config import NodeConfig
@@ -169,3 +173,27 @@ def test_negative_root_launches_no_gvisor_sandbox_outside_its_scope(
         os.close(write_end)
     assert not Path("/etc/tree").exists()
     assert not (tmp_path / "node" / "run" / ".runsc" / "bundles" / "gv-1").exists()
+
+
+# the control plane's side
+
+
+def _node(node_id: str, guest_types: list[str] | None) -> NodeRecord:
+    capacity = None if guest_types is None else {"room": 1, "guest_types": guest_types}
+    return NodeRecord(node_id, "u", "active", 1.0, 1.0, capacity)
+
+
+def test_a_sandbox_asking_for_a_guest_type_is_placed_only_where_it_runs() -> None:
+    nodes = [_node("vm-only", ["qemu"]), _node("both", ["qemu", "gvisor"]), _node("old", None)]
+    ids = [n.id for n in nodes]
+    assert rank_nodes(nodes, {}, reachable=ids, guest="gvisor") == ["both", "old"]
+    assert rank_nodes(nodes, {}, reachable=ids, guest="qemu") == ["both", "old", "vm-only"]
+    assert len(rank_nodes(nodes, {}, reachable=ids)) == 3  # auto: any
+
+
+def test_the_create_body_takes_a_guest_choice_and_refuses_others() -> None:
+    assert SandboxCreate.model_validate({}).guest == "auto"
+    assert SandboxCreate.model_validate({"guest": "gvisor"}).guest == "gvisor"
+    for bad in ("xen", "", "GVISOR"):
+        with pytest.raises(ValidationError, match="guest must be one of qemu, gvisor, auto"):
+            SandboxCreate.model_validate({"guest": bad})
