@@ -209,3 +209,25 @@ def test_gvisor_refusals(gvisor_node: NodeHarness) -> None:
             )
         )
     assert _leftovers(h, "gv-bad") == []
+
+
+def test_a_node_restart_stops_its_gvisor_sandboxes_and_keeps_them_in_error(
+    gvisor_node: NodeHarness,
+) -> None:
+    """Its channel was the old node process's socket: the guest cannot be reached again,
+    so it is stopped (no runsc left) and kept, ERROR saying why, until deleted."""
+    h = gvisor_node
+    h.run(h.node.create_sandbox(SandboxSpec("gv-restart", guest="gvisor")))
+    try:
+        bundle = runsc_home(h.config.effective_run_dir) / "bundles" / "gv-restart"
+        assert _runsc_processes(bundle)
+        node = h.restart()
+        status = h.run(node.get_sandbox("gv-restart"))
+        assert status.state == SandboxState.ERROR
+        assert status.error is not None and "does not survive" in status.error
+        assert _runsc_processes(bundle) == []
+        volume = h.config.data_dir / "pool" / "sandboxes" / "gv-restart"
+        assert (volume / "usr" / "bin" / "python3").exists()  # its files are kept
+    finally:
+        h.run(h.node.delete_sandbox("gv-restart"))
+    assert _leftovers(h, "gv-restart") == []

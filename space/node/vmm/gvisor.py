@@ -46,6 +46,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+#: How long a detach waits for a sandbox whose channel closed to end.
+_EXIT_WAIT_S = 5.0
 #: The runsc the root broker runs (Debian's package; space.node.privileged._gvisor).
 RUNSC = "runsc"
 
@@ -119,6 +121,7 @@ class GvisorGuest:
         self._channel: socket.socket | None = channel
         self._exited = asyncio.get_running_loop().create_future()
         self._pidfds: dict[int, int] = {}
+        self._all_exited = asyncio.Event()
 
     @classmethod
     async def launch(cls, cfg: GvisorConfig) -> GvisorGuest:
@@ -171,6 +174,8 @@ class GvisorGuest:
             asyncio.get_running_loop().remove_reader(pidfd)
             os.close(pidfd)
         _reap(pid)
+        if not self._pidfds:
+            self._all_exited.set()
         if pid == self.pid and not self._exited.done():
             self._exited.set_result(None)
 
@@ -202,10 +207,19 @@ class GvisorGuest:
         await self.stop()
 
     async def detach(self) -> None:
-        """Close the channel not taken and drop the exit watches."""
+        """Close the channel not taken and drop the exit watches.
+
+        Once its channel is closed (the node closes, or the caller closed it), spaced
+        ends at EOF and with it the sandbox: its processes are waited for a moment and
+        reaped, or they would stay this process's zombies, which runsc's delete (a
+        restarted node's, in the same process) waits for forever."""
         if self._channel is not None:
             self._channel.close()
             self._channel = None
+        if self._pidfds:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_EXIT_WAIT_S):
+                    await self._all_exited.wait()
         for pid in list(self._pidfds):
             pidfd = self._pidfds.pop(pid)
             asyncio.get_running_loop().remove_reader(pidfd)
@@ -222,11 +236,34 @@ def _reap(pid: int) -> None:
 
 async def stop_by_name(run_root: Path, name: str) -> None:
     """Kill the gVisor sandbox ``name`` whatever this process knows of it (a node
-    restarted: its sandboxes do not survive that yet); idempotent, logs failures."""
+    restarted: its sandboxes do not survive that yet); idempotent, logs failures.
+
+    Its processes may be this process's children still (a node restarted in the same
+    process, as tests do): they are reaped as they exit, or runsc's delete would wait
+    for a zombie."""
+    loop = asyncio.get_running_loop()
+    watched: dict[int, int] = {}
+
+    def exited(pid: int) -> None:
+        pidfd = watched.pop(pid)
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+        _reap(pid)
+
+    bundle = runsc_home(run_root) / "bundles" / name
+    for pid in await asyncio.to_thread(_processes_of, bundle):
+        with contextlib.suppress(OSError):
+            watched[pid] = os.pidfd_open(pid)
+            loop.add_reader(watched[pid], exited, pid)
     try:
         await broker_for(run_root).call(StopGvisor(name=name))
     except NodeError as exc:
         log.error("gVisor sandbox %s: stopping it failed: %s", name, exc)
+    finally:
+        for pid, pidfd in list(watched.items()):
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+            _reap(pid)
 
 
 def _processes_of(bundle: Path) -> list[int]:
