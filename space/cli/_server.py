@@ -82,7 +82,8 @@ EGRESS_RESOLVER_OPTION = click.option(
 def capacity_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """The node's admission settings (space/node/core/capacity.py), passed to NodeConfig
     as ``max_sandboxes``, ``memory_reserve_mib``, ``memory_overcommit``, ``pool_reserve_mib``,
-    ``pool_size_gib``, and its build slots as ``build_slots``."""
+    ``pool_size_gib``, its build slots as ``build_slots``, and what ``auto`` means on a
+    host without KVM as ``guest_without_kvm`` (issue 21)."""
     low, high = MEMORY_RESERVE_MIB
     pool_low, pool_high = POOL_RESERVE_MIB
     options = (
@@ -115,6 +116,12 @@ def capacity_options(command: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--build-slots", type=click.IntRange(min=1), default=DEFAULT_BUILD_SLOTS,
             show_default=True, help="Template builds the node runs at once, shared by tenant.",
+        ),
+        click.option(
+            "--guest-without-kvm", type=click.Choice(["qemu", "gvisor"]), default="qemu",
+            show_default=True,
+            help="The guest type a sandbox asking for 'auto' gets on a host without KVM"
+            " (gvisor: gVisor's runsc; with KVM, 'auto' is always a VM).",
         ),
     )  # fmt: skip
     for option in reversed(options):

@@ -77,17 +77,17 @@ def new_sandbox_id() -> str:
     return "sb-" + secrets.token_hex(12)
 
 
-async def _place(ctx: ControlContext, template: str) -> list[str]:
-    """The nodes to ask for a new sandbox of the node's ``template`` name, in order
-    (space.control.scheduler; ApiError(unavailable) if none is active)."""
+async def _place(ctx: ControlContext, template: str, guest: str = "auto") -> list[str]:
+    """The nodes to ask for a new sandbox of the node's ``template`` name and guest
+    type, in order (space.control.scheduler; ApiError(unavailable) if none is active)."""
 
     def read(session: Session) -> tuple[list[node_rows.NodeRecord], dict[str, int]]:
         return node_rows.list_nodes(session), repo.active_counts(session)
 
     records, load = await ctx.db.run(read)
-    nodes = rank_nodes(records, load, reachable=ctx.nodes.ids(), template=template)
+    nodes = rank_nodes(records, load, reachable=ctx.nodes.ids(), template=template, guest=guest)
     if not nodes:
-        raise ApiError("unavailable", "no node is registered and active to run sandboxes")
+        raise ApiError("unavailable", f"no node is registered and active to run {guest} sandboxes")
     return nodes
 
 
@@ -132,6 +132,7 @@ def _new_record(
         head_snapshot=None if source is None else source.id,
         egress=policy,
         secrets=bindings,
+        guest=body.guest,
     )
 
 
@@ -147,6 +148,7 @@ def _spec(record: SandboxRecord, from_snapshot: str | None = None) -> SandboxSpe
         env={**record.env, **broker.placeholder_env(record.secrets)},
         from_snapshot=from_snapshot,
         egress=record.egress,
+        guest=record.guest,
     )
 
 
@@ -209,7 +211,7 @@ async def _create(
     if source is not None:
         nodes = await snapshot_nodes(ctx, source)
     else:
-        nodes = await _place(ctx, node_name(tenant, parse_ref(body.template).name))
+        nodes = await _place(ctx, node_name(tenant, parse_ref(body.template).name), body.guest)
     timeout_s = body.timeout_s if timeout_given else ctx.settings.default_timeout_s
     if source is None:
         body = await _with_template_defaults(ctx.nodes.get(nodes[0]), tenant, body)

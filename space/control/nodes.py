@@ -14,7 +14,6 @@ from space.node.api import NodeError, NodeInfo, NodeService, TemplateInfo
 from space.node.http.client import RemoteNode, ca_context
 
 __all__ = [
-    "GUEST_TYPES",
     "LIST_TIMEOUT_S",
     "LOCAL_URL",
     "NodeRegistry",
@@ -30,9 +29,6 @@ LOCAL_URL = "local"
 
 #: How long one node may take to list its templates before it is left out.
 LIST_TIMEOUT_S = 10.0
-
-#: The guest types a node of this version runs (issue 21 adds a second).
-GUEST_TYPES = ("qemu",)
 
 #: Builds the NodeService for a remote node from its URL and the node token.
 RemoteFactory = Callable[[str, str], NodeService]
@@ -63,7 +59,7 @@ def capacity_report(info: NodeInfo) -> NodeCapacity | None:
         memory_available_mib=figures.memory_available_mib,
         disk_mib=figures.pool_total_mib,
         disk_free_mib=figures.pool_free_mib,
-        guest_types=list(GUEST_TYPES),
+        guest_types=list(info.guest_types),
         room=figures.room,
         templates=info.templates[:MAX_NODE_TEMPLATES],
         pools={pool.template: pool.size for pool in info.pools[:MAX_NODE_TEMPLATES]},

@@ -6,6 +6,8 @@ Only ``active`` nodes are placed on (not draining, not lost). The order:
 2. where the template already is: a warm pool with a VM waiting, then its ready
    state (a template built on the node);
 3. spread: fewest sandboxes first; ties by id.
+A sandbox asking for a guest type (issue 21) is placed only on nodes that report it
+(or reported nothing yet); ``auto`` on any.
 A node still admits by its own capacity (space/node/core/capacity.py) and refuses with
 InsufficientCapacity when it has no room, and with NotFound when the template has not
 been shipped there yet (space.control.shipping); the control plane then asks the next
@@ -28,6 +30,7 @@ def rank_nodes(
     *,
     reachable: Iterable[str],
     template: str | None = None,
+    guest: str = "auto",
 ) -> list[str]:
     """The ids of the active ``nodes`` among ``reachable`` (this replica can call them),
     in placement order (the module docstring). ``load`` counts live sandboxes per node
@@ -42,5 +45,11 @@ def rank_nodes(
         built = template is not None and template in report.get("templates", ())
         return (full, not pooled, not built, load.get(node.id, 0), node.id)
 
-    chosen = [node for node in nodes if node.state == ACTIVE and node.id in callable_here]
+    def runs(node: NodeRecord) -> bool:
+        offered = (node.capacity or {}).get("guest_types")
+        return guest == "auto" or offered is None or guest in offered
+
+    chosen = [
+        node for node in nodes if node.state == ACTIVE and node.id in callable_here and runs(node)
+    ]
     return [node.id for node in sorted(chosen, key=key)]

@@ -37,6 +37,7 @@ from space.limits import (
     MapLimit,
 )
 from space.node.api import (
+    GUEST_CHOICES,
     EgressEvent,
     FileStat,
     PoolInfo,
@@ -168,6 +169,14 @@ class SandboxCreate(_Body):
     )
     #: Port exposure; omitted: off, or with from_snapshot that of the snapshot's sandbox.
     ports: PortsBody | None = None
+    #: The guest type (issue 21): ``qemu``, ``gvisor`` or ``auto`` (the node's choice).
+    guest: str = "auto"
+
+    @model_validator(mode="after")
+    def _guest_is_a_choice(self) -> SandboxCreate:
+        if self.guest not in GUEST_CHOICES:
+            raise ValueError(f"guest must be one of {', '.join(GUEST_CHOICES)}")
+        return self
 
     @model_validator(mode="after")
     def _resources_come_from_the_snapshot(self) -> SandboxCreate:
@@ -254,6 +263,8 @@ class SandboxOut(BaseModel):
     #: Port exposure (space.control.ports); given by ``of``'s caller, who holds the
     #: domain and the key the token derives from.
     ports: PortsOut = Field(default_factory=PortsOut)
+    #: The guest type asked for at create: ``qemu``, ``gvisor`` or ``auto``.
+    guest: str = "auto"
 
     @classmethod
     def of(cls, record: SandboxRecord, ports: PortsOut | None = None) -> SandboxOut:
@@ -281,6 +292,7 @@ class SandboxOut(BaseModel):
             ],
             archived=record.archive is not None,
             ports=ports or PortsOut(enabled=record.ports != "off", public=record.ports == "public"),
+            guest=record.guest,
         )
 
 

@@ -105,6 +105,8 @@ class SandboxInfo:
     error: str | None = None
     archived: bool = False
     ports: PortsInfo = field(default_factory=PortsInfo)
+    #: The guest type asked for at create: ``qemu``, ``gvisor`` or ``auto``.
+    guest: str = "auto"
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> SandboxInfo:
@@ -130,6 +132,7 @@ class SandboxInfo:
                 error=_optional_str(body, "error"),
                 archived=body.get("archived") is True,
                 ports=PortsInfo.from_wire(body.get("ports")),
+                guest=str(body.get("guest") or "auto"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InternalError(f"malformed sandbox in answer: {exc!r}") from None

@@ -84,6 +84,7 @@ class AsyncSandboxes:
         secrets: Sequence[str] | None = None,
         idempotency_key: str | None = None,
         expose_ports: bool | Literal["public"] | None = None,
+        guest: Literal["qemu", "gvisor", "auto"] | None = None,
     ) -> AsyncSandbox:
         """Create a sandbox and return once it runs.
 
@@ -102,7 +103,10 @@ class AsyncSandboxes:
         ``expose_ports`` lets servers listening in it be reached through the platform
         (``get_host``): True for holders of its ``traffic_token``, ``"public"`` for
         anyone; None or False: nobody (None with ``from_snapshot``: as the snapshot's
-        sandbox). ``set_ports`` changes it later.
+        sandbox). ``set_ports`` changes it later. ``guest`` is its guest type: ``qemu``
+        (a VM with its own kernel), ``gvisor`` (gVisor's application kernel on the host's:
+        faster to start and spawn, a weaker boundary, fewer operations so far) or
+        ``auto`` (None: the node's choice, a VM where KVM works).
 
         Raises InvalidArgument (limits in docs/api.md, a size given with
         ``from_snapshot``, a ``secrets`` that is a string: nothing is sent then; an
@@ -130,6 +134,8 @@ class AsyncSandboxes:
             body["secrets"] = secret_names(secrets)
         if expose_ports is not None:
             body["ports"] = ports_body(expose_ports, "sandbox.create")
+        if guest is not None:
+            body["guest"] = guest
         answer = await self._api.request_json(
             "POST",
             "/v1/sandboxes",
@@ -229,6 +235,7 @@ class AsyncSandbox:
         secrets: Sequence[str] | None = None,
         idempotency_key: str | None = None,
         expose_ports: bool | Literal["public"] | None = None,
+        guest: Literal["qemu", "gvisor", "auto"] | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
         request_timeout_s: float | None = None,
@@ -239,7 +246,7 @@ class AsyncSandbox:
                 template, cpus=cpus, memory_mib=memory_mib, disk_mib=disk_mib,
                 timeout_s=timeout_s, idle_timeout_s=idle_timeout_s, from_snapshot=from_snapshot,
                 env=env, metadata=metadata, egress=egress, secrets=secrets,
-                idempotency_key=idempotency_key, expose_ports=expose_ports,
+                idempotency_key=idempotency_key, expose_ports=expose_ports, guest=guest,
             )  # fmt: skip
 
     @classmethod

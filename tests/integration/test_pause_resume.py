@@ -26,6 +26,7 @@ from space.node.api import (
     SandboxSpec,
     SandboxState,
 )
+from space.node.vmm.qemu import QemuVM
 
 from .conftest import NodeHarness
 from .platform import qemu_pids
@@ -65,7 +66,7 @@ async def _one(data: bytes) -> AsyncIterator[bytes]:
 
 def _qmp_status(h: NodeHarness, sandbox_id: str) -> str:
     vm = h.node._registry.get(sandbox_id).vm
-    assert vm is not None
+    assert isinstance(vm, QemuVM)
     return h.run(vm.query_status())
 
 

@@ -134,6 +134,8 @@ class _Registry:
         self.network = SimpleNamespace(apply=_nothing, trust_after_resume=_nothing)
         self.store = SimpleNamespace(save=lambda record: None)
         self.run_root = Path("/run/space-test")
+        self.accelerator = "tcg"
+        self.guest_types = ["qemu"]
         self.starts = asyncio.Semaphore(4)
         self.destroyed: list[str] = []
         self._locks: dict[str, asyncio.Lock] = {}

@@ -161,6 +161,15 @@ def test_serve_passes_the_build_slots_to_the_node(
     assert default.build_slots == NodeConfig(data_dir=tmp_path).build_slots == 2
 
 
+def test_serve_passes_what_auto_means_without_kvm_to_the_node(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _, config = _serve(monkeypatch, tmp_path, "--guest-without-kvm", "gvisor")
+    assert config.guest_without_kvm == "gvisor"
+    _, default = _serve(monkeypatch, tmp_path)
+    assert default.guest_without_kvm == "qemu"
+
+
 def test_serve_passes_the_pool_size_to_the_node(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

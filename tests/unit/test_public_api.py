@@ -56,6 +56,7 @@ NODE_API_NAMES = {
     "error_line", "event_line", "host_addresses", "host_matches", "ndjson_lines", "normalize_name",
     "parse_ip_literal", "snapshot_archive",
     "MAX_METRICS_SAMPLES", "METRICS_INTERVAL_S", "SandboxMetrics", "EGRESS_DECISIONS",
+    "GUEST_CHOICES", "GUEST_TYPES",
 }  # fmt: skip
 
 

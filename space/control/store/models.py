@@ -152,6 +152,8 @@ class SandboxRow(Base):
     #: Who may reach servers listening in it (issue 20, space.control.ports): "off",
     #: "token" (with its traffic token) or "public".
     ports: Mapped[str] = mapped_column(String(16), server_default="off")
+    #: The guest type asked for (issue 21): "qemu", "gvisor" or "auto".
+    guest: Mapped[str] = mapped_column(String(16), server_default="auto")
 
 
 class SecretRow(Base):

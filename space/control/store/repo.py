@@ -96,6 +96,8 @@ class SandboxRecord:
     archive: str | None = None
     #: Port exposure: PORTS_OFF, PORTS_TOKEN or PORTS_PUBLIC (space.control.ports).
     ports: str = "off"
+    #: The guest type asked for (space.node.api.GUEST_CHOICES; issue 21).
+    guest: str = "auto"
 
     @property
     def max_lifetime_s(self) -> int | None:
@@ -127,6 +129,7 @@ def _record(row: SandboxRow) -> SandboxRecord:
         secrets=_bindings(row.secrets),
         archive=row.archive,
         ports=row.ports,
+        guest=row.guest,
     )
 
 
@@ -152,6 +155,7 @@ def insert_sandbox(session: Session, record: SandboxRecord) -> None:
             egress=record.egress,
             secrets=[binding.to_json() for binding in record.secrets] or None,
             ports=record.ports,
+            guest=record.guest,
         )
     )
 

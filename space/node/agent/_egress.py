@@ -179,9 +179,15 @@ class Egress:
         """Replace the sandbox's egress policy; new connections and DNS follow it at
         once and connections it no longer allows are cut. Persisted first. Raises
         NotFound, InvalidArgument (the policy; the old one stays), Unavailable."""
-        canonical = parse_policy(policy, sandbox_id, self._network.bounds).to_json()
+        parsed = parse_policy(policy, sandbox_id, self._network.bounds)
+        canonical = parsed.to_json()
         async with self._registry.lock(sandbox_id):
             sandbox = self._registry.get(sandbox_id)
+            if sandbox.record.guest != "qemu" and not parsed.closed:
+                raise InvalidArgument(
+                    f"a {sandbox.record.guest} sandbox cannot have egress so far",
+                    sandbox_id=sandbox_id,
+                )
             spec = replace(sandbox.record.spec, egress=canonical)
             sandbox.record = replace(sandbox.record, spec=spec)
             self._registry.store.save(sandbox.record)

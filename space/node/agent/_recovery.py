@@ -22,6 +22,7 @@ from space.node.api import NodeError, SandboxState, Unavailable
 from space.node.core.capacity import volume_limit_mib
 from space.node.core.sandbox import LiveSandbox, kill_strays
 from space.node.core.state import SandboxRecord
+from space.node.vmm.gvisor import stop_by_name
 from space.node.vmm.jail import jail_for
 from space.node.vmm.qemu import QemuVM
 
@@ -82,6 +83,8 @@ async def _recover_one(node: Registry, record: SandboxRecord, say: Say) -> None:
     sandbox = node.live(record)
     if is_hidden(record.sandbox_id):
         await node.destroy(sandbox)  # the node's own VM: a stray, killed already; remade as needed
+    elif record.guest == "gvisor":
+        await _recover_gvisor(node, sandbox, say)
     elif pending is not None and pending.op == "fork":
         say(f"sandbox {sid}: its creation was interrupted; removing it")
         await node.destroy(sandbox)
@@ -106,6 +109,22 @@ async def _recover_one(node: Registry, record: SandboxRecord, say: Say) -> None:
         await node.destroy(sandbox)
     else:
         await _adopt(node, sandbox, record.vmm_pid, say)
+
+
+async def _recover_gvisor(node: Registry, sandbox: LiveSandbox, say: Say) -> None:
+    """A gVisor sandbox's channel was this node process's socket: nothing can talk to
+    its guest any more (issue 21 has no reconnectable transport yet). It is stopped
+    and kept in ERROR, its files in its volume, until deleted; one still creating is
+    removed."""
+    await stop_by_name(node.run_root, Path(sandbox.record.run_dir).name)
+    if sandbox.record.state == SandboxState.CREATING:
+        say(f"sandbox {sandbox.sandbox_id}: its creation was interrupted; removing it")
+        await node.destroy(sandbox)
+        return
+    error = "the node restarted: a gvisor sandbox does not survive that yet"
+    node.store.save(sandbox.mark(SandboxState.ERROR, error=error))
+    node.sandboxes[sandbox.sandbox_id] = sandbox
+    say(f"sandbox {sandbox.sandbox_id}: {error}")
 
 
 async def _adopt(node: Registry, sandbox: LiveSandbox, pid: int, say: Say) -> None:

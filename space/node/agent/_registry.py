@@ -30,6 +30,7 @@ from space.node.core.sandbox import LiveSandbox, vm_config_for
 from space.node.core.state import SandboxRecord, SnapshotStore, StateStore
 from space.node.storage.btrfs import BtrfsPool
 from space.node.vmm.accel import Accelerator
+from space.node.vmm.gvisor import runsc_available, stop_by_name
 
 __all__ = ["Registry"]
 
@@ -55,6 +56,8 @@ class Registry:
         self.catalog = catalog
         self.accelerator = accel
         self.network = network
+        #: The guest types this node runs: QEMU always, gVisor where runsc is installed.
+        self.guest_types = ["qemu", "gvisor"] if runsc_available() else ["qemu"]
         self.run_root = config.effective_run_dir
         self.store = StateStore(config.data_dir / "sandboxes")
         self.snapshots = SnapshotStore(config.data_dir / "snapshots")
@@ -118,6 +121,9 @@ class Registry:
             await sandbox.teardown()
         except NodeError as exc:
             log.error("sandbox %s: stopping its VM failed: %s", sid, exc)
+        if sandbox.record.guest == "gvisor":
+            # Whether or not this process started it (a restarted node's is unknown).
+            await stop_by_name(self.run_root, Path(sandbox.record.run_dir).name)
         await self.network.drop(sid, Path(sandbox.record.run_dir))
         await self.remove_leftovers(sid, volume=sandbox.record.volume)
         shutil.rmtree(sandbox.record.run_dir, ignore_errors=True)  # a pool VM's keeps its name

@@ -30,6 +30,7 @@ from space.node.api import (
 from space.node.core.capacity import Claim, holds_memory, volume_limit_mib
 from space.node.core.sandbox import (
     LiveSandbox,
+    check_memory_ops,
     check_not_held,
     not_allowed,
     settled,
@@ -37,7 +38,14 @@ from space.node.core.sandbox import (
 )
 from space.node.core.state import SandboxRecord
 from space.node.core.template import Template
-from space.node.core.validation import MAX_FORK_CHILDREN, check_compatible, check_id, check_spec
+from space.node.core.validation import (
+    MAX_FORK_CHILDREN,
+    check_compatible,
+    check_id,
+    check_spec,
+    resolve_guest,
+)
+from space.node.vmm.gvisor import ensure_tree
 
 __all__ = ["Sandboxes"]
 
@@ -64,7 +72,15 @@ class Sandboxes:
         """
         registry = self._registry
         template = check_spec(spec, registry.catalog.resolve)
-        parse_policy(spec.egress, spec.sandbox_id, registry.config.egress_bounds)
+        policy = parse_policy(spec.egress, spec.sandbox_id, registry.config.egress_bounds)
+        guest = resolve_guest(
+            spec,
+            kvm=registry.accelerator == "kvm",
+            without_kvm=registry.config.guest_without_kvm,
+            offered=registry.guest_types,
+        )
+        if guest == "gvisor":
+            self._check_gvisor(spec, template, has_egress=not policy.closed)
         snapshot = self._snapshots.compatible(spec) if spec.from_snapshot else None
         lock = registry.lock(spec.sandbox_id)
         async with lock:
@@ -79,7 +95,7 @@ class Sandboxes:
             with registry.admission.claim(
                 {spec.sandbox_id: Claim.sandbox(spec.memory_mib, spec.disk_mib)}
             ):
-                sandbox = self._register(spec, template, lock)
+                sandbox = self._register(spec, template, lock, guest)
                 try:
                     await self._start(sandbox, template, snapshot)
                     await self._network.apply(sandbox)
@@ -92,7 +108,23 @@ class Sandboxes:
                     raise error from exc
             return sandbox.record.status()
 
-    def _register(self, spec: SandboxSpec, template: Template, lock: asyncio.Lock) -> LiveSandbox:
+    def _check_gvisor(self, spec: SandboxSpec, template: Template, *, has_egress: bool) -> None:
+        """What a gVisor sandbox cannot be yet (issue 21): one from a snapshot, with
+        allowed egress (its namespace stays closed), or of a template other than the
+        base (built templates' disks are encrypted images a guest wrote)."""
+        refusal = None
+        if spec.from_snapshot is not None:
+            refusal = "cannot start from a snapshot"
+        elif has_egress:
+            refusal = "cannot have egress (its network stays closed)"
+        elif template.digest != self._registry.catalog.base.digest:
+            refusal = "runs the base template only"
+        if refusal is not None:
+            raise InvalidArgument(f"a gvisor sandbox {refusal} so far", sandbox_id=spec.sandbox_id)
+
+    def _register(
+        self, spec: SandboxSpec, template: Template, lock: asyncio.Lock, guest: str
+    ) -> LiveSandbox:
         registry = self._registry
         record = SandboxRecord(
             spec=spec,
@@ -102,6 +134,7 @@ class Sandboxes:
             run_dir=str(registry.run_root / spec.sandbox_id),
             template_env=dict(template.env),
             workdir=template.workdir,
+            guest=guest,
         )
         sandbox = registry.live(record, lock)
         registry.sandboxes[spec.sandbox_id] = sandbox
@@ -113,7 +146,10 @@ class Sandboxes:
         """Run a registered sandbox: from a snapshot, its template's ready state (a warm
         pool VM if one waits) or a boot."""
         registry = self._registry
-        if snapshot is not None:
+        if sandbox.record.guest == "gvisor":
+            async with registry.starts:
+                await self._boot_gvisor(sandbox, template)
+        elif snapshot is not None:
             image = registry.pool.snapshot_path(snapshot.snapshot_id)
             async with registry.starts:
                 await self._life.create_from_image(sandbox, image, head=snapshot.snapshot_id)
@@ -140,6 +176,25 @@ class Sandboxes:
         await start_command(channel, template, check=False)
         self._store.save(sandbox.mark(SandboxState.RUNNING))
         sandbox.watch(self._registry.on_vm_exit, config.console_max_bytes)
+
+    async def _boot_gvisor(self, sandbox: LiveSandbox, template: Template) -> None:
+        """Start a gVisor sandbox on a clone of its template's directory tree (made
+        once per template, from its plain image); RUNNING once spaced said hello."""
+        registry = self._registry
+        config = registry.config
+        self._store.save(sandbox.record)  # CREATING, before anything exists to clean up
+        tree = registry.pool.root / "gvisor" / template.digest
+        async with registry.lock(f"gvisor-tree/{template.digest}"):
+            await ensure_tree(registry.run_root, config.image_cache_dir / template.digest, tree)
+        await sandbox.launch_gvisor(tree=tree, run_root=registry.run_root)
+        await registry.pool.limit(
+            sandbox.volume, volume_limit_mib(sandbox.record.spec.disk_mib, 0) << 20
+        )
+        self._store.save(sandbox.mark(SandboxState.CREATING))  # now with the pid
+        channel = await sandbox.connect(hello_timeout_s=config.boot_timeout_s)
+        await start_command(channel, template, check=False)
+        self._store.save(sandbox.mark(SandboxState.RUNNING))
+        sandbox.watch(registry.on_vm_exit, config.console_max_bytes)
 
     async def delete_sandbox(self, sandbox_id: str) -> None:
         """Stop the VM and remove volume, sockets and state; idempotent (unknown ids too)."""
@@ -198,6 +253,7 @@ class Sandboxes:
         state = sandbox.record.state
         if state == target:
             return
+        check_memory_ops(_VERBS[target], sandbox)
         check_not_held(_VERBS[target], sandbox)
         if state not in SAVEABLE or (state, target) == (
             SandboxState.HIBERNATED,
@@ -240,6 +296,7 @@ class Sandboxes:
             sandbox = registry.get(sandbox_id)
             snapshot = self._snapshots.find(snapshot_id)
             check_compatible(sandbox.record.spec, snapshot)
+            check_memory_ops("restore", sandbox)
             if sandbox.record.state == SandboxState.CREATING:
                 raise not_allowed("restore", sandbox)
             check_not_held("restore", sandbox)
@@ -268,6 +325,7 @@ class Sandboxes:
         registry = self._registry
         async with registry.lock(sandbox_id):
             parent = registry.get(sandbox_id)
+            check_memory_ops("fork", parent)
             if parent.record.state not in SAVEABLE:
                 raise not_allowed("fork", parent)
             taken = [c for c in ids if c in registry.sandboxes or c == sandbox_id]

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from space.node.agent._registry import Registry
 from space.node.api import Conflict, NotFound, SandboxSpec, SandboxState, SnapshotInfo
-from space.node.core.sandbox import not_allowed, settled
+from space.node.core.sandbox import check_memory_ops, not_allowed, settled
 from space.node.core.validation import check_compatible, check_id
 
 __all__ = ["SAVEABLE", "Snapshots"]
@@ -47,6 +47,7 @@ class Snapshots:
                         f"snapshot {snapshot_id} is of another sandbox", sandbox_id=sandbox_id
                     )
                 return existing
+            check_memory_ops("snapshot", sandbox)
             if sandbox.record.state not in SAVEABLE:
                 raise not_allowed("snapshot", sandbox)
             return await settled(self._registry.life.snapshot(sandbox, snapshot_id))

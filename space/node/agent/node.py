@@ -250,6 +250,7 @@ class Node:
             capacity=capacity,
             archives=self.archives.enabled,
             egress_decisions=await self._gateway.decisions(),
+            guest_types=list(self._registry.guest_types),
         )
 
     # sandboxes (each service documents its calls: raises, idempotence, persistence)

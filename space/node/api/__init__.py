@@ -43,6 +43,8 @@ from space.node.api.errors import (
 from space.node.api.host_addresses import host_addresses
 from space.node.api.interface import (
     EGRESS_DECISIONS,
+    GUEST_CHOICES,
+    GUEST_TYPES,
     MAX_METRICS_SAMPLES,
     MAX_TUNNEL_CHUNK_BYTES,
     METRICS_INTERVAL_S,
@@ -128,6 +130,8 @@ __all__ = [
     "EGRESS_DECISIONS",
     "ERROR_BY_CODE",
     "FILE_STAT_HEADER",
+    "GUEST_CHOICES",
+    "GUEST_TYPES",
     "MAX_BUILD_LOG_BYTES",
     "MAX_EGRESS_LOG_EVENTS",
     "MAX_FORK_CHILDREN",

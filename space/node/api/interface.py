@@ -16,6 +16,8 @@ from typing import Literal, Protocol
 
 __all__ = [
     "EGRESS_DECISIONS",
+    "GUEST_CHOICES",
+    "GUEST_TYPES",
     "MAX_METRICS_SAMPLES",
     "MAX_TUNNEL_CHUNK_BYTES",
     "METRICS_INTERVAL_S",
@@ -75,6 +77,13 @@ class SandboxState(enum.StrEnum):
     LOST = "lost"
 
 
+#: The guest types a sandbox may run as (issue 21): a QEMU VM with its own kernel, or
+#: gVisor's application kernel (runsc) on the host's kernel.
+GUEST_TYPES = ("qemu", "gvisor")
+#: What a spec may ask for: a type, or ``auto`` (the node's choice).
+GUEST_CHOICES = (*GUEST_TYPES, "auto")
+
+
 @dataclass(frozen=True, slots=True)
 class SandboxSpec:
     sandbox_id: str
@@ -91,6 +100,9 @@ class SandboxSpec:
     #: Egress policy as JSON (space.node.api.egress_policy.EgressPolicy.parse); None or no
     #: rules means no network at all, DNS included.
     egress: dict[str, object] | None = None
+    #: The guest type (GUEST_CHOICES): ``qemu`` (a VM with its own kernel), ``gvisor``
+    #: (gVisor's application kernel) or ``auto`` (the node's choice, NodeConfig.guest).
+    guest: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +122,8 @@ class SandboxStatus:
     #: The artifact store's bundle holding the sandbox as it is now, if any (issue 19):
     #: it can be restored from there on another node.
     archive: str | None = None
+    #: The guest type it runs (GUEST_TYPES), ``auto`` resolved.
+    guest: str = "qemu"
 
 
 @dataclass(frozen=True, slots=True)
@@ -559,6 +573,8 @@ class NodeInfo:
     #: The egress gateway's decisions since it started, by kind (``allow``, ``deny``;
     #: back to 0 when the gateway restarts), for the platform's Prometheus counters.
     egress_decisions: dict[str, int] = field(default_factory=dict)
+    #: The guest types this node runs (GUEST_TYPES; ``runsc`` installed for gvisor).
+    guest_types: list[str] = field(default_factory=lambda: ["qemu"])
 
 
 #: Most samples a node keeps per sandbox for ``sandbox_metrics``: with one new sample

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 from space.limits import DEFAULT_BUILD_SLOTS, DEFAULT_MEMORY_OVERCOMMIT, DEFAULT_POOL_SIZE_GIB
-from space.node.api import InvalidArgument, PolicyBounds
+from space.node.api import GUEST_TYPES, InvalidArgument, PolicyBounds
 from space.node.core.capacity import Policy
 from space.node.network.resolvers import parse_resolvers, system_resolvers
 
@@ -123,6 +123,10 @@ class NodeConfig:
     boot_timeout_s: float = 60.0
     run_dir: Path | None = None
     qemu_binary: str = "qemu-system-x86_64"
+    #: The guest type a sandbox asking for ``auto`` gets where KVM does not work
+    #: (issue 21; with KVM, ``auto`` is always ``qemu``): ``qemu`` (TCG: slow, a kernel
+    #: of its own) or ``gvisor`` (fast, gVisor's application kernel on the host's).
+    guest_without_kvm: str = "qemu"
     #: Bytes of serial console kept per sandbox (older output is rotated away).
     console_max_bytes: int = 1 << 20
     #: Make each template's ready state at start (one boot, then kept in the pool), so
@@ -169,6 +173,11 @@ class NodeConfig:
 
     def __post_init__(self) -> None:
         self._check_counts()
+        if self.guest_without_kvm not in GUEST_TYPES:
+            raise InvalidArgument(
+                f"guest_without_kvm must be one of {', '.join(GUEST_TYPES)}, "
+                f"got {self.guest_without_kvm!r}"
+            )
         _ = self.egress_bounds  # a bad operator range raises InvalidArgument here
         ratio = self.memory_overcommit
         if not isinstance(ratio, int | float) or isinstance(ratio, bool) or not 0 < ratio <= 100:

@@ -1,7 +1,11 @@
-"""One sandbox's live parts on the node: its record, QEMU, guest channel and watcher.
+"""One sandbox's live parts on the node: its record, guest, guest channel and watcher.
 
 For the node agent (space.node.agent), which owns the lifecycle and the locking; this
-module knows how to bring a sandbox's VM up, reconnect to it and take it apart.
+module knows how to bring a sandbox's guest up, reconnect to it and take it apart.
+The guest is a QEMU VM (QemuVM) or a gVisor sandbox (GvisorGuest, issue 21): both
+start, give a guest channel, are watched and stop alike; what goes through saved
+memory (pause, hibernate, snapshots, fork, moves) is QEMU's only so far, and
+``check_memory_ops`` refuses it for the others before anything is recorded.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from space.node.core.keys import NodeKeys
 from space.node.core.state import Pending, SandboxRecord
 from space.node.network import netns
 from space.node.vmm.accel import Accelerator
+from space.node.vmm.gvisor import GvisorConfig, GvisorGuest
+from space.node.vmm.gvisor import clone_tree as gvisor_clone
 from space.node.vmm.qemu import QemuVM, VmConfig, console_tail, trim_console
 
 __all__ = [
@@ -30,6 +36,7 @@ __all__ = [
     "NIC_MARKER",
     "STATE_FILE",
     "LiveSandbox",
+    "check_memory_ops",
     "fsync_file",
     "has_nic",
     "hostname_for",
@@ -129,7 +136,7 @@ class LiveSandbox:
     record: SandboxRecord
     config: VmConfig
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    vm: QemuVM | None = None
+    vm: QemuVM | GvisorGuest | None = None
     channel: GuestChannel | None = None
     watcher: asyncio.Task[None] | None = None
     #: The egress CA certificate (PEM) installed in this guest's filesystem, if any.
@@ -185,6 +192,29 @@ class LiveSandbox:
         else:
             config = replace(config, netns=None)
         self.vm = await QemuVM.launch(config, qemu_binary=qemu_binary)
+        return self.vm
+
+    async def launch_gvisor(self, *, tree: Path, run_root: Path) -> GvisorGuest:
+        """Start this sandbox as a gVisor sandbox: its volume a fresh clone of the
+        template's directory ``tree``, in its own network namespace (made here, closed
+        until the egress policy opens it), as QEMU's ``launch`` does for a VM."""
+        record = self.record
+        await gvisor_clone(run_root, tree, self.volume)
+        netns_name = self.config.netns.name if self.config.netns is not None else None
+        if netns_name is not None:
+            await netns.create(self.config.run_dir.parent, netns_name)
+        self.vm = await GvisorGuest.launch(
+            GvisorConfig(
+                name=Path(record.run_dir).name,
+                run_root=run_root,
+                volume=self.volume,
+                netns=netns_name,
+                hostname=hostname_for(record.sandbox_id),
+                cpus=record.spec.cpus,
+                memory_mib=record.spec.memory_mib,
+                log=self.config.console_log,
+            )
+        )
         return self.vm
 
     async def save_state(self) -> int:
@@ -247,7 +277,7 @@ class LiveSandbox:
                 self._kill(vm), name=f"abuse-{self.sandbox_id}"
             )
 
-    async def _kill(self, vm: QemuVM) -> None:
+    async def _kill(self, vm: QemuVM | GvisorGuest) -> None:
         try:
             await vm.kill()
         except NodeError as exc:
@@ -274,6 +304,11 @@ class LiveSandbox:
     def _running_vm(self) -> QemuVM:
         if self.vm is None or not self.vm.alive:
             raise Unavailable("the sandbox's VM is not running", sandbox_id=self.sandbox_id)
+        if not isinstance(self.vm, QemuVM):
+            raise Conflict(
+                f"a {self.record.guest} sandbox has no VM to pause, resume or save",
+                sandbox_id=self.sandbox_id,
+            )
         return self.vm
 
     def watch(self, on_exit: Callable[[LiveSandbox], None], console_max_bytes: int) -> None:
@@ -389,6 +424,18 @@ async def settled(transition: Awaitable[T]) -> T:
         with contextlib.suppress(Exception):  # the cancellation is what the caller gets
             await task
         raise
+
+
+def check_memory_ops(operation: str, sandbox: LiveSandbox) -> None:
+    """Raise Conflict if ``operation`` goes through saved memory (pause, resume,
+    hibernate, snapshot, restore, fork, a move) and the sandbox's guest type has no
+    such path yet (gvisor, issue 21); checked before anything is recorded."""
+    if sandbox.record.guest != "qemu":
+        raise Conflict(
+            f"cannot {operation} sandbox {sandbox.sandbox_id}: "
+            f"a {sandbox.record.guest} sandbox does not support it yet",
+            sandbox_id=sandbox.sandbox_id,
+        )
 
 
 def check_not_held(operation: str, sandbox: LiveSandbox) -> None:

@@ -55,6 +55,9 @@ class SandboxRecord:
     #: space.node.agent._archives): set once a hibernated sandbox's upload landed, and
     #: cleared by any change of state (``with_state``), which makes the bundle stale.
     archive: str | None = None
+    #: The guest type it runs (GUEST_TYPES): the spec's choice with ``auto`` resolved
+    #: by the node when it was created. Records from before issue 21 are QEMU's.
+    guest: str = "qemu"
 
     def __post_init__(self) -> None:
         if not self.volume:
@@ -83,6 +86,7 @@ class SandboxRecord:
             error=self.error,
             head_snapshot=self.head_snapshot,
             archive=self.archive,
+            guest=self.guest,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -113,6 +117,7 @@ class SandboxRecord:
             template_env={str(k): str(v) for k, v in dict(data.get("template_env", {})).items()},
             workdir=data.get("workdir"),
             volume=str(data.get("volume") or ""),
+            guest=str(data.get("guest") or "qemu"),
         )
 
 

@@ -7,13 +7,19 @@ NotFound for a missing template or snapshot) and changes nothing.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from space.limits import MAX_FORK_CHILDREN, RESOURCES
-from space.node.api import InvalidArgument, NodeError, SandboxSpec, SnapshotInfo
+from space.node.api import GUEST_CHOICES, InvalidArgument, NodeError, SandboxSpec, SnapshotInfo
 from space.node.core.template import Template
 
-__all__ = ["MAX_FORK_CHILDREN", "check_compatible", "check_id", "check_spec"]
+__all__ = [
+    "MAX_FORK_CHILDREN",
+    "check_compatible",
+    "check_id",
+    "check_spec",
+    "resolve_guest",
+]
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
@@ -45,7 +51,28 @@ def check_spec(spec: SandboxSpec, resolve: Callable[[str], Template]) -> Templat
     _check_disk(spec, template)
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in spec.env.items()):
         raise InvalidArgument("env must map strings to strings", sandbox_id=spec.sandbox_id)
+    if spec.guest not in GUEST_CHOICES:
+        raise InvalidArgument(
+            f"guest must be one of {', '.join(GUEST_CHOICES)}, got {spec.guest!r}",
+            sandbox_id=spec.sandbox_id,
+        )
     return template
+
+
+def resolve_guest(spec: SandboxSpec, *, kvm: bool, without_kvm: str, offered: Sequence[str]) -> str:
+    """The guest type a sandbox of ``spec`` runs on this node: its own choice, or for
+    ``auto`` QEMU where KVM works and ``without_kvm`` (NodeConfig.guest_without_kvm)
+    where it does not. Raises InvalidArgument if the node does not offer that type.
+    """
+    choice = spec.guest
+    if choice == "auto":
+        choice = "qemu" if kvm else without_kvm
+    if choice not in offered:
+        raise InvalidArgument(
+            f"guest {choice} is not offered by this node (it offers {', '.join(offered)})",
+            sandbox_id=spec.sandbox_id,
+        )
+    return choice
 
 
 def _check_disk(spec: SandboxSpec, template: Template) -> None:

@@ -9,10 +9,11 @@ unknown ops, unknown or missing fields and oversized values. What a request may 
 The set, by concern: the pool (mount, quotas, limits, sizes, subvolume deletion, send
 and receive streams of subvolumes), each
 sandbox's network namespace (make, remove, open or close egress, the gateway's
-listeners), VMM jails (launch, release, sweep, signal) and the egress gateway (start,
-stop). Answers are ``{"id", "ok": true, "value"}`` or ``{"id", "ok": false, "error":
-{"kind", "message"}}``, ``kind`` a NodeError leaf's name, with descriptors (a
-listener pair) on the answer's line.
+listeners), VMM jails (launch, release, sweep, signal), gVisor sandboxes (their
+template trees and clones, launch, stop) and the egress gateway (start, stop).
+Answers are ``{"id", "ok": true, "value"}`` or ``{"id", "ok": false, "error": {"kind",
+"message"}}``, ``kind`` a NodeError leaf's name, with descriptors (a listener pair)
+on the answer's line.
 """
 
 from __future__ import annotations
@@ -30,13 +31,16 @@ __all__ = [
     "AdoptPool",
     "AdoptReceived",
     "BindListeners",
+    "CloneGuestTree",
     "CreateNetns",
     "DeleteNetns",
     "DeleteSubvolume",
     "EnableQuotas",
     "ExclusiveBytes",
+    "LaunchGvisor",
     "LaunchVm",
     "LimitSubvolume",
+    "MakeGuestTree",
     "MountPool",
     "ReceiveSubvolume",
     "ReferencedBytes",
@@ -49,6 +53,7 @@ __all__ = [
     "SignalVm",
     "StartGateway",
     "StopGateways",
+    "StopGvisor",
     "SweepVms",
     "UnmountPool",
     "decode",
@@ -277,6 +282,52 @@ class SignalVm(Request):
     signal: int
 
 
+# gVisor sandboxes (issue 21)
+
+
+@dataclass(frozen=True, slots=True)
+class MakeGuestTree(Request):
+    """Unpack the plain ext4 guest image open as the descriptor on the request's line
+    into the subvolume ``path`` (a directory tree, root's, for gVisor sandboxes); a
+    no-op if it exists."""
+
+    op: ClassVar[str] = "make_guest_tree"
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class CloneGuestTree(Request):
+    """Make the subvolume ``volume`` (absent) a writable snapshot of the tree ``tree``."""
+
+    op: ClassVar[str] = "clone_guest_tree"
+    tree: str
+    volume: str
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchGvisor(Request):
+    """Start the gVisor sandbox ``name`` on the root filesystem ``volume``, its init's
+    stdin and stdout the socket on the request's line, in ``netns`` (None: no network
+    at all); runsc's output goes to ``log``. The value is its runsc sandbox's pid."""
+
+    op: ClassVar[str] = "launch_gvisor"
+    name: str
+    volume: str
+    netns: str | None
+    hostname: str
+    memory_mib: int
+    cpus: int
+    log: str
+
+
+@dataclass(frozen=True, slots=True)
+class StopGvisor(Request):
+    """Kill the gVisor sandbox ``name`` and remove runsc's state of it; idempotent."""
+
+    op: ClassVar[str] = "stop_gvisor"
+    name: str
+
+
 # the egress gateway
 
 
@@ -309,6 +360,7 @@ _REQUESTS: dict[str, type[Request]] = {
         ExclusiveBytes, DeleteSubvolume, SendSubvolume, ReceiveSubvolume, AdoptReceived,
         CreateNetns, DeleteNetns, SetEgress,
         BindListeners, LaunchVm, ReleaseVm, SweepVms, SignalVm, StartGateway, StopGateways,
+        MakeGuestTree, CloneGuestTree, LaunchGvisor, StopGvisor,
     )
 }  # fmt: skip
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from space.node.api import InvalidArgument, NodeError
 from space.node.network.fd_lines import FdLineReader, close_fds, write_line
 from space.node.network.netns import node_prefix
-from space.node.privileged import _gateway, _network, _storage, _streams
+from space.node.privileged import _gateway, _gvisor, _network, _storage, _streams
 from space.node.privileged._jails import Jails, signal_vm
 from space.node.privileged.pinned import Pinned, pin, pin_parent, reopen
 from space.node.privileged.requests import (
@@ -34,13 +34,16 @@ from space.node.privileged.requests import (
     AdoptPool,
     AdoptReceived,
     BindListeners,
+    CloneGuestTree,
     CreateNetns,
     DeleteNetns,
     DeleteSubvolume,
     EnableQuotas,
     ExclusiveBytes,
+    LaunchGvisor,
     LaunchVm,
     LimitSubvolume,
+    MakeGuestTree,
     MountPool,
     ReceiveSubvolume,
     ReferencedBytes,
@@ -53,10 +56,12 @@ from space.node.privileged.requests import (
     SignalVm,
     StartGateway,
     StopGateways,
+    StopGvisor,
     SweepVms,
     UnmountPool,
     decode,
 )
+from space.node.vmm.gvisor import runsc_home
 
 __all__ = ["Broker", "main"]
 
@@ -64,6 +69,9 @@ log = logging.getLogger(__name__)
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 _NETNS_TAIL_RE = re.compile(r"^[0-9a-f]{6}$")
+_HOSTNAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+#: Bounds of one gVisor sandbox's resources (the node's own limits are far below).
+_MAX_CPUS, _MAX_MEMORY_MIB = 256, 1 << 22
 #: The devices a jail may be given besides those every jail has (the broker's own).
 _DEVICES = ("/dev/kvm",)
 #: Requests served at once; more wait to be read (the node serialises little itself).
@@ -102,6 +110,12 @@ class Broker:
             SweepVms: self._sweep_vms,
             StartGateway: self._start_gateway,
             StopGateways: self._stop_gateways,
+            CloneGuestTree: lambda r: _gvisor.clone_tree(
+                self.path(r.tree, below=True), self.path(r.volume, below=True, parent=True)
+            ),
+            StopGvisor: lambda r: _gvisor.remove(
+                self.vm_name(r.name), home=self._gvisor_home(), cgroup=self._gvisor_cgroup(r.name)
+            ),
         }
 
     async def handle(self, request: Request, fds: list[int]) -> Answer:
@@ -115,6 +129,14 @@ class Broker:
                 if len(fds) != 1:
                     raise InvalidArgument(f"{request.op} takes one pipe")
                 return await self._stream(request, fds[0]), []
+            if isinstance(request, MakeGuestTree | LaunchGvisor):
+                if len(fds) != 1:
+                    raise InvalidArgument(f"{request.op} takes one descriptor")
+                if isinstance(request, MakeGuestTree):
+                    target = self.path(request.path, below=True, parent=True)
+                    await _gvisor.make_tree(fds[0], target)
+                    return None, []
+                return await self._launch_gvisor(request, fds[0]), []
             if isinstance(request, SignalVm):
                 if len(fds) != 1:
                     raise InvalidArgument("signal_vm takes one pidfd")
@@ -240,6 +262,47 @@ class Broker:
             stderr_log=self.path(request.stderr_log, below=True, parent=True),
             pid_file=self.path(request.pid_file, below=True, parent=True),
             secrets=request.secrets,
+        )
+
+    def _gvisor_home(self) -> Path:
+        """runsc's state and bundles: root's, in the run root under a name no sandbox
+        id can have."""
+        home = runsc_home(self.scope.run_root)
+        home.mkdir(mode=0o700, exist_ok=True)
+        return home
+
+    def _gvisor_cgroup(self, name: str) -> str:
+        """A gVisor sandbox's cgroup (at the top of each hierarchy, as runsc makes it),
+        named with the node's prefix."""
+        return f"/{self._netns_prefix}gv-{self.vm_name(name)}"
+
+    async def _launch_gvisor(self, request: LaunchGvisor, channel_fd: int) -> int:
+        if not stat.S_ISSOCK(os.fstat(channel_fd).st_mode):
+            raise InvalidArgument("launch_gvisor takes a socket")
+        if not (0 < request.cpus <= _MAX_CPUS and 0 < request.memory_mib <= _MAX_MEMORY_MIB):
+            raise InvalidArgument("a gVisor sandbox has CPUs and memory within bounds")
+        if not _HOSTNAME_RE.match(request.hostname):
+            raise InvalidArgument(f"{request.hostname!r} is not a host name")
+        name = self.vm_name(request.name)
+        volume = self.path(request.volume, below=True)
+        config = _gvisor.oci_config(
+            # Its real path: runsc's processes look it up in namespaces of their own,
+            # where this process's descriptors are not; the pool is the agent's and
+            # root's alone, and the path was checked to hold no link.
+            rootfs=volume.text,
+            hostname=request.hostname,
+            netns=None if request.netns is None else self.netns(request.netns),
+            cpus=request.cpus,
+            memory_mib=request.memory_mib,
+            cgroup=self._gvisor_cgroup(name),
+        )
+        return await _gvisor.launch(
+            name,
+            home=self._gvisor_home(),
+            config=config,
+            channel_fd=channel_fd,
+            log=self.path(request.log, below=True, parent=True),
+            owner=self.scope.owner,
         )
 
     async def _release_vm(self, request: ReleaseVm) -> None:
@@ -368,6 +431,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         with contextlib.suppress(Exception):
             broker.jails.close()
+        _gvisor.release_home(runsc_home(broker.scope.run_root))
         with contextlib.suppress(OSError):  # only once empty: VMs left running keep theirs
             broker.scope.run_root.rmdir()  # its parent is root's: the agent cannot
         sock.close()

@@ -1,0 +1,138 @@
+"""Benchmark of gVisor sandboxes on the node (issue 21), beside their floor.
+
+Starts a Node (as ``space serve`` runs it: the root broker, then the node agent as
+``--user``, ``space`` by default) on a fresh data directory with a loop-file btrfs pool
+and no ready state, and times through the node's own calls:
+- the first gVisor create (its template's directory tree is unpacked then, once);
+- a cold create (clone of the tree, namespace, runsc, spaced's hello) and its first
+  exec of ``true``, together and the create alone;
+- exec of ``true`` on a running gVisor sandbox (the guest channel round trip);
+- delete (runsc gone, volume, namespace, cgroup removed);
+and the floor beside them: ``runsc do /bin/true`` (ptrace platform, no network), a
+sandbox that runs one process and exits, with each figure's ratio to it. Everything is
+removed at the end, also on failure. Usage, as root:
+``.venv/bin/python bench/bench_gvisor.py [--runs 20] [--user space]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._stats import summary
+from space.node.agent import Node
+from space.node.agent.node_user import become_node_user, node_user
+from space.node.api import ExecExited, ExecRequest, SandboxSpec
+from space.node.core.config import NodeConfig
+from tests.integration.conftest import release_data_dir
+
+_FLOOR = "runsc do true (floor)"
+
+
+async def _exec_true(node: Node, sandbox_id: str) -> None:
+    async for event in await node.exec(sandbox_id, ExecRequest(argv=["true"])):
+        if isinstance(event, ExecExited) and event.exit_code != 0:
+            raise RuntimeError(f"true exited with {event.exit_code}")
+
+
+async def bench(node: Node, runs: int) -> dict[str, list[float]]:
+    results: dict[str, list[float]] = {}
+
+    def add(name: str, start: float) -> float:
+        now = time.perf_counter()
+        results.setdefault(name, []).append((now - start) * 1000)
+        return now
+
+    start = time.perf_counter()
+    await node.create_sandbox(SandboxSpec("gv-first", guest="gvisor"))
+    add("first create (tree unpacked)", start)
+    await node.delete_sandbox("gv-first")
+    for i in range(runs):
+        sid = f"gv-{i}"
+        start = time.perf_counter()
+        await node.create_sandbox(SandboxSpec(sid, guest="gvisor"))
+        created = add("cold create", start)
+        await _exec_true(node, sid)
+        add("cold create + first exec true", start)
+        results.setdefault("first exec true", []).append((time.perf_counter() - created) * 1000)
+        start = time.perf_counter()
+        await node.delete_sandbox(sid)
+        add("delete", start)
+    await node.create_sandbox(SandboxSpec("gv-exec", guest="gvisor"))
+    await _exec_true(node, "gv-exec")
+    for _ in range(runs * 5):
+        start = time.perf_counter()
+        await _exec_true(node, "gv-exec")
+        add("exec true (running)", start)
+    await node.delete_sandbox("gv-exec")
+    return results
+
+
+async def run(data_dir: Path, runs: int, user: str) -> dict[str, list[float]]:
+    config = NodeConfig(data_dir=data_dir, pool_size_gib=16, ready_state=False)
+    if user != "root":
+        await become_node_user(config, node_user(user), lambda _msg: None)
+    node = await Node.start(config)
+    try:
+        return await bench(node, runs)
+    finally:
+        await node.shutdown(unmount_pool=True)
+
+
+def floor(runs: int, state: Path) -> list[float]:
+    """``runsc do /bin/true`` wall times in ms: a whole sandbox for one process."""
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        subprocess.run(
+            ["runsc", f"--root={state}", "--platform=ptrace", "--network=none", "do", "/bin/true"],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        times.append((time.perf_counter() - start) * 1000)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--user", default="space", help="the node agent's user")
+    parser.add_argument("--data-dir", type=Path, help=argparse.SUPPRESS)  # the child's
+    args = parser.parse_args()
+    runs = max(args.runs, 5)
+    if args.data_dir is not None:  # the child: the node, its figures on stdout as JSON
+        print(json.dumps(asyncio.run(run(args.data_dir, runs, args.user))))
+        return
+    with tempfile.TemporaryDirectory(prefix="space-bench-gvisor-") as tmp:
+        os.chmod(tmp, 0o711)  # the node agent's user reaches its data dir
+        data_dir = Path(tmp) / "data"
+        command = [sys.executable, __file__, f"--runs={runs}", f"--user={args.user}"]
+        try:
+            child = subprocess.run(
+                [*command, f"--data-dir={data_dir}"], stdout=subprocess.PIPE, check=True
+            )
+        finally:
+            leaked = release_data_dir(data_dir)
+            if leaked:
+                print(f"cleaned up leftovers: {leaked}", file=sys.stderr)
+        results: dict[str, list[float]] = {_FLOOR: floor(runs, Path(tmp) / "runsc")}
+    results |= json.loads(child.stdout)
+    print(f"node agent's user: {args.user}")
+    base = statistics.median(results[_FLOOR])
+    for name, values in results.items():
+        ratio = statistics.median(values) / base
+        print(f"{summary(name, values, 'ms')}  {ratio:6.2f}x the floor")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""gVisor sandboxes on a real node (issue 21): runsc, a btrfs clone of the base
+image's tree, the sandbox's own network namespace; create, exec, files, egress denied,
+what is refused so far, and delete leaving nothing behind.
+
+Its node makes no ready state (no QEMU boots here): gVisor sandboxes need none.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from space.node.api import (
+    Conflict,
+    ExecExited,
+    ExecOutput,
+    ExecRequest,
+    InvalidArgument,
+    SandboxSpec,
+    SandboxState,
+)
+from space.node.core.config import NodeConfig
+from space.node.network import netns
+from space.node.vmm.gvisor import runsc_home
+from tests import logs
+from tests.egress_guest import PROBE, assert_no_answer
+
+from .conftest import NodeHarness, started_node
+
+pytestmark = pytest.mark.vm
+
+
+@pytest.fixture(scope="module")
+def gvisor_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeHarness]:
+    if os.geteuid() != 0:
+        pytest.fail("gVisor sandboxes need root (runsc, btrfs, namespaces): run as root")
+    data_dir = tmp_path_factory.mktemp("gvisor-node")
+    logs.register(data_dir)
+    config = NodeConfig(
+        data_dir=data_dir, pool_size_gib=8, ready_state=False, guest_without_kvm="gvisor"
+    )
+    with started_node(config) as harness:
+        yield harness
+
+
+def _run(h: NodeHarness, sandbox_id: str, request: ExecRequest) -> tuple[str, str, int | None]:
+    async def collect() -> tuple[str, str, int | None]:
+        out, err, code = b"", b"", None
+        async for event in await h.node.exec(sandbox_id, request):
+            if isinstance(event, ExecOutput):
+                if event.stream == "stdout":
+                    out += event.data
+                else:
+                    err += event.data
+            elif isinstance(event, ExecExited):
+                code = event.exit_code
+        return out.decode(), err.decode(), code
+
+    return h.run(collect())
+
+
+async def _chunks(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+def _read(h: NodeHarness, sandbox_id: str, path: str) -> bytes:
+    async def read() -> bytes:
+        reader = await h.node.read_file(sandbox_id, path)
+        try:
+            return b"".join([chunk async for chunk in reader])
+        finally:
+            await reader.aclose()
+
+    return h.run(read())
+
+
+def _runsc_processes(bundle: Path) -> list[int]:
+    marker = f"--bundle={bundle}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if marker in (proc / "cmdline").read_bytes():
+                    found.append(int(proc.name))
+            except OSError:
+                continue
+    return found
+
+
+def _leftovers(h: NodeHarness, sandbox_id: str) -> list[str]:
+    """Everything of a gVisor sandbox that must be gone after its deletion."""
+    run_root = h.config.effective_run_dir
+    home = runsc_home(run_root)
+    bundle = home / "bundles" / sandbox_id
+    left = [f"runsc pid {pid}" for pid in _runsc_processes(bundle)]
+    state = home / "state"
+    if state.is_dir():
+        left += [f"runsc state {p.name}" for p in state.iterdir() if sandbox_id in p.name]
+    name = netns.netns_name(run_root / sandbox_id)
+    cgroup = f"{netns.node_prefix(run_root)}gv-{sandbox_id}"
+    left += [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/{cgroup}")]
+    left += [str(p) for p in Path("/sys/fs/cgroup").glob(cgroup)]
+    for path in (
+        bundle,
+        h.config.data_dir / "pool" / "sandboxes" / sandbox_id,
+        h.config.data_dir / "sandboxes" / f"{sandbox_id}.json",
+        run_root / sandbox_id,
+        netns.netns_path(name),
+    ):
+        if path.exists():
+            left.append(str(path))
+    return left
+
+
+def test_node_offers_gvisor_and_resolves_auto(gvisor_node: NodeHarness) -> None:
+    h = gvisor_node
+    assert h.run(h.node.info()).guest_types == ["qemu", "gvisor"]
+    # This node has no KVM and its config picks gvisor for ``auto``.
+    status = h.run(h.node.create_sandbox(SandboxSpec("gv-auto", guest="auto")))
+    try:
+        assert status.guest == "gvisor"
+        assert status.state == SandboxState.RUNNING
+    finally:
+        h.run(h.node.delete_sandbox("gv-auto"))
+    assert _leftovers(h, "gv-auto") == []
+
+
+def test_gvisor_sandbox_exec_files_egress_and_delete(gvisor_node: NodeHarness) -> None:
+    h = gvisor_node
+    spec = SandboxSpec("gv-basic", guest="gvisor", memory_mib=256, env={"GREETING": "hello"})
+    status = h.run(h.node.create_sandbox(spec))
+    try:
+        assert (status.state, status.guest) == (SandboxState.RUNNING, "gvisor")
+        assert status.vmm_pid is not None and Path(f"/proc/{status.vmm_pid}").exists()
+
+        # exec: streams, exit code, env, the sandbox's user; gVisor's kernel answers.
+        out, err, code = _run(
+            h, "gv-basic", ExecRequest(cmd='echo "$GREETING"; echo oops >&2; id -u; exit 3')
+        )
+        assert (out, err, code) == ("hello\n1000\n", "oops\n", 3)
+        out, _, code = _run(h, "gv-basic", ExecRequest(argv=["dmesg"], user="root"))
+        assert code == 0 and "gVisor" in out
+        out, _, _ = _run(h, "gv-basic", ExecRequest(argv=["hostname"]))
+        assert out.strip() == "gv-basic"
+
+        # files: write, read back, list; the guest sees what was written.
+        data = os.urandom(300_000)
+        h.run(h.node.write_file("gv-basic", "/home/user/blob.bin", _chunks(data)))
+        assert _read(h, "gv-basic", "/home/user/blob.bin") == data
+        names = {entry.name for entry in h.run(h.node.list_dir("gv-basic", "/home/user"))}
+        assert "blob.bin" in names
+        out, _, code = _run(h, "gv-basic", ExecRequest(argv=["sha256sum", "/home/user/blob.bin"]))
+        assert code == 0 and len(out.split()[0]) == 64
+        # The guest's writes land in its own btrfs volume, owned as in the guest.
+        volume = h.config.data_dir / "pool" / "sandboxes" / "gv-basic"
+        assert (volume / "home" / "user" / "blob.bin").read_bytes() == data
+        assert (volume / "home" / "user" / "blob.bin").stat().st_uid == 1000
+
+        # egress: no policy, no network; the namespace's ruleset drops what leaves.
+        probe = PROBE.read_bytes()
+        h.run(h.node.write_file("gv-basic", "/tmp/probe.py", _chunks(probe)))
+        for attempt in (
+            {"kind": "tcp", "address": "198.51.100.7", "port": 80},
+            {"kind": "udp", "address": "198.51.100.7", "port": 53},
+            {"kind": "tcp", "address": "192.0.2.1", "port": 15001},
+            {"kind": "dns", "name": "example.com"},
+        ):
+            out, err, _ = _run(
+                h, "gv-basic", ExecRequest(argv=["python3", "/tmp/probe.py", json.dumps(attempt)])
+            )
+            assert_no_answer(json.loads(out))
+        name = netns.netns_name(h.config.effective_run_dir / "gv-basic")
+        rules = subprocess.run(
+            ["ip", "netns", "exec", name, "nft", "list", "table", "inet", "space"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert "hook output priority filter; policy drop;" in rules
+
+        # What goes through saved memory, or egress, is refused before anything changes.
+        with pytest.raises(Conflict, match="does not support it yet"):
+            h.run(h.node.pause_sandbox("gv-basic"))
+        with pytest.raises(Conflict, match="does not support it yet"):
+            h.run(h.node.snapshot_sandbox("gv-basic", "gv-snap"))
+        with pytest.raises(InvalidArgument, match="cannot have egress"):
+            h.run(h.node.set_egress("gv-basic", {"allow": [{"domain": "example.com"}]}))
+        assert h.run(h.node.get_sandbox("gv-basic")).state == SandboxState.RUNNING
+        out, _, code = _run(h, "gv-basic", ExecRequest(argv=["true"]))
+        assert code == 0
+    finally:
+        h.run(h.node.delete_sandbox("gv-basic"))
+    assert _leftovers(h, "gv-basic") == []
+
+
+def test_gvisor_refusals(gvisor_node: NodeHarness) -> None:
+    h = gvisor_node
+    with pytest.raises(InvalidArgument, match="guest must be one of"):
+        h.run(h.node.create_sandbox(SandboxSpec("gv-bad", guest="firecracker")))
+    with pytest.raises(InvalidArgument, match="cannot have egress"):
+        h.run(
+            h.node.create_sandbox(
+                SandboxSpec("gv-bad", guest="gvisor", egress={"allow": [{"domain": "a.example"}]})
+            )
+        )
+    assert _leftovers(h, "gv-bad") == []
+
+
+def test_a_node_restart_stops_its_gvisor_sandboxes_and_keeps_them_in_error(
+    gvisor_node: NodeHarness,
+) -> None:
+    """Its channel was the old node process's socket: the guest cannot be reached again,
+    so it is stopped (no runsc left) and kept, ERROR saying why, until deleted."""
+    h = gvisor_node
+    h.run(h.node.create_sandbox(SandboxSpec("gv-restart", guest="gvisor")))
+    try:
+        bundle = runsc_home(h.config.effective_run_dir) / "bundles" / "gv-restart"
+        assert _runsc_processes(bundle)
+        node = h.restart()
+        status = h.run(node.get_sandbox("gv-restart"))
+        assert status.state == SandboxState.ERROR
+        assert status.error is not None and "does not survive" in status.error
+        assert _runsc_processes(bundle) == []
+        volume = h.config.data_dir / "pool" / "sandboxes" / "gv-restart"
+        assert (volume / "usr" / "bin" / "python3").exists()  # its files are kept
+    finally:
+        h.run(h.node.delete_sandbox("gv-restart"))
+    assert _leftovers(h, "gv-restart") == []
