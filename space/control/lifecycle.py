@@ -24,7 +24,7 @@ from space.control.errors import ApiError
 from space.control.idempotency import Idempotency
 from space.control.node_text import scrub
 from space.control.scheduler import rank_nodes
-from space.control.schemas import SandboxCreate
+from space.control.schemas import NO_IDLE_HIBERNATE, SandboxCreate
 from space.control.store import nodes as node_rows
 from space.control.store import repo
 from space.control.store import snapshots as snaps
@@ -425,8 +425,11 @@ async def set_timeouts(
 
     ``max_lifetime_s`` counts from creation, so one shorter than the sandbox's age makes
     the reaper delete it at its next round. Takes effect at the reaper's next round.
+    Raises ApiError(invalid_argument) for an idle timeout on a gVisor sandbox.
     """
     idle = changes.get("idle_timeout_s", record.idle_timeout_s)
+    if idle is not None and record.guest == "gvisor":
+        raise ApiError("invalid_argument", NO_IDLE_HIBERNATE)
     lifetime = changes.get("max_lifetime_s", record.max_lifetime_s)
     expires_at = None if lifetime is None else record.created_at + lifetime
     await ctx.db.run(lambda s: repo.set_timeouts(s, record.id, idle, expires_at))
@@ -447,12 +450,14 @@ def check_state(operation: str, record: SandboxRecord, allowed: frozenset[str]) 
 async def record_status(
     ctx: ControlContext, record: SandboxRecord, status: SandboxStatus, *, active: bool = False
 ) -> SandboxRecord:
-    """Store what the node reported (state, error, head snapshot, archive); with
-    ``active``, mark the sandbox active now too. Returns the updated record."""
+    """Store what the node reported (state, error, head snapshot, archive, the guest
+    type ``auto`` resolved to); with ``active``, mark the sandbox active now too.
+    Returns the updated record."""
     now = ctx.clock()
     new = replace(
         record,
         state=status.state.value,
+        guest=status.guest,
         error=status.error,
         head_snapshot=status.head_snapshot,
         archive=status.archive,

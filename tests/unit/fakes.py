@@ -500,6 +500,7 @@ def _status_of(spec: SandboxSpec) -> SandboxStatus:
         spec.disk_mib,
         time.time(),
         vmm_pid=4242,
+        guest="qemu" if spec.guest == "auto" else spec.guest,  # a node with KVM
     )
 
 

@@ -96,7 +96,8 @@ class SandboxRecord:
     archive: str | None = None
     #: Port exposure: PORTS_OFF, PORTS_TOKEN or PORTS_PUBLIC (space.control.ports).
     ports: str = "off"
-    #: The guest type asked for (space.node.api.GUEST_CHOICES; issue 21).
+    #: The guest type (issue 21): as asked for (space.node.api.GUEST_CHOICES) until
+    #: its node reports what ``auto`` resolved to (GUEST_TYPES).
     guest: str = "auto"
 
     @property
@@ -220,6 +221,7 @@ def set_status(session: Session, sandbox_id: str, status: SandboxStatus) -> None
             error=status.error,
             head_snapshot=status.head_snapshot,
             archive=status.archive,
+            guest=status.guest,
         )
     )
 
