@@ -115,13 +115,16 @@ async def _until_started(server: Any) -> None:
 async def ship_origin(source: Node, target: Node, sandbox_id: str) -> Path | None:
     """Copy the template subvolume the source's sandbox ``sandbox_id`` was cloned from
     into the target's pool by a full send/receive, read-only, beside the target's own
-    templates (what template shipping does); its path there, None if it has none."""
+    templates (what template shipping does), once; its path there, None if it has none."""
     sandbox = source._registry.get(sandbox_id)
     volume = source.pool.sandbox_path(sandbox.record.volume)
     origins = _origins(source.pool.root, volume, sandbox.record.template_digest)
     if not origins:
         return None
     origin = sorted(origins.values())[0]
+    shipped = target.pool.root / "templates" / origin.parent.name / f"{origin.name}.shipped"
+    if shipped.exists():  # shipped for an earlier sandbox of the same origin
+        return shipped
     staging = target.pool.root / "incoming" / secrets.token_hex(4)
     staging.mkdir(parents=True)
     received = await receive_stream(
@@ -134,7 +137,6 @@ async def ship_origin(source: Node, target: Node, sandbox_id: str) -> Path | Non
     # Writable to be moved (a read-only subvolume cannot change its parent directory),
     # then read-only again: its received UUID stays.
     await adopt_received(target.pool.broker, received.path, writable=True)
-    shipped = target.pool.root / "templates" / origin.parent.name / f"{origin.name}.shipped"
     received.path.rename(shipped)
     staging.rmdir()
     await run("btrfs", "property", "set", "-ts", str(shipped), "ro", "true")

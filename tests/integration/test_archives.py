@@ -14,7 +14,6 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import boto3
 import pytest
@@ -35,8 +34,11 @@ def s3_endpoint() -> Iterator[str]:
         yield url
 
 
-@pytest.fixture
-def nodes(tmp_path: Path, s3_endpoint: str) -> Iterator[TwoNodes]:
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory, s3_endpoint: str) -> Iterator[TwoNodes]:
+    """Two nodes and a bucket for the module: starting a node makes its ready state (a
+    cold boot), and no test here needs fresh ones (each its own sandbox ids)."""
+    tmp_path = tmp_path_factory.mktemp("archives")
     bucket = f"space-{secrets.token_hex(6)}"
     client = boto3.client(
         "s3",
