@@ -23,10 +23,12 @@ from space.node.api import (
     InvalidArgument,
     SandboxSpec,
     SandboxState,
+    Unavailable,
 )
 from space.node.core.config import NodeConfig
 from space.node.network import netns
-from space.node.vmm.gvisor import runsc_home
+from space.node.privileged._gvisor import ROOTFS
+from space.node.vmm.gvisor import ensure_tree, runsc_home
 from tests import logs
 from tests.egress_guest import PROBE, assert_no_answer
 
@@ -137,6 +139,11 @@ def test_gvisor_sandbox_exec_files_egress_and_delete(gvisor_node: NodeHarness) -
     try:
         assert (status.state, status.guest) == (SandboxState.RUNNING, "gvisor")
         assert status.vmm_pid is not None and Path(f"/proc/{status.vmm_pid}").exists()
+        # runsc is given the volume bind-mounted into its root-only bundle, never a
+        # path in the agent's pool it would look up again.
+        bundle = runsc_home(h.config.effective_run_dir) / "bundles" / "gv-basic"
+        assert json.loads((bundle / "config.json").read_text())["root"]["path"] == ROOTFS
+        assert os.path.ismount(bundle / ROOTFS)
 
         # exec: streams, exit code, env, the sandbox's user; gVisor's kernel answers.
         out, err, code = _run(
@@ -209,6 +216,33 @@ def test_gvisor_refusals(gvisor_node: NodeHarness) -> None:
             )
         )
     assert _leftovers(h, "gv-bad") == []
+
+
+def test_negative_a_link_in_the_way_of_a_tree_s_unpacking_leads_root_nowhere(
+    gvisor_node: NodeHarness, tmp_path: Path
+) -> None:
+    """The agent's image is unpacked as root by names: a link the agent puts where
+    the unpacking happens is refused, and nothing is written through it."""
+    h = gvisor_node
+    images = [p for p in h.config.image_cache_dir.iterdir() if (p / "rootfs.img").is_file()]
+    trees = h.config.data_dir / "pool" / "gvisor"
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (trees / ".attack.unpacking").symlink_to(victim)
+    try:
+        with pytest.raises(Unavailable, match="not a directory of root's"):
+            h.run(ensure_tree(h.config.effective_run_dir, images[0], trees / "attack"))
+        assert list(victim.iterdir()) == [] and not (trees / "attack").exists()
+    finally:
+        (trees / ".attack.unpacking").unlink()
+    # A scratch directory the broker left (root's alone) is taken up again.
+    (trees / ".again.unpacking").mkdir(mode=0o700)
+    h.run(ensure_tree(h.config.effective_run_dir, images[0], trees / "again"))
+    try:
+        assert (trees / "again" / "usr" / "bin" / "python3").exists()
+        assert not (trees / ".again.unpacking").exists()
+    finally:
+        subprocess.run(["btrfs", "subvolume", "delete", str(trees / "again")], check=True)
 
 
 def test_a_node_restart_stops_its_gvisor_sandboxes_and_keeps_them_in_error(

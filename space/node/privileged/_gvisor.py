@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
+import stat
 from pathlib import Path
 
 from space.node.api import InvalidArgument, Unavailable
@@ -37,6 +37,7 @@ from space.node.privileged.pinned import Pinned
 __all__ = [
     "GUEST_PROCESS",
     "OVERHEAD_MIB",
+    "ROOTFS",
     "clone_tree",
     "launch",
     "make_tree",
@@ -80,42 +81,100 @@ _MOUNTS = [
     {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs", "options": ["mode=1777"]},
 ]
 _RUN_TIMEOUT_S = 60.0
+#: The sandbox's root in its bundle: the volume bind-mounted there (``launch``).
+ROOTFS = "rootfs"
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 async def make_tree(image_fd: int, parent: Pinned) -> None:
     """Unpack the ext4 image open as ``image_fd`` into the subvolume ``parent.name``
-    of the directory ``parent`` holds; a no-op if it exists. Built under a temporary
-    name and renamed, so a tree that exists is complete.
+    of the directory ``parent`` holds; a no-op if it exists. What exists is complete:
+    a tree is unpacked elsewhere and renamed into place once checked.
 
     ``debugfs rdump`` reads the image without mounting it and, run as root, keeps
-    every file's owner and mode.
+    every file's owner and mode. It writes by path names, and the image is the agent's,
+    so it unpacks inside a directory of root's alone (0700): the agent can put no link
+    in the way of those writes, in a directory of its own or in a world-writable one
+    of the image (its /tmp) alike.
     """
     assert parent.name is not None
-    final = Path(parent.path)
-    staging = final.with_name(f".{parent.name}.building")
-    if await asyncio.to_thread(final.exists):
+    if await asyncio.to_thread(_exists, parent):
         return
-    if await asyncio.to_thread(staging.exists):
-        await run("btrfs", "subvolume", "delete", str(staging), check=False)
-    await run("btrfs", "subvolume", "create", str(staging))
+    scratch, leftover = await asyncio.to_thread(_root_scratch, parent)
+    staging = Path(f"/proc/{os.getpid()}/fd/{scratch}") / "tree"
     try:
-        out = await run(
-            "debugfs", "-R", f"rdump / {staging}", f"/proc/{os.getpid()}/fd/{image_fd}",
-            timeout_s=300.0,
-        )  # fmt: skip
-        await asyncio.to_thread(_publish, staging, final, out)
-    except BaseException:
-        await run("btrfs", "subvolume", "delete", str(staging), check=False)
-        raise
+        if leftover:  # an unpack cut short (the broker stopped): start again
+            await run("btrfs", "subvolume", "delete", str(staging), check=False)
+        await run("btrfs", "subvolume", "create", str(staging))
+        try:
+            out = await run(
+                "debugfs", "-R", f"rdump / {staging}", f"/proc/{os.getpid()}/fd/{image_fd}",
+                timeout_s=300.0,
+            )  # fmt: skip
+            await asyncio.to_thread(_publish, scratch, parent, out)
+        except BaseException:
+            await run("btrfs", "subvolume", "delete", str(staging), check=False)
+            raise
+    finally:
+        await asyncio.to_thread(_drop_scratch, scratch, parent)
 
 
-def _publish(staging: Path, final: Path, debugfs_out: str) -> None:
-    """Check an unpacked tree and give it its final name (what exists is complete)."""
-    if "rdump:" in debugfs_out or not (staging / "usr" / "bin" / "python3").exists():
+def _exists(parent: Pinned) -> bool:
+    assert parent.name is not None
+    try:
+        os.stat(parent.name, dir_fd=parent.fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _scratch_name(parent: Pinned) -> str:
+    return f".{parent.name}.unpacking"
+
+
+def _root_scratch(parent: Pinned) -> tuple[int, bool]:
+    """A directory of root's alone beside the tree to be, held open, and whether it
+    was there already (only root makes one that is root's: a leftover of ours)."""
+    name = _scratch_name(parent)
+    leftover = False
+    try:
+        os.mkdir(name, 0o700, dir_fd=parent.fd)
+    except FileExistsError:
+        leftover = True
+    try:
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(name, flags, dir_fd=parent.fd)
+    except OSError as exc:  # a link or a file of the agent's in its place
+        raise Unavailable(f"{name} in {parent.text} is not a directory of root's") from exc
+    held = os.fstat(fd)
+    if held.st_uid != 0 or stat.S_IMODE(held.st_mode) != 0o700:
+        os.close(fd)
+        raise Unavailable(f"{name} in {parent.text} is not a directory of root's alone")
+    return fd, leftover
+
+
+def _publish(scratch: int, parent: Pinned, debugfs_out: str) -> None:
+    """Check an unpacked tree and move it to its final name."""
+    assert parent.name is not None
+    if "rdump:" in debugfs_out or not os.path.exists(
+        f"/proc/self/fd/{scratch}/tree/usr/bin/python3"
+    ):
         raise Unavailable(f"unpacking the guest image failed: {debugfs_out[-500:]}")
-    os.chmod(staging, 0o755)
-    os.rename(staging, final)
+    os.chmod("tree", 0o755, dir_fd=scratch)
+    os.rename("tree", parent.name, src_dir_fd=scratch, dst_dir_fd=parent.fd)
+
+
+def _drop_scratch(scratch: int, parent: Pinned) -> None:
+    """Remove the (then empty) scratch directory, if it is still the one made."""
+    try:
+        made = os.fstat(scratch)
+        there = os.stat(_scratch_name(parent), dir_fd=parent.fd, follow_symlinks=False)
+        if (made.st_dev, made.st_ino) == (there.st_dev, there.st_ino):
+            os.rmdir(_scratch_name(parent), dir_fd=parent.fd)
+    except OSError:
+        pass  # gone, moved or not empty: the agent's doing, and nothing of root's is in it
+    finally:
+        os.close(scratch)
 
 
 async def clone_tree(tree: Pinned, volume: Pinned) -> None:
@@ -180,13 +239,20 @@ async def launch(
     *,
     home: Path,
     config: dict[str, object],
+    rootfs: Pinned,
     channel_fd: int,
     log: Pinned,
     owner: tuple[int, int],
 ) -> int:
-    """Start the sandbox ``name`` (``config``: ``oci_config``'s) with ``channel_fd``
-    as its init's stdin and stdout; returns the pid of its runsc sandbox process,
-    which lives as long as the sandbox. ``home`` holds runsc's state and bundles.
+    """Start the sandbox ``name`` (``config``: ``oci_config``'s, its root ``ROOTFS``)
+    on the held volume ``rootfs`` with ``channel_fd`` as its init's stdin and stdout;
+    returns the pid of its runsc sandbox process, which lives as long as the sandbox.
+    ``home`` holds runsc's state and bundles.
+
+    runsc's processes look the root up by name in mount namespaces of their own, where
+    the broker's descriptors are not, and the volume is in the agent's pool: a name
+    there could be swapped for a link to ``/`` after the check. So the held volume is
+    bind-mounted into the bundle, root's alone, and runsc is given that.
     ``log`` must be a file of the agent's (``owner``): runsc's output goes to a file
     the agent reads, never to one root opened for it elsewhere.
     Raises Unavailable (runsc's own words); nothing is left running then.
@@ -196,6 +262,7 @@ async def launch(
     try:
         bundle = home / "bundles" / name
         networked = await asyncio.to_thread(_write_bundle, bundle, config)
+        await run("mount", "--no-canonicalize", "--bind", str(rootfs.path), str(bundle / ROOTFS))
         argv = [
             *runsc_argv(home / "state", networked=networked),
             "run", "--detach", "--pid-file", str(bundle / "pid"), "--bundle", str(bundle), name,
@@ -232,6 +299,7 @@ def _open_log(log: Pinned, owner: tuple[int, int]) -> int:
 def _write_bundle(bundle: Path, config: dict[str, object]) -> bool:
     """Write the bundle; whether the sandbox has a network namespace."""
     bundle.mkdir(mode=0o700, parents=True, exist_ok=True)
+    (bundle / ROOTFS).mkdir(mode=0o700, exist_ok=True)
     (bundle / "config.json").write_text(json.dumps(config))
     (bundle / "pid").unlink(missing_ok=True)
     linux = config["linux"]
@@ -245,13 +313,26 @@ async def remove(name: str, *, home: Path, cgroup: str) -> None:
     state = home / "state"
     if await asyncio.to_thread(state.is_dir):
         await run(*runsc_argv(state, networked=False), "delete", "--force", name, check=False)
-    await asyncio.to_thread(_remove_rest, home / "bundles" / name, cgroup)
+    bundle = home / "bundles" / name
+    if await asyncio.to_thread(os.path.ismount, bundle / ROOTFS):
+        await run("umount", "--no-canonicalize", "--lazy", str(bundle / ROOTFS))
+    await asyncio.to_thread(_remove_rest, bundle, cgroup)
 
 
 def _remove_rest(bundle: Path, cgroup: str) -> None:
     """The bundle, and the cgroup a runsc that failed half-way left (runsc's delete
-    removes it only for a container it made): empty once its processes are gone."""
-    shutil.rmtree(bundle, ignore_errors=True)
+    removes it only for a container it made): empty once its processes are gone.
+
+    The bundle's files one by one, never a tree: its root is the sandbox's volume
+    while mounted there (an unmount that failed leaves the bundle, not a lost volume).
+    """
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(bundle):
+            if entry.is_file(follow_symlinks=False):
+                os.unlink(entry.path)
+    for directory in (bundle / ROOTFS, bundle):
+        with contextlib.suppress(OSError):
+            directory.rmdir()
     relative = cgroup.strip("/")
     for group in (_CGROUP_ROOT / relative, *_CGROUP_ROOT.glob(f"*/{relative}")):
         with contextlib.suppress(OSError):

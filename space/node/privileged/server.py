@@ -286,10 +286,7 @@ class Broker:
         name = self.vm_name(request.name)
         volume = self.path(request.volume, below=True)
         config = _gvisor.oci_config(
-            # Its real path: runsc's processes look it up in namespaces of their own,
-            # where this process's descriptors are not; the pool is the agent's and
-            # root's alone, and the path was checked to hold no link.
-            rootfs=volume.text,
+            rootfs=_gvisor.ROOTFS,
             hostname=request.hostname,
             netns=None if request.netns is None else self.netns(request.netns),
             cpus=request.cpus,
@@ -300,6 +297,7 @@ class Broker:
             name,
             home=self._gvisor_home(),
             config=config,
+            rootfs=volume,
             channel_fd=channel_fd,
             log=self.path(request.log, below=True, parent=True),
             owner=self.scope.owner,
