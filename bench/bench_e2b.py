@@ -12,7 +12,8 @@ that the difference is the translation alone:
 each with a few sandboxes on the node and again with ``--load`` more idle ones, and the
 real SDKs end to end: E2B's ``Sandbox.commands.run`` (in ``.venv-e2b``) against ours.
 Prints medians, p90 and the added milliseconds (target: the translation adds <= 2 ms
-p50). Usage: ``PYTHONPATH=. .venv/bin/python bench/bench_e2b.py [--runs 40] [--load 12]``
+p50), and for execs also the median of each interleaved pair's difference. Usage:
+``PYTHONPATH=. .venv/bin/python bench/bench_e2b.py [--runs 40] [--load 12] [--exec-only]``
 as root. Figures go to docs/benchmarks.md.
 """
 
@@ -52,6 +53,13 @@ def _line(name: str, ours: list[float], e2b: list[float]) -> str:
         f" | e2b p50 {b:8.2f} ms p90 {_p(e2b, 0.9):8.2f}"
         f" | added {b - a:+7.2f} ms ({b / a:.2f}x)"
     )
+
+
+def _paired_line(name: str, ours: list[float], e2b: list[float]) -> str:
+    """The median of each interleaved pair's difference: steadier than the difference of
+    the medians on a loaded machine, where both paths' times swing together."""
+    added = [b - a for a, b in zip(ours, e2b, strict=True)]
+    return f"{name:<30} paired added p50 {statistics.median(added):+7.2f} ms"
 
 
 def _timed(call: Callable[[], object]) -> float:
@@ -201,6 +209,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=40)
     parser.add_argument("--creates", type=int, default=6)
     parser.add_argument("--load", type=int, default=12, help="idle sandboxes for the loaded run")
+    parser.add_argument("--exec-only", action="store_true", help="no creates, no SDKs")
     args = parser.parse_args()
     lines: list[str] = []
     with (
@@ -216,9 +225,15 @@ def main() -> None:
                 say(f"{load} idle sandboxes: exec")
                 ours, e2b = _exec_rounds(paths, args.runs)
                 lines.append(_line(f"exec true, {load} idle", ours, e2b))
+                lines.append(_paired_line(f"exec true, {load} idle", ours, e2b))
+                if args.exec_only:
+                    continue
                 say(f"{load} idle sandboxes: create")
                 ours, e2b = _create_rounds(paths, args.creates)
                 lines.append(_line(f"create, {load} idle", ours, e2b))
+            if args.exec_only:
+                print("\n".join(lines))
+                return
             say("the SDKs end to end")
             for sandbox_id in idle[2:]:
                 paths.delete(sandbox_id)

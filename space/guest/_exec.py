@@ -1,5 +1,9 @@
 """Operation handlers for processes: exec, process.list, process.attach, process.kill,
-process.input and process.resize (docs/protocol.md, "Requests")."""
+process.input and process.resize (docs/protocol.md, "Requests").
+
+An exec with ``background`` and ``follow`` starts a background process and then serves
+its stream as process.attach does, so starting and reading one takes one request (E2B's
+Start, issue 20); cancelling that stream detaches, the process runs on."""
 
 from __future__ import annotations
 
@@ -108,12 +112,18 @@ async def op_exec(
     stream: Stream, fields: Fields, accounts: Accounts, table: ProcessTable
 ) -> dict[str, object]:
     spec = parse_exec(fields, accounts)
+    follow = fields.boolean("follow", False)
+    if follow and not spec.background:
+        raise OpError(ErrorCode.INVALID_ARGUMENT, "follow needs background")
     if spec.background:
         table.reserve()
     proc, io = await spawn(spec)
     process_id = new_process_id()
     if spec.background:
-        table.add(ManagedProcess(process_id, spec, proc, io))
+        managed = ManagedProcess(process_id, spec, proc, io)
+        table.add(managed)
+        if follow:  # subscribed before the loop runs its pumps: no output is missed
+            return await _follow(stream, managed)
         await stream.send_event(_started(process_id, proc.pid))
         return {"ok": True, "process_id": process_id, "pid": proc.pid}
     completed = False
@@ -185,7 +195,12 @@ async def _feed(stream: Stream, writer: asyncio.StreamWriter) -> None:
 
 
 async def op_attach(stream: Stream, fields: Fields, table: ProcessTable) -> dict[str, object]:
-    managed = table.get(fields.string("process_id", max_chars=64))
+    return await _follow(stream, table.get(fields.string("process_id", max_chars=64)))
+
+
+async def _follow(stream: Stream, managed: ManagedProcess) -> dict[str, object]:
+    """EVENT started, the buffered output, live output, both EOFs, then the process's
+    end as RESULT. Cancelled (the host CANCELs, the session ends): the process runs on."""
     subscriber, replay = managed.subscribe()
     stream.on_signal = lambda signum: kill_group(managed.proc.pid, signum)
     try:

@@ -46,6 +46,14 @@ async def run_exec(channel: GuestChannel) -> None:
         pass
 
 
+async def run_follow(channel: GuestChannel) -> None:
+    """A background exec that follows its output on the same stream (E2B's Start)."""
+    stream = await channel.exec(ExecRequest(argv=["x"], background=True, follow=True))
+    await asyncio.sleep(0.2)
+    async for _ in stream:
+        pass
+
+
 async def run_stat(channel: GuestChannel) -> None:
     await channel.stat("x")
 
@@ -94,6 +102,11 @@ def _string_exit_code(guest: FakeGuest, stream: int) -> None:
     guest.send_json(FrameKind.RESULT, stream, result)
 
 
+def _background_start_for_a_follow(guest: FakeGuest, stream: int) -> None:
+    started(guest, stream)  # then the RESULT of an unfollowed background exec: no end
+    guest.send_json(FrameKind.RESULT, stream, {"ok": True, "process_id": "p1", "pid": 7})
+
+
 def _started_twice(guest: FakeGuest, stream: int) -> None:
     started(guest, stream)
     started(guest, stream)
@@ -131,6 +144,17 @@ CASES = [
         "RESULT without ok", run_stat, lambda g, s: g.send_json(FrameKind.RESULT, s, {"x": 1})
     ),
     Misbehaviour("too many events", run_exec, _started_twice),
+    Misbehaviour("a followed exec's DATA beyond credit", run_follow, _beyond_credit),
+    Misbehaviour(
+        "a followed exec's DATA before the started event",
+        run_follow,
+        lambda g, s: g.send(FrameKind.DATA, s, encode_data(Channel.ERROR, b"x")),
+    ),
+    Misbehaviour("a followed exec's wrong-typed exit_code", run_follow, _string_exit_code),
+    Misbehaviour("a followed exec started twice", run_follow, _started_twice),
+    Misbehaviour(
+        "a followed exec ending without an exit", run_follow, _background_start_for_a_follow
+    ),
     Misbehaviour(
         "OPEN from the guest",
         run_stat,

@@ -156,7 +156,8 @@ class FakeNode(
     as the node checks them), ``grant_pushes`` every set_secrets call in order; ``info``
     reports ``boot_id`` (change it to play a restarted node agent). ``scripts`` maps a
     command (``cmd``, or ``argv`` joined with spaces) to the events its exec yields (a
-    background one yields them only to ``attach``); others follow ``_script``.
+    background one yields them only to ``attach``, or when it ``follow``s); others
+    follow ``_script``.
     """
 
     def __init__(self, node_id: str = "local", store: FakeArchiveStore | None = None) -> None:
@@ -181,6 +182,8 @@ class FakeNode(
         self.grants: dict[str, list[SecretGrant]] = {}
         self.grant_pushes: list[tuple[str, list[SecretGrant]]] = []
         self.scripts: dict[str, list[ExecEvent | NodeError]] = {}
+        #: Every request exec was given, in order.
+        self.exec_requests: list[ExecRequest] = []
         #: What ``info`` reports as the egress gateway's decision counts.
         self.egress_decisions: dict[str, int] = {}
         #: Each sandbox's kept metrics samples, as the node's (sandbox_metrics).
@@ -384,6 +387,9 @@ class FakeNode(
 
     async def exec(self, sandbox_id: str, request: ExecRequest) -> FakeExecStream:
         box = self._box("exec", sandbox_id)
+        self.exec_requests.append(request)
+        if request.follow and not request.background:
+            raise InvalidArgument("follow needs background", sandbox_id=sandbox_id)
         if request.cwd is not None and request.cwd not in box.dirs:
             raise NotFound(f"no directory {request.cwd}", sandbox_id=sandbox_id)
         process_id = f"p{len(box.processes) + 1}"
@@ -403,7 +409,8 @@ class FakeNode(
         )
         self._stdio_started(sandbox_id, process_id, request)
         box.processes[process_id] = (info, events)
-        stream = FakeExecStream(info.pid, process_id, [] if request.background else events)
+        silent = request.background and not request.follow
+        stream = FakeExecStream(info.pid, process_id, [] if silent else events)
         self.streams.append(stream)
         return stream
 

@@ -116,7 +116,7 @@ async def test_health_answers_204_and_an_unknown_route_404(tmp_path: Path) -> No
         assert answer.status_code == 404 and answer.json()["code"] == 404
 
 
-async def test_start_streams_start_data_and_end_of_a_background_process_read_by_attach(
+async def test_start_streams_start_data_and_end_of_a_background_process_in_one_exec(
     tmp_path: Path,
 ) -> None:
     async with _envd(tmp_path) as envd:
@@ -139,10 +139,10 @@ async def test_start_streams_start_data_and_end_of_a_background_process_read_by_
             (0, {"event": {"end": {"exitCode": 3, "exited": True, "status": "exit status 3"}}}),
             (2, {}),
         ]
-        assert [c[0] for c in envd.h.node.calls if c[0] in ("exec", "attach")] == [
-            "exec",
-            "attach",
-        ]
+        # One guest request: a background exec that follows its output, no attach.
+        assert [c[0] for c in envd.h.node.calls if c[0] in ("exec", "attach")] == ["exec"]
+        (started,) = envd.h.node.exec_requests
+        assert started.background and started.follow and started.tag == "job-1"
         assert (envd.sandbox_id, "p1") in envd.h.node.stdin  # open_stdin
 
 

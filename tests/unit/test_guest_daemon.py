@@ -390,6 +390,7 @@ def test_negative_a_stopped_spaced_fails_a_waiting_request_after_the_silence_tim
         {"op": "file.stat", "path": "a\u0000b"},
         {"op": "file.remove", "path": "/"},
         {"op": "process.kill", "process_id": "p1", "signal": 99},
+        {"op": "exec", "cmd": "true", "follow": True},  # follow without background
         {"op": "no.such.op"},
     ],
     ids=lambda fields: str(sorted(fields.items()))[:60],

@@ -77,6 +77,64 @@ def test_stdin_reaches_a_background_process_and_its_output_is_buffered(tmp_path:
     run_with_channel(tmp_path, body)
 
 
+def test_a_followed_background_exec_streams_its_output_and_end_on_one_request(
+    tmp_path: Path,
+) -> None:
+    async def body(channel: GuestChannel, guest: Guest) -> None:
+        request = ExecRequest(
+            cmd="cat; echo err >&2; exit 4",
+            open_stdin=True,
+            background=True,
+            follow=True,
+            tag="followed",
+        )
+        stream = await channel.exec(request)
+        (info,) = await channel.list_processes()  # a background process like any other
+        assert (info.process_id, info.pid, info.tag) == (stream.process_id, stream.pid, "followed")
+        assert info.running
+        assert await channel.write_stdin(stream.process_id, b"hi", eof=True) == 2
+        out, err, exited = await finish(stream)
+        assert (out, err, exited) == (b"hi", b"err\n", ExecExited(4, None, False))
+
+    run_with_channel(tmp_path, body)
+
+
+def test_closing_a_followed_exec_detaches_and_the_process_runs_on(tmp_path: Path) -> None:
+    async def body(channel: GuestChannel, guest: Guest) -> None:
+        request = ExecRequest(
+            cmd='echo one; read line; echo "$line"; sleep 30',
+            open_stdin=True,
+            background=True,
+            follow=True,
+        )
+        stream = await channel.exec(request)
+        await read_until(stream, b"one\n", bytearray())
+        await stream.aclose()
+        await asyncio.sleep(0.3)
+        (info,) = await channel.list_processes()
+        assert info.process_id == stream.process_id and info.running
+        assert await channel.write_stdin(stream.process_id, b"two\n") == 4
+        attached = await channel.attach(stream.process_id)
+        await read_until(attached, b"one\ntwo\n", bytearray())  # replay, then live
+        await channel.kill_process(stream.process_id, 15)
+        _, _, exited = await finish(attached)
+        assert exited.signal == 15
+
+    run_with_channel(tmp_path, body)
+
+
+def test_negative_follow_without_background_is_refused_and_starts_nothing(
+    tmp_path: Path,
+) -> None:
+    async def body(channel: GuestChannel, guest: Guest) -> None:
+        with pytest.raises(InvalidArgument, match="follow needs background"):
+            await channel.exec(ExecRequest(cmd="touch made", follow=True))
+        assert await channel.list_processes() == []
+        assert not (tmp_path / "made").exists()
+
+    run_with_channel(tmp_path, body)
+
+
 def test_negative_stdin_to_unknown_finished_or_closed_processes_is_refused(
     tmp_path: Path,
 ) -> None:

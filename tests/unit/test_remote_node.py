@@ -160,6 +160,21 @@ async def test_exec_streams_events_and_closing_reaches_the_node() -> None:
         assert info.signal == 15 and not info.running
 
 
+async def test_a_followed_background_exec_crosses_the_wire_and_streams_its_events() -> None:
+    node = FakeNode()
+    async with remote(node) as client:
+        await client.create_sandbox(SandboxSpec("sb-1"))
+        node.scripts["x"] = [ExecOutput("stdout", b"out"), ExecExited(0, None)]
+        request = ExecRequest(cmd="x", background=True, follow=True, tag="t")
+        stream = await client.exec("sb-1", request)
+        events = [event async for event in stream]
+        await stream.aclose()
+        assert node.exec_requests == [request]
+        assert events == [ExecOutput("stdout", b"out"), ExecExited(0, None)]
+        (info,) = await client.list_processes("sb-1")
+        assert info.process_id == stream.process_id and info.tag == "t"
+
+
 async def test_an_error_midway_is_raised_from_the_stream() -> None:
     node = FakeNode()
     async with remote(node) as client:

@@ -1,13 +1,14 @@
 """envd's ``process.Process`` service, translated to our guest's process operations.
 
 E2B names a process by its pid (or a tag); we name it by a process id. Every process is
-started as our *background* process and its output read by attaching to it: as in envd,
-a process outlives the stream that started it (a client that goes away leaves it
-running; ``Connect`` attaches again), and the stream's deadline (``Connect-Timeout-Ms``)
-is the process's timeout. Only running processes are found by pid or tag, so signalling
-one that has ended answers not_found (the SDK's ``kill`` then returns False).
+started as our *background* process whose output the same guest request streams
+(``follow``: one round trip, issue 20): as in envd, a process outlives the stream that
+started it (a client that goes away leaves it running; ``Connect`` attaches again), and
+the stream's deadline (``Connect-Timeout-Ms``) is the process's timeout. Only running
+processes are found by pid or tag, so signalling one that has ended answers not_found
+(the SDK's ``kill`` then returns False).
 
-- Start: exec (background, ``open_stdin`` for ``stdin``, ``pty``, ``tag``) + attach.
+- Start: exec (background and follow, ``open_stdin`` for ``stdin``, ``pty``, ``tag``).
 - Connect: attach. List: processes, running only. SendInput, StreamInput: write_stdin.
 - CloseStdin: write_stdin(eof). SendSignal: kill_process. Update: resize_pty.
 """
@@ -71,9 +72,7 @@ class ProcessService:
 
     async def start(self, fields: Fields) -> AsyncIterator[dict[str, Any]]:
         request = self._exec_request(fields)
-        started = await self.node.exec(self.sandbox_id, request)
-        await started.aclose()  # a background exec yields nothing; attach reads it
-        stream = await self.node.attach(self.sandbox_id, started.process_id)
+        stream = await self.node.exec(self.sandbox_id, request)
         async for message in _events(stream, pty=request.pty is not None):
             yield message
 
@@ -102,6 +101,7 @@ class ProcessService:
             user=self.user,
             timeout_s=timeout_s,
             background=True,
+            follow=True,
             open_stdin=fields.boolean("stdin") and pty is None,
             pty=pty,
             tag=tag,

@@ -177,6 +177,10 @@ class ExecRequest:
     pty: PtySize | None = None
     #: A label to find the process by in ``list_processes`` (space.protocol.TAG_PATTERN).
     tag: str | None = None
+    #: With ``background``: the returned stream carries the process's output and end,
+    #: as ``attach`` would, in the same guest request (one round trip, not exec then
+    #: attach); closing it detaches, the process runs on (issue 20, E2B's Start).
+    follow: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,8 +268,8 @@ class ExecStream(Protocol):
     """A started process: ``pid`` and ``process_id`` are known, output follows.
 
     Iterating yields ExecOutput events as produced and ends after one ExecExited (a
-    background exec yields nothing). ``aclose`` abandons the stream: a foreground process
-    is killed, a background one keeps running.
+    background exec yields nothing, unless it ``follow``s). ``aclose`` abandons the
+    stream: a foreground process is killed, a background one keeps running.
     """
 
     pid: int

@@ -150,6 +150,7 @@ def decode_exec_request(body: object) -> ExecRequest:
         open_stdin=request.open_stdin,
         pty=request.pty,
         tag=request.tag,
+        follow=request.follow,
     )
 
 

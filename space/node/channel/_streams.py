@@ -129,14 +129,14 @@ class ChannelExecStream:
         process_id: str,
         next_item: Callable[[], Awaitable[object]],
         abandon: Callable[[], Awaitable[None]],
-        background: bool,
+        silent: bool,
     ) -> None:
         self.pid = pid
         self.process_id = process_id
         self._next_item = next_item
         self._abandon = abandon
-        self._background = background
-        self._finished = background
+        #: A background exec's stream, which carries no events (its RESULT came already).
+        self._finished = silent
 
     def __aiter__(self) -> AsyncIterator[ExecEvent]:
         return self._events()

@@ -157,6 +157,8 @@ class GuestChannel(ChannelCore):
             raise InvalidArgument("give exactly one of argv and cmd", sandbox_id=self._sandbox_id)
         if request.background and request.stdin is not None:
             raise InvalidArgument("a background exec takes no stdin", sandbox_id=self._sandbox_id)
+        if request.follow and not request.background:
+            raise InvalidArgument("follow needs background", sandbox_id=self._sandbox_id)
         if request.stdin is not None and (request.open_stdin or request.pty is not None):
             raise InvalidArgument(
                 "stdin up front excludes open_stdin and pty", sandbox_id=self._sandbox_id
@@ -174,10 +176,13 @@ class GuestChannel(ChannelCore):
         message |= {"cwd": request.cwd} if request.cwd is not None else {}
         message |= {"open_stdin": True} if request.open_stdin else {}
         message |= {"tag": request.tag} if request.tag is not None else {}
+        message |= {"follow": True} if request.follow else {}
         if request.pty is not None:
             self._check_pty_size(request.pty)
             message["pty"] = {"rows": request.pty.rows, "cols": request.pty.cols}
-        return await self._start_process(message, request.background, request.stdin)
+        # A followed background exec streams as attach does: output, then its end.
+        silent = request.background and not request.follow
+        return await self._start_process(message, silent, request.stdin)
 
     async def attach(self, process_id: str) -> ExecStream:
         """Follow a background process: its buffered output (last 1 MiB), then live."""
@@ -186,10 +191,12 @@ class GuestChannel(ChannelCore):
         )
 
     async def _start_process(
-        self, message: dict[str, object], background: bool, stdin: bytes | None
+        self, message: dict[str, object], silent: bool, stdin: bytes | None
     ) -> ExecStream:
+        """``silent``: a background exec's stream, which ends with its start (RESULT
+        pid and process id, no DATA); otherwise output follows, then ExecExited."""
         parse_result: ResultParser = (
-            (lambda m: parse.parse_started(m)) if background else parse.parse_exited
+            (lambda m: parse.parse_started(m)) if silent else parse.parse_exited
         )
 
         def started(event: dict[str, object]) -> object:
@@ -197,7 +204,7 @@ class GuestChannel(ChannelCore):
             return parse.parse_started(event)
 
         stream = await self._open_stream(
-            message, parse_result, started, max_events=1, accepts_data=not background
+            message, parse_result, started, max_events=1, accepts_data=not silent
         )
 
         async def start() -> tuple[int, str]:
@@ -220,7 +227,7 @@ class GuestChannel(ChannelCore):
             process_id,
             lambda: self._call(stream, lambda: self._next_item(stream)),
             abandon,
-            background,
+            silent,
         )
 
     async def _feed_stdin(self, stream: GuestStream, stdin: bytes) -> None:
