@@ -19,6 +19,8 @@ debian_packages=(
   btrfs-progs util-linux
   nftables iproute2
   postgresql
+  # The code interpreter's server, tested on the host too (tests/unit/test_code_interpreter_server.py).
+  python3-ipykernel python3-jupyter-client python3-matplotlib
 )
 missing=()
 for p in "${debian_packages[@]}"; do
@@ -72,4 +74,9 @@ fi
 
 say "building the base guest image (reused at once when unchanged)"
 .venv/bin/space template build-base
+
+# The .debs of templates/code-interpreter as a flat apt repository, so its build test
+# fetches nothing from the internet (cached by package list and base dpkg status).
+say "caching the code interpreter template's packages"
+.venv/bin/python -m tests.code_interpreter_debs
 say "setup done"
