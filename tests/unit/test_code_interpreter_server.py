@@ -100,7 +100,7 @@ def _default_ready(url: str) -> bool:
 
 
 def _execute(url: str, body: dict[str, object]) -> list[dict[str, object]]:
-    response = httpx.post(f"{url}/execute", json=body, timeout=60)
+    response = httpx.post(f"{url}/execute", json=body, timeout=120)
     assert response.status_code == 200, response.text
     assert response.headers["transfer-encoding"] == "chunked"
     return [json.loads(line) for line in response.text.splitlines()]
@@ -132,10 +132,10 @@ def test_a_client_that_goes_away_interrupts_its_execution(server: str) -> None:
     ) as response:
         first = json.loads(next(response.iter_lines()))
         assert first["type"] == "number_of_executions"
-    started = time.monotonic()
-    events = _execute(server, {"code": "'free again'"})  # waits for the context
+    # Not interrupted, the loop would hold the context for BUSY_WAIT_S (600 s), past
+    # this call's timeout.
+    events = _execute(server, {"code": "'free again'"})
     assert [e["text"] for e in events if e["type"] == "result"] == ["'free again'"]
-    assert time.monotonic() - started < 30
 
 
 def test_negative_a_body_past_the_limit_is_refused_unread(server: str) -> None:

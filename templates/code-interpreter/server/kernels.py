@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import jupyter_client
 
-#: How long a kernel may take to answer its first kernel_info (TCG is slow: ipykernel
-#: imports IPython, zmq, tornado and debugpy).
-KERNEL_START_TIMEOUT_S = 180.0
+#: How long a kernel may take to answer its first kernel_info. TCG is slow: ipykernel
+#: imports IPython, zmq, tornado and debugpy, measured past 180 s on a busy 2-core host.
+KERNEL_START_TIMEOUT_S = 600.0
 #: How often a running execution looks at its cancel flag.
 _POLL_S = 0.5
 #: Output queued for a slow HTTP client before the worker waits for it to read.
@@ -51,6 +51,8 @@ _MIME_FIELDS = {
     "application/javascript": "javascript",
 }
 
+_BASE64_FIELDS = ("png", "jpeg")
+
 
 class ContextError(Exception):
     """A context could not do what was asked (its kernel died or never started)."""
@@ -64,6 +66,9 @@ def result_event(data: dict[str, Any], *, main: bool) -> Event:
         name = _MIME_FIELDS.get(mime)
         if name is None:
             extra[mime] = value
+        elif name in _BASE64_FIELDS and isinstance(value, str):
+            # IPython's base64 ends in a newline; a strict decoder refuses it.
+            event[name] = value.replace("\n", "")
         else:
             event[name] = value
     if extra:
