@@ -217,11 +217,16 @@ def test_a_matplotlib_chart_comes_back_as_a_png(interpreter: Interpreter) -> Non
         assert result["text"].startswith("<Figure size")
 
 
-def test_state_persists_in_a_context_and_contexts_are_separate(interpreter: Interpreter) -> None:
+def test_state_persists_between_executions_in_a_context(interpreter: Interpreter) -> None:
     interpreter.execute("shared = 41")
     (result,) = _of(interpreter.execute("shared + 1"), "result")
     assert result["text"] == "42"
 
+
+def test_a_new_context_is_separate_and_can_be_restarted_and_deleted(
+    interpreter: Interpreter,
+) -> None:
+    interpreter.execute("shared = 41")
     status, body = interpreter.call("POST", "/contexts", {"cwd": "/tmp"})
     assert status == 200, body
     context = json.loads(body)
