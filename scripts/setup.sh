@@ -12,6 +12,8 @@ if [ "$(id -u)" -ne 0 ]; then
   exit 1
 fi
 
+# python3-ipykernel and the like: the code interpreter's server (templates/), tested on
+# the host too (tests/unit/test_code_interpreter_server.py).
 debian_packages=(
   python3 python3-venv python3-dev gcc ca-certificates
   qemu-system-x86 qemu-utils
@@ -19,7 +21,6 @@ debian_packages=(
   btrfs-progs util-linux
   nftables iproute2
   postgresql
-  # The code interpreter's server, tested on the host too (tests/unit/test_code_interpreter_server.py).
   python3-ipykernel python3-jupyter-client python3-matplotlib
 )
 missing=()
@@ -71,6 +72,9 @@ if [ ! -e "$stamp" ]; then
   .venv/bin/pip download -q -d .venv/sdk-wheels -r .venv/sdk-requirements.txt 'setuptools>=70.1'
   touch "$stamp"
 fi
+
+# The real E2B SDK in a venv of its own (tests/e2b_sdk.py runs scripts in it).
+scripts/e2b_sdk_venv.sh
 
 say "building the base guest image (reused at once when unchanged)"
 .venv/bin/space template build-base

@@ -1,7 +1,7 @@
 """The ``space`` command line.
 
 Client commands (create, ls, rm, pause, hibernate, resume, snapshot, restore, fork,
-timeouts, exec, cp, egress, secret, pools, template, demo) go through the SDK; server
+timeouts, exec, cp, egress, ports, secret, pools, template, demo) go through the SDK; server
 commands (serve, node, keys, quota, template build-base, secret rotate-master) import the node
 and control plane only when they run.
 Every failure is one ``error: ...`` line on stderr and a non-zero exit status.
@@ -19,6 +19,7 @@ from space.cli._lifecycle import fork, hibernate, restore, snapshot, timeouts
 from space.cli._metrics import metrics
 from space.cli._nodes import NODE_COMMANDS
 from space.cli._pools import pools
+from space.cli._ports import ports
 from space.cli._quotas import quota
 from space.cli._sandboxes import cp, create, exec_, ls, pause, resume, rm
 from space.cli._secrets import secret
@@ -38,7 +39,7 @@ def main(ctx: click.Context) -> None:
 
 for _command in (
     *(serve, control, node, keys, quota, template, create, ls, rm, pause, hibernate, resume),
-    *(snapshot, restore, fork, timeouts, exec_, cp, egress, secret, pools, demo, metrics),
+    *(snapshot, restore, fork, timeouts, exec_, cp, egress, secret, pools, demo, metrics, ports),
 ):
     main.add_command(_command)
 for _command in NODE_COMMANDS:

@@ -21,11 +21,13 @@ from collections.abc import AsyncIterator, Callable
 import anyio.to_thread
 from fastapi import FastAPI
 
-from space.control import background, broker
+from space.control import background, broker, e2b
 from space.control.deps import ControlContext, load_or_create_node_token
+from space.control.e2b.envd import EnvdHandler
 from space.control.edges import control_edges
 from space.control.errors import install_error_handlers
 from space.control.nodes import NodeRegistry
+from space.control.ports import PortProxy
 from space.control.prometheus import router as prometheus_router
 from space.control.routers import (
     commands,
@@ -40,6 +42,7 @@ from space.control.routers import (
     templates,
 )
 from space.control.routers import nodes as node_routes
+from space.control.sandbox_traffic import SandboxTraffic
 from space.control.secrets import load_keyring, rotate
 from space.control.settings import ControlSettings
 from space.control.store import Database
@@ -110,5 +113,8 @@ def create_app(
         app.include_router(module.router)
     app.include_router(node_routes.router)
     app.include_router(prometheus_router)
+    app.include_router(e2b.router)  # last: its catch-all answers E2B's unknown routes
     app.add_middleware(control_edges)
+    # Outermost: a request addressed to a sandbox never reaches the API's edge.
+    app.add_middleware(SandboxTraffic, envd=EnvdHandler(), ports=PortProxy())
     return app

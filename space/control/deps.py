@@ -32,6 +32,7 @@ __all__ = [
     "Sandbox",
     "Tenant",
     "authenticate",
+    "live_sandbox",
     "load_or_create_node_token",
     "require_node_token",
 ]
@@ -135,7 +136,11 @@ Sandbox = Annotated[SandboxRecord, Depends(_sandbox)]
 _RESUMABLE = frozenset({SandboxState.PAUSED.value, SandboxState.HIBERNATED.value})
 
 
-async def _live_sandbox(record: Sandbox, ctx: Context) -> SandboxRecord:
+async def live_sandbox(ctx: ControlContext, record: SandboxRecord) -> SandboxRecord:
+    """``record`` running: resumed first if paused or hibernated (within its tenant's
+    quotas), and marked active. Raises ApiError(conflict) in any other state, and what
+    resuming raises. Also for requests that reach a sandbox without the API (envd's
+    translation, space.control.e2b, and space.control.ports)."""
     if record.state in _RESUMABLE:
         # Guest operations resume a paused or hibernated sandbox transparently (the node
         # would too); resuming here first keeps the row's state true, and a wake within
@@ -154,6 +159,10 @@ async def _live_sandbox(record: Sandbox, ctx: Context) -> SandboxRecord:
         )
     marked = await ctx.activity.mark(record.id, record.last_active_at)
     return record if marked is None else replace(record, last_active_at=marked)
+
+
+async def _live_sandbox(record: Sandbox, ctx: Context) -> SandboxRecord:
+    return await live_sandbox(ctx, record)
 
 
 #: A sandbox of the caller's tenant that is running, resumed first if it was paused or

@@ -5,6 +5,8 @@ headers before a byte of the body is read and caps the body at MAX_JSON_BODY_BYT
 Here: ``/v1/nodes`` needs the node token, every other ``/v1/`` route an API key (the
 tenant is kept in the request's state, where deps.Tenant reads it); the two streamed
 routes (a file upload and a template build context) keep their own streamed caps.
+E2B's control routes (space.control.e2b.E2B_ROUTES) need an API key too, and their
+refusals take E2B's error shape.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from __future__ import annotations
 import re
 
 from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Scope
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from space.control import e2b
 from space.control.deps import ControlContext, authenticate
 from space.control.errors import ApiError
 from space.node.api.http_edges import Edges, StreamedRoute, require_bearer
@@ -27,11 +30,19 @@ STREAMED_ROUTES: tuple[StreamedRoute, ...] = (
 _NODE_ROUTES = "/v1/nodes"
 
 
-def control_edges(app: ASGIApp) -> Edges:
-    """The edge middleware of the REST API around ``app`` (for ``app.add_middleware``)."""
-    return Edges(
+def control_edges(app: ASGIApp) -> ASGIApp:
+    """The edge middleware of the REST API around ``app`` (for ``app.add_middleware``):
+    E2B's routes pass E2B's edge, every other path ours."""
+    ours = Edges(
         app, authenticate=_authenticate, streamed_routes=STREAMED_ROUTES, coded=(ApiError,)
     )
+    theirs = Edges(app, authenticate=e2b.authenticate, coded=(ApiError,), render=e2b.render_refusal)
+
+    async def edges(scope: Scope, receive: Receive, send: Send) -> None:
+        e2b_route = scope["type"] == "http" and e2b.E2B_ROUTES.fullmatch(scope["path"])
+        await (theirs if e2b_route else ours)(scope, receive, send)
+
+    return edges
 
 
 async def _authenticate(scope: Scope, headers: Headers) -> None:

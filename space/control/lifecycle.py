@@ -17,7 +17,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from space.control import broker, egress, idempotency, quota_checks
+from space.control import broker, egress, idempotency, ports, quota_checks
 from space.control.archived import fetch_snapshot, snapshot_nodes
 from space.control.deps import ControlContext
 from space.control.errors import ApiError
@@ -216,6 +216,10 @@ async def _create(
     inherited = None if parent is None else parent.egress
     policy = given if "egress" in body.model_fields_set else inherited
     record = _new_record(ctx, tenant, nodes[0], body, source, timeout_s, policy, bindings)
+    if body.ports is not None:
+        record = replace(record, ports=ports.mode_of(body.ports))
+    elif parent is not None:
+        record = replace(record, ports=parent.ports)
     await quota_checks.insert_sandboxes(ctx, [record], "create", idem)
     record = await _start(ctx, record, nodes, source)
     if record.secrets:

@@ -129,6 +129,21 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class PortsBody(_Body):
+    """Who may reach servers listening in a sandbox (issue 20, space.control.ports):
+    nobody (``enabled`` false, the default), requests carrying its traffic token
+    (``enabled``), or anyone who knows its address (``enabled`` and ``public``)."""
+
+    enabled: bool = False
+    public: bool = False
+
+    @model_validator(mode="after")
+    def _public_needs_enabled(self) -> PortsBody:
+        if self.public and not self.enabled:
+            raise ValueError("public ports need enabled: true")
+        return self
+
+
 class SandboxCreate(_Body):
     #: ``name`` (tag latest), ``name:tag`` or ``name@<digest>``: base or the tenant's own.
     template: str = Field("base", pattern=REF_PATTERN, max_length=129)
@@ -151,6 +166,8 @@ class SandboxCreate(_Body):
     secrets: Annotated[list[SecretName], Field(max_length=MAX_SANDBOX_SECRETS)] = Field(
         default_factory=list
     )
+    #: Port exposure; omitted: off, or with from_snapshot that of the snapshot's sandbox.
+    ports: PortsBody | None = None
 
     @model_validator(mode="after")
     def _resources_come_from_the_snapshot(self) -> SandboxCreate:
@@ -197,6 +214,19 @@ class SandboxSecretOut(BaseModel):
     placeholder: str
 
 
+class PortsOut(BaseModel):
+    """A sandbox's port exposure as its tenant sees it: port P is reached at the Host
+    ``P-<id>.<domain>`` (``domain`` null: the control plane has no sandbox domain; the
+    headers ``E2b-Sandbox-Id``/``E2b-Sandbox-Port`` work either way) with
+    ``traffic_token`` in ``X-Space-Traffic-Token`` or ``e2b-traffic-access-token``
+    (null unless enabled and not public)."""
+
+    enabled: bool = False
+    public: bool = False
+    domain: str | None = None
+    traffic_token: str | None = None
+
+
 class SandboxOut(BaseModel):
     id: str
     template: str
@@ -221,9 +251,12 @@ class SandboxOut(BaseModel):
     #: Whether the artifact store holds it as it is now (hibernated): it survives the
     #: loss of its node, woken on another.
     archived: bool = False
+    #: Port exposure (space.control.ports); given by ``of``'s caller, who holds the
+    #: domain and the key the token derives from.
+    ports: PortsOut = Field(default_factory=PortsOut)
 
     @classmethod
-    def of(cls, record: SandboxRecord) -> SandboxOut:
+    def of(cls, record: SandboxRecord, ports: PortsOut | None = None) -> SandboxOut:
         return cls(
             id=record.id,
             template=record.template,
@@ -247,6 +280,7 @@ class SandboxOut(BaseModel):
                 for b in record.secrets
             ],
             archived=record.archive is not None,
+            ports=ports or PortsOut(enabled=record.ports != "off", public=record.ports == "public"),
         )
 
 

@@ -32,7 +32,7 @@ from space.protocol import (
     encode_json,
 )
 
-from . import AGENT, _exec, _files, _identity, _watch
+from . import AGENT, _exec, _files, _identity, _ports, _watch
 from ._errors import OpError, SessionLost, from_oserror
 from ._identity import IdentitySystem
 from ._metrics import MetricsSampler
@@ -64,6 +64,9 @@ _HANDLERS: dict[str, Handler] = {
     Op.SYSTEM_INFO: lambda d, s, f: _system_info(),
     Op.SYSTEM_IDENTITY: lambda d, s, f: _identity.op_identity(f, d.identity),
     Op.SYSTEM_METRICS: lambda d, s, f: d.metrics.sample(),
+    Op.PORT_CONNECT: lambda d, s, f: _ports.op_connect(
+        s, f, d.port_connections, _ports.IDLE_TIMEOUT_S
+    ),
 }
 
 
@@ -76,6 +79,7 @@ class Daemon:
     watches: _watch.Watches
     identity: IdentitySystem
     metrics: MetricsSampler
+    port_connections: _ports.PortConnections
 
     def __init__(
         self, transport: Transport, accounts: Accounts, *, identity: IdentitySystem
@@ -87,6 +91,7 @@ class Daemon:
         self.watches = _watch.Watches()
         #: Holds the previous CPU reading: a sample covers the time since the last one.
         self.metrics = MetricsSampler()
+        self.port_connections = _ports.PortConnections()
         self.session: Session | None = None
         self.stopped = asyncio.Event()
         self._decoder = FrameDecoder()

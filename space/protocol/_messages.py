@@ -98,6 +98,9 @@ class Op(enum.StrEnum):
     SYSTEM_INFO = "system.info"
     SYSTEM_IDENTITY = "system.identity"
     SYSTEM_METRICS = "system.metrics"
+    #: A TCP connection to a server listening in the guest, relayed both ways (issue
+    #: 20, port exposure): INPUT DATA to the server, its bytes as OUTPUT DATA.
+    PORT_CONNECT = "port.connect"
 
 
 class ErrorCode(enum.StrEnum):
@@ -115,6 +118,8 @@ class ErrorCode(enum.StrEnum):
     RESOURCE_EXHAUSTED = "resource_exhausted"
     TIMEOUT = "timeout"
     UNSUPPORTED = "unsupported"
+    #: port.connect found nothing listening on the port (127.0.0.1 nor ::1).
+    CONNECTION_REFUSED = "connection_refused"
     INTERNAL = "internal"
 
 

@@ -15,6 +15,7 @@ __all__ = [
     "EgressLog",
     "FileInfo",
     "PoolInfo",
+    "PortsInfo",
     "ProcessInfo",
     "PtySize",
     "SandboxInfo",
@@ -44,6 +45,31 @@ class SecretBinding:
 
 
 @dataclass(frozen=True, slots=True)
+class PortsInfo:
+    """Who may reach servers listening in a sandbox (docs/api.md "Ports"): nobody
+    (``enabled`` False), holders of ``traffic_token`` (sent as ``X-Space-Traffic-Token``
+    or ``e2b-traffic-access-token``), or anyone (``public``). Port P is at the host
+    ``P-<sandbox id>.<domain>``; ``domain`` is None where the platform has no sandbox
+    domain (the headers ``E2b-Sandbox-Id`` and ``E2b-Sandbox-Port`` then address it)."""
+
+    enabled: bool = False
+    public: bool = False
+    domain: str | None = None
+    traffic_token: str | None = None
+
+    @classmethod
+    def from_wire(cls, body: object) -> PortsInfo:
+        if not isinstance(body, Mapping):
+            return cls()
+        return cls(
+            enabled=body.get("enabled") is True,
+            public=body.get("public") is True,
+            domain=_optional_str(body, "domain"),
+            traffic_token=_optional_str(body, "traffic_token"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class SandboxInfo:
     """One sandbox as the API reports it (``GET /v1/sandboxes/{id}``).
 
@@ -57,7 +83,7 @@ class SandboxInfo:
     snapshot. ``error`` says why a sandbox in state ``error`` is there (its VM exited,
     its guest broke the protocol...); None otherwise. ``archived``: the platform's
     artifact store holds it as it is now (a hibernated sandbox), so it survives the
-    loss of its node.
+    loss of its node. ``ports``: who may reach servers listening in it (PortsInfo).
     """
 
     sandbox_id: str
@@ -78,6 +104,7 @@ class SandboxInfo:
     secrets: tuple[SecretBinding, ...] = ()
     error: str | None = None
     archived: bool = False
+    ports: PortsInfo = field(default_factory=PortsInfo)
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> SandboxInfo:
@@ -102,6 +129,7 @@ class SandboxInfo:
                 secrets=tuple(SecretBinding.from_wire(b) for b in body.get("secrets") or ()),
                 error=_optional_str(body, "error"),
                 archived=body.get("archived") is True,
+                ports=PortsInfo.from_wire(body.get("ports")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InternalError(f"malformed sandbox in answer: {exc!r}") from None

@@ -10,7 +10,7 @@ import enum
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from types import TracebackType
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import httpx
 
@@ -25,6 +25,7 @@ from space.sdk._sandbox_requests import (
     bounded_map,
     create_body,
     idempotency_header,
+    ports_body,
     secret_names,
     segment,
     snapshot_id,
@@ -82,6 +83,7 @@ class AsyncSandboxes:
         egress: Mapping[str, Any] | None = None,
         secrets: Sequence[str] | None = None,
         idempotency_key: str | None = None,
+        expose_ports: bool | Literal["public"] | None = None,
     ) -> AsyncSandbox:
         """Create a sandbox and return once it runs.
 
@@ -97,6 +99,10 @@ class AsyncSandboxes:
         ``Secrets``) it may use: its environment holds a placeholder for each, which its
         egress gateway swaps for the value on requests to the secret's hosts; None gives
         none, or with ``from_snapshot`` those of the snapshot's sandbox.
+        ``expose_ports`` lets servers listening in it be reached through the platform
+        (``get_host``): True for holders of its ``traffic_token``, ``"public"`` for
+        anyone; None or False: nobody (None with ``from_snapshot``: as the snapshot's
+        sandbox). ``set_ports`` changes it later.
 
         Raises InvalidArgument (limits in docs/api.md, a size given with
         ``from_snapshot``, a ``secrets`` that is a string: nothing is sent then; an
@@ -122,6 +128,8 @@ class AsyncSandboxes:
             body["egress"] = dict(egress)
         if secrets is not None:
             body["secrets"] = secret_names(secrets)
+        if expose_ports is not None:
+            body["ports"] = ports_body(expose_ports, "sandbox.create")
         answer = await self._api.request_json(
             "POST",
             "/v1/sandboxes",
@@ -220,6 +228,7 @@ class AsyncSandbox:
         egress: Mapping[str, Any] | None = None,
         secrets: Sequence[str] | None = None,
         idempotency_key: str | None = None,
+        expose_ports: bool | Literal["public"] | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
         request_timeout_s: float | None = None,
@@ -230,7 +239,7 @@ class AsyncSandbox:
                 template, cpus=cpus, memory_mib=memory_mib, disk_mib=disk_mib,
                 timeout_s=timeout_s, idle_timeout_s=idle_timeout_s, from_snapshot=from_snapshot,
                 env=env, metadata=metadata, egress=egress, secrets=secrets,
-                idempotency_key=idempotency_key,
+                idempotency_key=idempotency_key, expose_ports=expose_ports,
             )  # fmt: skip
 
     @classmethod
@@ -372,6 +381,45 @@ class AsyncSandbox:
             operation="sandbox.set_timeouts",
             sandbox_id=self.sandbox_id,
             json_body=body,
+        )
+        self._info = SandboxInfo.from_wire(json_object(answer))
+        return self._info
+
+    @property
+    def traffic_token(self) -> str | None:
+        """The token that opens its ports (``X-Space-Traffic-Token``); None unless they
+        are exposed and not public. As of the last answer about this sandbox."""
+        return self._info.ports.traffic_token
+
+    def get_host(self, port: int) -> str:
+        """The host name port ``port`` of this sandbox is reached at through the
+        platform: ``<port>-<sandbox id>.<domain>`` (over HTTP(S) or WebSocket, with
+        ``traffic_token`` unless the ports are public). Needs ports exposed to reach
+        anything. Raises InvalidArgument for a port outside 1 to 65535, or when the
+        platform has no sandbox domain (then send the headers ``E2b-Sandbox-Id`` and
+        ``E2b-Sandbox-Port`` to the API's own address instead). Sends nothing.
+        """
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise InvalidArgument(f"port must be 1 to 65535, got {port!r}", operation="get_host")
+        domain = self._info.ports.domain
+        if domain is None:
+            raise InvalidArgument(
+                "the platform has no sandbox domain (space serve --sandbox-domain)",
+                operation="get_host",
+                sandbox_id=self.sandbox_id,
+            )
+        return f"{port}-{self.sandbox_id}.{domain}"
+
+    async def set_ports(self, expose: bool | Literal["public"]) -> SandboxInfo:
+        """Who may reach servers listening in it: nobody (False), holders of its
+        ``traffic_token`` (True), anyone (``"public"``); from the next request on.
+        Idempotent. Raises NotFound once it is gone."""
+        answer = await self._api.request_json(
+            "PUT",
+            f"/v1/sandboxes/{self.sandbox_id}/ports",
+            operation="sandbox.set_ports",
+            sandbox_id=self.sandbox_id,
+            json_body=ports_body(expose, "sandbox.set_ports"),
         )
         self._info = SandboxInfo.from_wire(json_object(answer))
         return self._info

@@ -12,7 +12,14 @@ from space.limits import IDEMPOTENCY_KEY_CHARS, RESOURCES, MapLimit
 from space.sdk._models import SnapshotInfo
 from space.sdk.errors import InvalidArgument
 
-__all__ = ["create_body", "idempotency_header", "secret_names", "segment", "snapshot_id"]
+__all__ = [
+    "create_body",
+    "idempotency_header",
+    "ports_body",
+    "secret_names",
+    "segment",
+    "snapshot_id",
+]
 
 #: What the SDK accepts as an id in a URL path: the API's ids (``sb-``/hex...) and no
 #: ``/`` or leading dot, so an id can never name another resource.
@@ -44,6 +51,17 @@ def create_body(
             )
         body["from_snapshot"] = snapshot_id(from_snapshot)
     return body
+
+
+def ports_body(expose: object, operation: str) -> dict[str, bool]:
+    """The API's ``ports`` object for True, False or "public"."""
+    if expose == "public":
+        return {"enabled": True, "public": True}
+    if isinstance(expose, bool):
+        return {"enabled": expose, "public": False}
+    raise InvalidArgument(
+        f"expose_ports is True, False or 'public', not {expose!r}", operation=operation
+    )
 
 
 def bounded_map(

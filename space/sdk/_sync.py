@@ -322,6 +322,13 @@ class Sandbox(_Facade[AsyncSandbox]):
     def sandbox_id(self) -> str:
         return self._inner.sandbox_id
 
+    @property
+    def traffic_token(self) -> str | None:
+        return self._inner.traffic_token
+
+    def get_host(self, port: int) -> str:
+        return self._inner.get_host(port)
+
     create = staticmethod(_sandbox_factory(AsyncSandbox.create))
     connect = staticmethod(_sandbox_factory(AsyncSandbox.connect))
     list = staticmethod(_blocking_static(AsyncSandbox.list))
@@ -335,6 +342,7 @@ class Sandbox(_Facade[AsyncSandbox]):
     resume = _blocking(AsyncSandbox.resume)
     hibernate = _blocking(AsyncSandbox.hibernate)
     set_timeouts = _blocking(AsyncSandbox.set_timeouts)
+    set_ports = _blocking(AsyncSandbox.set_ports)
     snapshot = _blocking(AsyncSandbox.snapshot)
     snapshots = _blocking(AsyncSandbox.snapshots)
     restore = _blocking(AsyncSandbox.restore)

@@ -14,6 +14,11 @@ The stdin, pty and watch cells (issue 20) feed a background ``cat`` in pieces an
 it by tag, drive a PTY session through a resize and a Ctrl-C, and watch a directory
 recursively, on every origin.
 
+The port cell (issue 20) serves a file from ``python3 -m http.server`` in the sandbox
+and reads it through the platform (E2B's headers, the traffic token; the ``moving``
+origins through a remote node's tunnel), then checks a missing token (401) and ports
+turned off (403).
+
 The metrics cell reads the sandbox's CPU, memory and disk as its guest reports them
 (issue 20), and again once it is paused, which must not wake it.
 
@@ -549,6 +554,32 @@ class TestEveryOperation:
                 break
         events.close()  # type: ignore[attr-defined]
         sandbox.files.remove("/home/user/watched", recursive=True)
+        _check_whole(subject)
+
+    def test_port(self, subject: Subject) -> None:
+        sandbox, web = subject.sandbox, "/home/user/cell-web"
+        _running(sandbox)
+        sandbox.set_ports(True)
+        sandbox.files.write(f"{web}/index.txt", subject.origin)
+        server = sandbox.commands.run(
+            f"python3 -m http.server 8081 --bind 127.0.0.1 --directory {web}",
+            background=True,
+            timeout_s=None,
+        )
+        url = f"{subject.site.platform.url}/index.txt"
+        to = {"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "8081"}
+        token = {"X-Space-Traffic-Token": sandbox.traffic_token or ""}
+
+        def served() -> bool:
+            answer = httpx.get(url, headers=to | token, timeout=60)
+            return answer.status_code == 200 and answer.text == subject.origin
+
+        _wait(served, "the sandbox's web server through the platform")
+        assert httpx.get(url, headers=to, timeout=60).status_code == 401
+        sandbox.set_ports(False)
+        assert httpx.get(url, headers=to | token, timeout=60).status_code == 403
+        server.kill()
+        sandbox.files.remove(web, recursive=True)
         _check_whole(subject)
 
     def test_pause_resume(self, subject: Subject) -> None:

@@ -44,6 +44,7 @@ from space.node.api import (
 from tests.unit._fake_archives import FakeArchives, FakeArchiveStore
 from tests.unit._fake_egress import FakeEgress
 from tests.unit._fake_moves import FakeMoves
+from tests.unit._fake_ports import FakePorts
 from tests.unit._fake_stdio import FakeStdio, FakeWatches
 from tests.unit._fake_templates import FakeTemplates
 
@@ -142,7 +143,9 @@ class _Snapshot:
     contents: _Box
 
 
-class FakeNode(FakeTemplates, FakeEgress, FakeMoves, FakeArchives, FakeStdio, FakeWatches):
+class FakeNode(
+    FakeTemplates, FakeEgress, FakeMoves, FakeArchives, FakeStdio, FakeWatches, FakePorts
+):
     """An in-memory NodeService. ``calls`` records (method, sandbox_id) of every call.
 
     ``pools`` and ``capacity`` are what ``info`` reports as the node's warm pools and
@@ -163,6 +166,7 @@ class FakeNode(FakeTemplates, FakeEgress, FakeMoves, FakeArchives, FakeStdio, Fa
         FakeArchives.__init__(self, store)
         FakeStdio.__init__(self)
         FakeWatches.__init__(self)
+        FakePorts.__init__(self)
         self.node_id = node_id
         self.boxes: dict[str, _Box] = {}
         self.calls: list[tuple[str, str]] = []
@@ -535,6 +539,7 @@ async def control_app(
     reaper_interval_s: float = 3600.0,
     clock: FakeClock | None = None,
     egress_operator_ranges: tuple[str, ...] = (),
+    sandbox_domain: str = "",
 ) -> AsyncIterator[Harness]:
     """The control plane over a FakeNode (as "local"), lifespan running, with a client,
     on the test's database (``DATABASE_URL``)."""
@@ -545,6 +550,7 @@ async def control_app(
         database_url=DATABASE_URL,
         reaper_interval_s=reaper_interval_s,
         egress_operator_ranges=egress_operator_ranges,
+        sandbox_domain=sandbox_domain,
     )
     if registry is None:
         registry = NodeRegistry()

@@ -22,7 +22,8 @@ from tests.unit._live_api import API_URL, TENANT, LiveApi
 COMMANDS = [
     "control", "cp", "create", "demo", "egress", "exec", "fork", "hibernate", "keys", "ls",
     "metrics",
-    "node", "pause", "pools", "quota", "restore", "resume", "rm", "secret", "serve", "snapshot",
+    "node", "pause", "pools", "ports", "quota", "restore", "resume", "rm", "secret", "serve",
+    "snapshot",
     "template", "timeouts",
 ]  # fmt: skip
 

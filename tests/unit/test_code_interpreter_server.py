@@ -24,10 +24,9 @@ from types import ModuleType
 import httpx
 import pytest
 
-from tests.code_interpreter_debs import SPEC_DIR
 from tests.ports import free_port
 
-SERVER_DIR = SPEC_DIR / "server"
+SERVER_DIR = Path(__file__).resolve().parents[2] / "templates" / "code-interpreter" / "server"
 #: The guest's interpreter is Debian's python3, as here (not the project's venv).
 GUEST_PYTHON = "/usr/bin/python3"
 MAX_CONTEXTS = 2
@@ -88,9 +87,18 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         process.wait(timeout=30)
         log.close()
         deadline = time.monotonic() + 30
-        while any(Path(f"/proc/{pid}").exists() for pid in kernels):
-            assert time.monotonic() < deadline, f"kernels {kernels} outlived the server"
+        while any(_running(pid) for pid in kernels):
+            assert time.monotonic() < deadline, f"kernels {kernels} outlived the server by 30 s"
             time.sleep(0.2)
+
+
+def _running(pid: int) -> bool:
+    """Alive: neither gone nor a zombie (one an earlier test's subreaper left unreaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _default_ready(url: str) -> bool:

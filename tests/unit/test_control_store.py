@@ -106,6 +106,7 @@ def test_the_error_table_matches_the_documented_statuses() -> None:
         "invalid_argument": 422,
         "resource_exhausted": 429,
         "internal": 500,
+        "connection_refused": 502,
         "capacity": 503,
         "unavailable": 503,
         "timeout": 504,

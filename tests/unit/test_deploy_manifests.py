@@ -41,8 +41,9 @@ SECRETS = MANIFESTS / "secrets.yaml"
 DOC = ROOT / "docs" / "deploy-kubernetes.md"
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 SETUP = ROOT / "scripts" / "setup.sh"
-#: setup.sh's packages the image leaves out: the database runs in a pod of its own.
-NOT_IN_IMAGE = {"postgresql"}
+#: setup.sh's packages the image leaves out: the database runs in a pod of its own, and
+#: Jupyter is for a test of the code interpreter template's server on the host.
+NOT_IN_IMAGE = {"postgresql", "python3-ipykernel", "python3-jupyter-client", "python3-matplotlib"}
 #: The uid of the image's `space` user (deploy/Dockerfile).
 SPACE_UID = 10001
 PLACEHOLDER = "REPLACE-ME"

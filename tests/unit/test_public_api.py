@@ -20,7 +20,7 @@ SDK_NAMES = {
     "AsyncNetwork", "EgressEvent", "EgressLog", "Network", "allow",
     "AsyncSecrets", "SecretBinding", "SecretInfo", "Secrets",
     "AsyncSpace", "Space",
-    "SandboxMetric",
+    "SandboxMetric", "PortsInfo",
 }  # fmt: skip
 
 TOP_NAMES = {
@@ -36,6 +36,7 @@ TOP_NAMES = {
 NODE_API_NAMES = {
     "BUILD_ID_HEADER", "BuildEvent", "BuildFailed", "BuildLog", "BuildStream", "ERROR_BY_CODE",
     "BuildSucceeded", "CapacityInfo", "CidrRule", "Conflict", "DomainRule", "EgressEvent",
+    "ConnectionRefused", "PortTunnel", "MAX_TUNNEL_CHUNK_BYTES",
     "EgressLog",
     "EgressPolicy", "ExecEvent", "ExecExited", "ExecOutput", "ExecRequest", "ExecStream",
     "ExportTicket", "ImportResult", "TemplateImport", "TemplateTicket",

@@ -17,7 +17,7 @@ from space.control.node_text import scrub
 from space.control.schemas import FileStatOut, GuestPath, MkdirBody, RenameBody, UserName
 from space.node.api import NDJSON, FileReader, watch_lines
 
-__all__ = ["router"]
+__all__ = ["download", "router"]
 
 router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}/files", tags=["files"])
 
@@ -46,7 +46,7 @@ async def write_file(
     return FileStatOut.of(stat)
 
 
-async def _download(reader: FileReader) -> AsyncIterator[bytes]:
+async def download(reader: FileReader) -> AsyncIterator[bytes]:
     """The file's bytes, never past the size its stat (the Content-Length) said: a
     guest that sends more (a file that grew, or a lying guest) is cut there."""
     left = reader.stat.size
@@ -67,7 +67,7 @@ async def read_file(
     reader = await ctx.nodes.get(sandbox.node_id).read_file(sandbox.id, path, user)
     headers = {"Content-Length": str(reader.stat.size)}
     return StreamingResponse(
-        _download(reader), media_type="application/octet-stream", headers=headers
+        download(reader), media_type="application/octet-stream", headers=headers
     )
 
 

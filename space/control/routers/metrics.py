@@ -14,13 +14,13 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from space.control.deps import Context, Sandbox
+from space.control.deps import Context, ControlContext, Sandbox
 from space.control.errors import ApiError
 from space.control.schemas import SandboxMetricOut, SandboxMetricsOut
 from space.control.store import repo
 from space.node.api import NodeError, SandboxMetrics, SandboxState
 
-__all__ = ["router"]
+__all__ = ["UnixSeconds", "kept_samples", "router", "within"]
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +37,14 @@ async def sandbox_metrics(
     sandbox: Sandbox, ctx: Context, start: UnixSeconds = None, end: UnixSeconds = None
 ) -> SandboxMetricsOut:
     """The kept samples with ``start <= timestamp <= end`` (both optional), oldest first."""
-    samples = await _samples(sandbox, ctx)
-    kept = [s for s in samples if _within(s, start, end)]
+    samples = await kept_samples(ctx, sandbox)
+    kept = [s for s in samples if within(s, start, end)]
     return SandboxMetricsOut(metrics=[SandboxMetricOut.of(sample) for sample in kept])
 
 
-async def _samples(sandbox: repo.SandboxRecord, ctx: Context) -> list[SandboxMetrics]:
+async def kept_samples(ctx: ControlContext, sandbox: repo.SandboxRecord) -> list[SandboxMetrics]:
+    """The samples the sandbox's node keeps, oldest first; none for a sandbox asleep
+    whose node has none (the E2B API reads them too)."""
     if sandbox.state == repo.RUNNING:
         return await ctx.nodes.get(sandbox.node_id).sandbox_metrics(sandbox.id)
     if sandbox.state not in _ASLEEP:
@@ -54,6 +56,6 @@ async def _samples(sandbox: repo.SandboxRecord, ctx: Context) -> list[SandboxMet
         return []
 
 
-def _within(sample: SandboxMetrics, start: int | None, end: int | None) -> bool:
+def within(sample: SandboxMetrics, start: int | None, end: int | None) -> bool:
     second = int(sample.timestamp)  # the bounds are whole seconds, as timestamp_unix
     return (start is None or second >= start) and (end is None or second <= end)

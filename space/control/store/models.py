@@ -149,6 +149,9 @@ class SandboxRow(Base):
     #: The artifact store's bundle holding the sandbox as it is now (issue 19): named by
     #: its node once a hibernated sandbox's upload landed, cleared by any change.
     archive: Mapped[str | None] = mapped_column(String(160), nullable=True)
+    #: Who may reach servers listening in it (issue 20, space.control.ports): "off",
+    #: "token" (with its traffic token) or "public".
+    ports: Mapped[str] = mapped_column(String(16), server_default="off")
 
 
 class SecretRow(Base):

@@ -32,9 +32,11 @@ __all__ = [
     "mark_deleted",
     "mark_failed",
     "on_node",
+    "sandbox_by_id",
     "set_desired_deleted",
     "set_egress",
     "set_node",
+    "set_ports",
     "set_state",
     "set_status",
     "set_timeouts",
@@ -92,6 +94,8 @@ class SandboxRecord:
     secrets: tuple[SecretBinding, ...] = ()
     #: The artifact store's bundle holding it as it is now (space.control.archives).
     archive: str | None = None
+    #: Port exposure: PORTS_OFF, PORTS_TOKEN or PORTS_PUBLIC (space.control.ports).
+    ports: str = "off"
 
     @property
     def max_lifetime_s(self) -> int | None:
@@ -122,6 +126,7 @@ def _record(row: SandboxRow) -> SandboxRecord:
         egress=None if row.egress is None else dict(row.egress),
         secrets=_bindings(row.secrets),
         archive=row.archive,
+        ports=row.ports,
     )
 
 
@@ -146,6 +151,7 @@ def insert_sandbox(session: Session, record: SandboxRecord) -> None:
             head_snapshot=record.head_snapshot,
             egress=record.egress,
             secrets=[binding.to_json() for binding in record.secrets] or None,
+            ports=record.ports,
         )
     )
 
@@ -157,6 +163,15 @@ def find_sandbox(
     query = select(SandboxRow).where(SandboxRow.id == sandbox_id, SandboxRow.tenant_id == tenant_id)
     if not include_deleted:
         query = query.where(SandboxRow.state != DELETED)
+    row = session.scalars(query).one_or_none()
+    return _record(row) if row else None
+
+
+def sandbox_by_id(session: Session, sandbox_id: str) -> SandboxRecord | None:
+    """Any tenant's sandbox that is not deleted, or None. Only for requests a
+    per-sandbox token authenticates (space.control.sandbox_traffic): the id names the
+    sandbox and the token, checked next, proves the right to it."""
+    query = select(SandboxRow).where(SandboxRow.id == sandbox_id, SandboxRow.state != DELETED)
     row = session.scalars(query).one_or_none()
     return _record(row) if row else None
 
@@ -237,6 +252,11 @@ def set_timeouts(
         .where(SandboxRow.id == sandbox_id)
         .values(idle_timeout_s=idle_timeout_s, expires_at=expires_at)
     )
+
+
+def set_ports(session: Session, sandbox_id: str, mode: str) -> None:
+    """Record who may reach the sandbox's ports (space.control.ports)."""
+    session.execute(update(SandboxRow).where(SandboxRow.id == sandbox_id).values(ports=mode))
 
 
 def set_egress(session: Session, sandbox_id: str, policy: dict[str, Any] | None) -> None:

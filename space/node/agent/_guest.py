@@ -19,6 +19,7 @@ from space.node.api import (
     ExecStream,
     FileReader,
     FileStat,
+    PortTunnel,
     ProcessInfo,
     PtySize,
     SandboxState,
@@ -62,6 +63,9 @@ class GuestOps:
 
     async def resize_pty(self, sandbox_id: str, process_id: str, size: PtySize) -> None:
         await (await self.channel(sandbox_id)).resize_pty(process_id, size)
+
+    async def open_port(self, sandbox_id: str, port: int) -> PortTunnel:
+        return await (await self.channel(sandbox_id)).open_port(port)
 
     async def read_file(self, sandbox_id: str, path: str, user: str = "user") -> FileReader:
         return await (await self.channel(sandbox_id)).read_file(path, user)

@@ -49,6 +49,7 @@ from space.node.api import (
     ImportResult,
     NodeError,
     NodeInfo,
+    PortTunnel,
     ProcessInfo,
     PtySize,
     SandboxMetrics,
@@ -323,6 +324,9 @@ class Node:
 
     async def read_file(self, sandbox_id: str, path: str, user: str = "user") -> FileReader:
         return await self.guest.read_file(sandbox_id, path, user)
+
+    async def open_port(self, sandbox_id: str, port: int) -> PortTunnel:
+        return await self.guest.open_port(sandbox_id, port)
 
     async def write_file(
         self,

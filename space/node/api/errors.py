@@ -8,7 +8,8 @@
     ├── ResourceExhausted      a limit was hit (streams, disk, memory, sandboxes)
     ├── Timeout                an operation did not finish within its deadline
     ├── Unavailable            the VM or its channel is down or broken
-    │   └── InsufficientCapacity   no room now for another VM (memory, pool, cap)
+    │   ├── InsufficientCapacity   no room now for another VM (memory, pool, cap)
+    │   └── ConnectionRefused      nothing listens on a sandbox's port (open_port)
     └── GuestError             the guest answered with an error we have no leaf for
 
 ``code`` maps to HTTP in one table (space.node.api.wire.STATUS_BY_CODE), and
@@ -24,6 +25,7 @@ from typing import Any
 __all__ = [
     "ERROR_BY_CODE",
     "Conflict",
+    "ConnectionRefused",
     "GuestError",
     "InsufficientCapacity",
     "InvalidArgument",
@@ -155,6 +157,12 @@ class InsufficientCapacity(Unavailable):
         )
 
 
+class ConnectionRefused(Unavailable):
+    """open_port found nothing listening on the port in the guest (answered 502)."""
+
+    code = "connection_refused"
+
+
 class GuestError(NodeError):
     code = "internal"
 
@@ -172,6 +180,7 @@ _GUEST_CODES: dict[str, type[NodeError]] = {
     "resource_exhausted": ResourceExhausted,
     "timeout": Timeout,
     "unsupported": InvalidArgument,
+    "connection_refused": ConnectionRefused,
 }
 
 
@@ -196,5 +205,6 @@ ERROR_BY_CODE: dict[str, type[NodeError]] = {
         Timeout,
         Unavailable,
         InsufficientCapacity,
+        ConnectionRefused,
     )
 }

@@ -50,6 +50,11 @@ def guarded_protocol(
     each call counts its own connections (one server each)."""
     open_by_client: Counter[str] = Counter()
 
+    def release(host: str) -> None:
+        open_by_client[host] -= 1
+        if not open_by_client[host]:
+            del open_by_client[host]
+
     class GuardedHttp(HttpToolsProtocol):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -70,11 +75,26 @@ def guarded_protocol(
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm_header_timer()
             if self._counted is not None:
-                open_by_client[self._counted] -= 1
-                if not open_by_client[self._counted]:
-                    del open_by_client[self._counted]
+                release(self._counted)
                 self._counted = None
             super().connection_lost(exc)
+
+        def handle_websocket_upgrade(self) -> None:
+            # The WebSocket protocol takes the transport over: this one never hears
+            # connection_lost, so the count moves to the WebSocket's (issue 20).
+            self._disarm_header_timer()
+            counted, self._counted = self._counted, None
+            super().handle_websocket_upgrade()
+            if counted is None:
+                return
+            websocket = self.transport.get_protocol()
+            lost = websocket.connection_lost
+
+            def released(exc: Exception | None) -> None:
+                release(counted)
+                lost(exc)
+
+            websocket.connection_lost = released  # type: ignore[method-assign]
 
         def on_message_begin(self) -> None:
             super().on_message_begin()

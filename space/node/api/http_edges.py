@@ -38,12 +38,19 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from space.limits import MAX_JSON_BODY_BYTES
 from space.node.api.http_errors import CodedError, error_body, status_for_code
 
-__all__ = ["Authenticate", "Edges", "Refused", "StreamedRoute", "require_bearer"]
+__all__ = ["Authenticate", "Edges", "Refused", "RenderError", "StreamedRoute", "require_bearer"]
 
 #: Checks a request from its scope and headers alone; raises to refuse it.
 Authenticate = Callable[[Scope, Headers], Awaitable[None]]
 #: (method, full path pattern) of a route whose body streams through with its own cap.
 StreamedRoute = tuple[str, re.Pattern[str]]
+#: The JSON body of a refusal from (status, code, message, details): by default the
+#: shape of space.node.api.http_errors; an API of another shape (E2B's) passes its own.
+RenderError = Callable[[int, str, str, dict[str, Any]], Any]
+
+
+def _error_body(status: int, code: str, message: str, details: dict[str, Any]) -> Any:
+    return error_body(code, message, details)
 
 
 class Refused(Exception):
@@ -74,7 +81,7 @@ class Edges:
     """ASGI middleware: authentication and the body cap, before the body is read.
 
     ``coded`` adds exception classes (CodedError: ``code``, ``message``, ``details``)
-    that ``authenticate`` may raise besides ``Refused``.
+    that ``authenticate`` may raise besides ``Refused``; ``render`` shapes refusals.
     """
 
     def __init__(
@@ -85,12 +92,14 @@ class Edges:
         streamed_routes: Sequence[StreamedRoute] = (),
         max_body_bytes: int = MAX_JSON_BODY_BYTES,
         coded: tuple[type[Exception], ...] = (),
+        render: RenderError = _error_body,
     ) -> None:
         self.app = app
         self.authenticate = authenticate
         self.streamed_routes = tuple(streamed_routes)
         self.max_body_bytes = max_body_bytes
         self._refusals: tuple[type[Exception], ...] = (Refused, *coded)
+        self.render = render
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -106,14 +115,14 @@ class Edges:
         except _TooLarge as exc:
             message = f"request body over the {self.max_body_bytes}-byte limit"
             details = {"limit_bytes": self.max_body_bytes, "observed_bytes": exc.observed_bytes}
-            await _refuse(
-                scope, receive, send, headers, 413, "resource_exhausted", message, details
-            )
+            body = self.render(413, "resource_exhausted", message, details)
+            await _refuse(scope, receive, send, headers, 413, body)
             return
         except self._refusals as exc:
             coded: CodedError = exc  # type: ignore[assignment]  # Refused or a coded class
             status, details = status_for_code(coded.code), dict(coded.details)
-            await _refuse(scope, receive, send, headers, status, coded.code, coded.message, details)
+            body = self.render(status, coded.code, coded.message, details)
+            await _refuse(scope, receive, send, headers, status, body)
             return
         await self.app(scope, _replay(body, receive), send)
 
@@ -157,14 +166,12 @@ async def _refuse(
     send: Send,
     headers: Headers,
     status: int,
-    code: str,
-    message: str,
-    details: dict[str, Any],
+    body: Any,
 ) -> None:
     """Answer the error; with a body still on its way, close the connection after it."""
     has_body = headers.get("content-length", "0") != "0" or "transfer-encoding" in headers
     response = JSONResponse(
-        error_body(code, message, details),
+        body,
         status_code=status,
         headers={"Connection": "close"} if has_body else None,
     )

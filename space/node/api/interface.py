@@ -17,6 +17,7 @@ from typing import Literal, Protocol
 __all__ = [
     "EGRESS_DECISIONS",
     "MAX_METRICS_SAMPLES",
+    "MAX_TUNNEL_CHUNK_BYTES",
     "METRICS_INTERVAL_S",
     "TENANT_PREFIX",
     "BuildEvent",
@@ -39,6 +40,7 @@ __all__ = [
     "NodeInfo",
     "NodeService",
     "PoolInfo",
+    "PortTunnel",
     "ProcessInfo",
     "PtySize",
     "SandboxMetrics",
@@ -310,6 +312,31 @@ class WatchStream(Protocol):
     def __aiter__(self) -> AsyncIterator[WatchEvent]: ...
 
     async def aclose(self) -> None: ...
+
+
+class PortTunnel(Protocol):
+    """A TCP connection to a server listening in a sandbox, on ``port`` (issue 20).
+
+    ``read`` returns the next bytes the server sent (at most MAX_TUNNEL_CHUNK_BYTES),
+    b"" once it closed its side; ``write`` returns once the bytes are on their way within
+    the guest's credit (it waits while the server does not read); ``close_write`` sends
+    EOF (the server reads its end). ``aclose`` closes the connection in the guest,
+    whatever is still in flight (idempotent). Both raise space.node.api errors.
+    """
+
+    port: int
+
+    async def read(self) -> bytes: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def close_write(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+#: Most bytes one PortTunnel.read returns: one DATA frame of the guest channel.
+MAX_TUNNEL_CHUNK_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -618,6 +645,13 @@ class NodeService(Protocol):
     Conflict for one that has exited, has its stdin closed, or has none open (for
     resize_pty: has no PTY), InvalidArgument for too much data or a size out of range.
 
+    open_port opens a TCP connection, inside the guest, to 127.0.0.1:``port`` (else
+    ::1) and relays it (PortTunnel): never through the sandbox's network namespace, only
+    through the guest channel. Unavailable (code ``connection_refused`` in the message)
+    when nothing listens there, ResourceExhausted past the guest's 256 connections,
+    InvalidArgument for a port outside 1 to 65535. A PAUSED or HIBERNATED sandbox is
+    resumed first, as for every guest operation.
+
     watch_dir watches a guest directory (and, if ``recursive``, its subdirectories) and
     returns once the watch is in place; NotFound for a missing path, InvalidArgument for
     one that is not a directory, ResourceExhausted past the guest's bounds (64 watches,
@@ -708,6 +742,8 @@ class NodeService(Protocol):
     ) -> WatchStream: ...
 
     async def read_file(self, sandbox_id: str, path: str, user: str = "user") -> FileReader: ...
+
+    async def open_port(self, sandbox_id: str, port: int) -> PortTunnel: ...
 
     async def write_file(
         self,

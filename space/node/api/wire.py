@@ -94,6 +94,7 @@ STATUS_BY_CODE: dict[str, int] = {
     "invalid_argument": 422,
     "resource_exhausted": 429,
     "internal": 500,
+    "connection_refused": 502,
     "capacity": 503,
     "unavailable": 503,
     "timeout": 504,

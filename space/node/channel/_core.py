@@ -228,6 +228,8 @@ class ChannelCore:
         elif kind is FrameKind.EOF:
             if decode_eof(frame.payload) is Channel.INPUT:
                 raise ProtocolError("the guest sent EOF on INPUT")
+            if decode_eof(frame.payload) is Channel.OUTPUT:
+                stream.on_output_eof()
         elif kind is FrameKind.CREDIT:
             stream.on_credit(decode_credit(frame.payload))
         elif kind is FrameKind.EVENT:

@@ -14,7 +14,15 @@ from dataclasses import dataclass
 from space.node.api import ExecEvent, ExecExited, ExecOutput, FileStat, NodeError
 from space.protocol import INITIAL_WINDOW_BYTES, Channel, ProtocolError
 
-__all__ = ["ChannelExecStream", "ChannelFileReader", "Data", "Final", "GuestStream"]
+__all__ = [
+    "ChannelExecStream",
+    "ChannelFileReader",
+    "ChannelPortTunnel",
+    "Data",
+    "Final",
+    "GuestStream",
+    "OutputEnd",
+]
 
 #: Grant credit once the consumer has taken this many bytes (fewer, larger CREDIT frames).
 GRANT_THRESHOLD_BYTES = INITIAL_WINDOW_BYTES // 4
@@ -35,6 +43,11 @@ class Final:
 
     value: object = None
     error: NodeError | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OutputEnd:
+    """The guest's EOF on OUTPUT, queued for streams that relay a connection."""
 
 
 EventParser = Callable[[dict[str, object]], object]
@@ -69,6 +82,15 @@ class GuestStream:
         self.unacked = 0
         self.send_credit = INITIAL_WINDOW_BYTES
         self.credit_changed = asyncio.Event()
+        #: Queue the guest's EOF OUTPUT as an OutputEnd (once): a tunnel's reader needs
+        #: it, other streams end with their RESULT.
+        self.queues_eof = False
+        self.output_ended = False
+
+    def on_output_eof(self) -> None:
+        if self.queues_eof and not self.output_ended and not self.abandoned:
+            self.output_ended = True
+            self.queue.put_nowait(OutputEnd())
 
     def on_data(self, channel: Channel, data: bytes, payload_size: int) -> None:
         if not self.data_allowed or channel is Channel.INPUT:
@@ -167,3 +189,48 @@ class ChannelFileReader:
         if not self._finished:
             self._finished = True
             await self._abandon()
+
+
+class ChannelPortTunnel:
+    """PortTunnel over a port.connect stream (see space.node.api.interface.PortTunnel)."""
+
+    def __init__(
+        self,
+        port: int,
+        next_item: Callable[[], Awaitable[object]],
+        send: Callable[[bytes], Awaitable[None]],
+        send_eof: Callable[[], Awaitable[None]],
+        abandon: Callable[[], Awaitable[None]],
+    ) -> None:
+        self.port = port
+        self._next_item = next_item
+        self._send = send
+        self._send_eof = send_eof
+        self._abandon = abandon
+        self._ended = False
+        self._write_closed = False
+
+    async def read(self) -> bytes:
+        while not self._ended:
+            item = await self._next_item()
+            if isinstance(item, Data):
+                if item.data:
+                    return item.data
+            else:  # OutputEnd, or the RESULT once both directions ended
+                self._ended = True
+        return b""
+
+    async def write(self, data: bytes) -> None:
+        if self._write_closed:
+            raise ProtocolError("write after close_write")
+        if data:
+            await self._send(data)
+
+    async def close_write(self) -> None:
+        if not self._write_closed:
+            self._write_closed = True
+            await self._send_eof()
+
+    async def aclose(self) -> None:
+        self._ended = self._write_closed = True
+        await self._abandon()

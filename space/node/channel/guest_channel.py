@@ -46,6 +46,7 @@ from space.node.channel._liveness import DEFAULT_PING_INTERVAL_S, DEFAULT_SILENC
 from space.node.channel._streams import (
     ChannelExecStream,
     ChannelFileReader,
+    ChannelPortTunnel,
     GuestStream,
     ResultParser,
 )
@@ -347,6 +348,56 @@ class GuestChannel(ChannelCore):
         value = await self._call(stream, lambda: self._next_item(stream))
         assert isinstance(value, FileStat)
         return value
+
+    async def open_port(self, port: int) -> ChannelPortTunnel:
+        """Connect, in the guest, to a server on ``port`` (127.0.0.1, else ::1) and relay
+        it; returns once the connection is made (space.node.api.PortTunnel).
+
+        Raises InvalidArgument for a port outside 1 to 65535, Unavailable when nothing
+        listens there (``connection_refused``), ResourceExhausted past the guest's bound,
+        Timeout, Unavailable. Every read and write waits as long as the guest is alive;
+        each write is held to the guest's credit, as a file upload is.
+        """
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise InvalidArgument(
+                f"port must be 1 to 65535, got {port!r}", sandbox_id=self._sandbox_id
+            )
+
+        def connected(event: dict[str, object]) -> object:
+            parse.expect_event(event, "connected")
+            return port
+
+        request = {"op": str(Op.PORT_CONNECT), "port": port}
+        stream = await self._open_stream(
+            request, lambda m: None, connected, max_events=1, accepts_data=True
+        )
+        stream.queues_eof = True
+        await self._call(stream, lambda: self._next_item(stream))
+
+        async def send(data: bytes) -> None:
+            try:
+                await self._send_chunk(stream, data)
+            except TimeoutError:
+                await self._abandon(stream)
+                raise self._silent(f"port {port}") from None
+            except BaseException:
+                await asyncio.shield(self._abandon(stream))
+                raise
+
+        async def send_eof() -> None:
+            try:
+                await self._send_input(stream, [])
+            except TimeoutError:
+                await self._abandon(stream)
+                raise self._silent(f"port {port}") from None
+
+        return ChannelPortTunnel(
+            port,
+            lambda: self._call(stream, lambda: self._next_item(stream)),
+            send,
+            send_eof,
+            lambda: self._abandon(stream),
+        )
 
     async def watch_dir(
         self, path: str, *, recursive: bool = False, user: str = "user"

@@ -62,6 +62,7 @@ from space.node.http._answers import (
     status,
     transport_error,
 )
+from space.node.http.port_tunnels import RemotePortTunnel, open_remote_tunnel
 from space.node.templates import parse_ref
 
 __all__ = ["RemoteNode", "error_from_response"]
@@ -102,6 +103,8 @@ class RemoteNode(NodeService):
         verify: ssl.SSLContext | bool = True,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self._token = token
+        self._verify = verify
         self._create_timeout = httpx.Timeout(create_timeout_s, connect=10.0)
         self._lifecycle_timeout = httpx.Timeout(lifecycle_timeout_s, connect=10.0)
         self._stream_timeout = httpx.Timeout(None, connect=10.0, write=60.0, pool=10.0)
@@ -321,6 +324,10 @@ class RemoteNode(NodeService):
         except BaseException:
             await response.aclose()
             raise
+
+    async def open_port(self, sandbox_id: str, port: int) -> RemotePortTunnel:
+        """A tunnel over the node's WebSocket route (space.node.http.port_tunnels)."""
+        return await open_remote_tunnel(self.base_url, self._token, self._verify, sandbox_id, port)
 
     async def read_file(self, sandbox_id: str, path: str, user: str = "user") -> RemoteFileReader:
         url = f"/sandboxes/{sandbox_id}/files"

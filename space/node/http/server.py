@@ -18,7 +18,8 @@ process started with ``open_stdin`` or ``pty`` takes input as the raw body of ``
 /sandboxes/{id}/processes/{pid}/stdin`` (``?eof=true`` closes it; answers ``{"bytes":
 n}``) and a new window size as ``POST .../resize`` ``{"rows", "cols"}`` (204); ``GET
 /sandboxes/{id}/files/watch?path=&recursive=`` answers a directory's changes as NDJSON
-(``watch_lines``).
+(``watch_lines``). ``GET /sandboxes/{id}/ports/{port}/tunnel`` upgrades to a WebSocket
+carrying a port tunnel (space.node.http.port_tunnels).
 ``GET /sandboxes/{id}/metrics`` answers ``{"samples": [SandboxMetrics, ...]}``. A
 sandbox's egress policy is ``PUT /sandboxes/{id}/egress`` with ``{"policy": {...} |
 null}`` (204); ``GET /sandboxes/{id}/egress/log?limit=N`` (1 to MAX_EGRESS_LOG_EVENTS,
@@ -49,7 +50,7 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response, WebSocket
 from fastapi.responses import StreamingResponse
 from starlette.datastructures import Headers
 from starlette.types import Scope
@@ -87,6 +88,7 @@ from space.node.api.http_connections import (
 )
 from space.node.api.http_edges import Authenticate, Edges, StreamedRoute, require_bearer
 from space.node.api.http_errors import install_error_handlers
+from space.node.http.port_tunnels import serve_tunnel
 
 __all__ = ["MAX_NODE_JSON_BODY_BYTES", "STREAMED_ROUTES", "create_node_app", "node_server"]
 
@@ -264,6 +266,12 @@ async def _stdin(
 async def _resize(node: Node, sandbox_id: str, process_id: str, request: Request) -> Response:
     await node.resize_pty(sandbox_id, process_id, decode_pty_size(await request.json()))
     return Response(status_code=204)
+
+
+@_router.websocket("/sandboxes/{sandbox_id}/ports/{port}/tunnel")
+async def _port_tunnel(websocket: WebSocket, sandbox_id: str, port: int) -> None:
+    app = websocket.app
+    await serve_tunnel(websocket, app.state.node, app.state.node_token, sandbox_id, port)
 
 
 @_router.get("/sandboxes/{sandbox_id}/files")
@@ -504,6 +512,7 @@ def create_node_app(node: NodeService, token: str) -> FastAPI:
         raise ValueError("the node API needs a non-empty token")
     app = FastAPI(title="SPACE node", docs_url=None, redoc_url=None)
     app.state.node = node
+    app.state.node_token = token
     app.include_router(_router, prefix=NODE_API_PREFIX)
     install_error_handlers(app, handlers_parse_bodies=True)
     app.add_middleware(

@@ -23,12 +23,14 @@ has it running or on its way. Runs in the guest as the sandbox's user:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.server
 import json
 import os
 import queue
 import re
 import select
+import signal
 import socket
 import sys
 import threading
@@ -362,8 +364,34 @@ def main(argv: list[str] | None = None) -> int:
     server = Server((args.host, args.port), handler)
     registry.default("python")  # its kernel starts now, beside the listening socket
     print(f"listening on {args.host}:{args.port}", flush=True)
-    server.serve_forever()
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    try:
+        server.serve_forever()
+    finally:
+        _kill_kernels()
     return 0
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _kill_kernels() -> None:
+    """Kill the kernels this server started. Stopping them one by one could take long.
+    Left orphaned, a kernel notices its parent's death only when it is re-parented
+    to pid 1, which a subreaper (a container's init, a test runner) never does."""
+    me = str(os.getpid())
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == me:  # the parent's pid, after the state
+            with contextlib.suppress(OSError):
+                os.kill(int(entry), signal.SIGKILL)
 
 
 if __name__ == "__main__":
