@@ -107,6 +107,7 @@ class Planned:
             env=dict(config.env),
             workdir=config.workdir,
             start=config.start,
+            ready_check=config.ready,
         )
 
 
