@@ -82,7 +82,8 @@ EGRESS_RESOLVER_OPTION = click.option(
 def capacity_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """The node's admission settings (space/node/core/capacity.py), passed to NodeConfig
     as ``max_sandboxes``, ``memory_reserve_mib``, ``memory_overcommit``, ``pool_reserve_mib``,
-    ``pool_size_gib``, and its build slots as ``build_slots``."""
+    ``pool_size_gib``, its build slots as ``build_slots`` and its apt sources as
+    ``apt_sources`` (left out when none is given: the node's default)."""
     low, high = MEMORY_RESERVE_MIB
     pool_low, pool_high = POOL_RESERVE_MIB
     options = (
@@ -115,6 +116,11 @@ def capacity_options(command: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--build-slots", type=click.IntRange(min=1), default=DEFAULT_BUILD_SLOTS,
             show_default=True, help="Template builds the node runs at once, shared by tenant.",
+        ),
+        click.option(
+            "--apt-source", "apt_sources", multiple=True, metavar="'deb URL SUITE COMPONENT'",
+            help="An apt source template builds fetch packages from, repeatable (default:"
+            " Debian bookworm, its updates and security).",
         ),
     )  # fmt: skip
     for option in reversed(options):
@@ -276,6 +282,8 @@ def serve(
         fail(f"--warm-min ({warm_min}) must not exceed --warm-max ({warm_max})", 2)
     with server_errors():
         cluster = cluster_settings(capacity)  # imports the node's packages
+        if not capacity["apt_sources"]:
+            del capacity["apt_sources"]
         from space.control.secrets import load_keyring
         from space.control.server import run_control_plane
         from space.control.settings import ControlSettings
@@ -386,6 +394,8 @@ def node(
         fail("a node agent needs --control-url and --token-file", 2)
     with server_errors():
         cluster = cluster_settings(capacity)  # imports the node's packages
+        if not capacity["apt_sources"]:
+            del capacity["apt_sources"]
         from space.control.nodes import capacity_report
         from space.control.server import heartbeat, register_remote_node
         from space.node.agent import Node
