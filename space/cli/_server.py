@@ -83,7 +83,8 @@ def capacity_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """The node's admission settings (space/node/core/capacity.py), passed to NodeConfig
     as ``max_sandboxes``, ``memory_reserve_mib``, ``memory_overcommit``, ``pool_reserve_mib``,
     ``pool_size_gib``, its build slots as ``build_slots`` and its apt sources as
-    ``apt_sources`` (left out when none is given: the node's default)."""
+    ``apt_sources`` (left out when none is given: the node's default), and its build
+    cache as ``build_cache_dir``."""
     low, high = MEMORY_RESERVE_MIB
     pool_low, pool_high = POOL_RESERVE_MIB
     options = (
@@ -121,6 +122,12 @@ def capacity_options(command: Callable[..., Any]) -> Callable[..., Any]:
             "--apt-source", "apt_sources", multiple=True, metavar="'deb URL SUITE COMPONENT'",
             help="An apt source template builds fetch packages from, repeatable (default:"
             " Debian bookworm, its updates and security).",
+        ),
+        click.option(
+            "--build-cache", "build_cache_dir", type=click.Path(file_okay=False, path_type=Path),
+            default=None,
+            help="Keep built layers here, by content, for a later build on a fresh pool"
+            " (default: none; docs/templates.md).",
         ),
     )  # fmt: skip
     for option in reversed(options):
