@@ -26,7 +26,7 @@ import contextlib
 import hashlib
 import json
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
 from space.node.agent._moves import clear_staging, new_staging
@@ -36,7 +36,7 @@ from space.node.core.run import run
 from space.node.storage.btrfs import TemplateVolume, is_layer_of
 from space.node.storage.streams import adopt_received, receive_stream, send_stream
 
-__all__ = ["restore_layer", "store_layer"]
+__all__ = ["cache_key", "restore_layer", "store_layer"]
 
 _FORMAT = 1
 _MAX_RECORD_BYTES = 4096
@@ -46,18 +46,18 @@ _CHUNK_BYTES = 1 << 20
 _EXTRA_MIB = 512
 
 
-def _key(node: Registry, digest: str) -> str:
-    config = node.config
+def cache_key(digest: str, key_id: str, apt_sources: Sequence[str]) -> str:
+    """The cache's name for layer ``digest`` built under the node key ``key_id`` from
+    ``apt_sources`` (their order does not matter: apt takes the newest of all)."""
     text = json.dumps(
-        {
-            "format": _FORMAT,
-            "layer": digest,
-            "key_id": node.keys.key_id,
-            "apt_sources": sorted(config.apt_sources),
-        },
+        {"format": _FORMAT, "layer": digest, "key_id": key_id, "apt_sources": sorted(apt_sources)},
         sort_keys=True,
     )
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _key(node: Registry, digest: str) -> str:
+    return cache_key(digest, node.keys.key_id, node.config.apt_sources)
 
 
 async def restore_layer(
