@@ -7,9 +7,11 @@ the dpkg status of the node's `base` image exactly as a build does (the node's o
 space.node.templates.packages.fetch_debs, from Debian's registry), and keeps the .debs
 with a Packages index as a flat apt repository in
 ``/var/cache/space/debs/code-interpreter-<key>``. The key hashes the package names and
-the base image's dpkg status, so a new base or spec gets its own closure. The test
-serves that directory on 127.0.0.1 (tests.apt_repo.served_directory) as the node's only
-apt source.
+the base image's dpkg status, so a new base or spec gets its own closure, and a
+complete directory never changes. The tests give it to the node as its only apt source:
+served on 127.0.0.1 (tests.apt_repo.served_directory), or as apt's ``copy:`` source,
+whose line names the directory and so the closure (the node's build cache keys its
+layers by the sources' lines).
 
 The status is read from the host-built base image with debugfs (the image is never
 mounted, and no guest ever wrote this file).
@@ -94,6 +96,7 @@ def ensure_repository() -> Path:
         (staging / "Packages").write_bytes(index)
         (staging / "Packages.xz").write_bytes(lzma.compress(index))
         (staging / _COMPLETE).write_text(f"{len(debs)} packages\n")
+        staging.chmod(0o755)  # a node's apt reads it as the node's user (copy: source)
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)
     finally:
