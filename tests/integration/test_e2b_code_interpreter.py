@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import os
 import pwd
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,6 +41,7 @@ DOMAIN = "e2b.test"
 TENANT = "acme"
 TEMPLATE = "code-interpreter-v1"  # e2b-code-interpreter's DEFAULT_TEMPLATE
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+_ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
 #: The node's build cache, kept across runs; its node key is the cache's own.
 BUILD_CACHE = Path("/var/cache/space/builds")
 
@@ -186,7 +188,8 @@ report({
     assert result["callback"] == ["hello\n"]
     assert (result["text"], result["main"], result["error"]) == ("42", [True], True)
     assert (result["name"], result["value"]) == ("ZeroDivisionError", "division by zero")
-    assert "return 1 / 0" in result["traceback"] and "f()" in result["traceback"]
+    traceback = _ANSI_RE.sub("", result["traceback"])  # IPython colours it
+    assert "return 1 / 0" in traceback and "----> 3 f()" in traceback, traceback
     assert result["results"] == 0
     assert result["envs"] == ["\"hi 'there'\"", None]  # envs apply to their run only
 
