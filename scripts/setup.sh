@@ -93,4 +93,9 @@ scripts/e2b_sdk_venv.sh
 
 say "building the base guest image (reused at once when unchanged)"
 .venv/bin/space template build-base
+
+# The .debs of templates/code-interpreter as a flat apt repository, so its build test
+# fetches nothing from the internet (cached by package list and base dpkg status).
+say "caching the code interpreter template's packages"
+.venv/bin/python -m tests.code_interpreter_debs
 say "setup done"

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["PACKAGES", "STATUS", "served_repository"]
+__all__ = ["PACKAGES", "STATUS", "served_directory", "served_repository"]
 
 PACKAGES = {
     "space-lib": ("1.0", ""),
@@ -86,7 +86,14 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 @contextlib.contextmanager
 def served_repository(root: Path) -> Iterator[str]:
     """Build the repository under ``root`` and serve it; yields its one-line apt source."""
-    repo = _make_repository(root)
+    with served_directory(_make_repository(root)) as source:
+        yield source
+
+
+@contextlib.contextmanager
+def served_directory(repo: Path) -> Iterator[str]:
+    """Serve ``repo`` (a flat repository: .debs beside a Packages index) on 127.0.0.1;
+    yields its one-line apt source."""
     handler = functools.partial(_QuietHandler, directory=str(repo))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)

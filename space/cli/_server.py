@@ -82,8 +82,10 @@ EGRESS_RESOLVER_OPTION = click.option(
 def capacity_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """The node's admission settings (space/node/core/capacity.py), passed to NodeConfig
     as ``max_sandboxes``, ``memory_reserve_mib``, ``memory_overcommit``, ``pool_reserve_mib``,
-    ``pool_size_gib``, its build slots as ``build_slots``, and what ``auto`` means on a
-    host without KVM as ``guest_without_kvm`` (issue 21)."""
+    ``pool_size_gib``, its build slots as ``build_slots``, its apt sources as
+    ``apt_sources`` (left out when none is given: the node's default), its build cache
+    as ``build_cache_dir``, and what ``auto`` means on a host without KVM as
+    ``guest_without_kvm`` (issue 21)."""
     low, high = MEMORY_RESERVE_MIB
     pool_low, pool_high = POOL_RESERVE_MIB
     options = (
@@ -122,6 +124,17 @@ def capacity_options(command: Callable[..., Any]) -> Callable[..., Any]:
             show_default=True,
             help="The guest type a sandbox asking for 'auto' gets on a host without KVM"
             " (gvisor: gVisor's runsc; with KVM, 'auto' is always a VM).",
+        ),
+        click.option(
+            "--apt-source", "apt_sources", multiple=True, metavar="'deb URL SUITE COMPONENT'",
+            help="An apt source template builds fetch packages from, repeatable (default:"
+            " Debian bookworm, its updates and security).",
+        ),
+        click.option(
+            "--build-cache", "build_cache_dir", type=click.Path(file_okay=False, path_type=Path),
+            default=None,
+            help="Keep built layers here, by content, for a later build on a fresh pool"
+            " (default: none; docs/templates.md).",
         ),
     )  # fmt: skip
     for option in reversed(options):
@@ -283,6 +296,8 @@ def serve(
         fail(f"--warm-min ({warm_min}) must not exceed --warm-max ({warm_max})", 2)
     with server_errors():
         cluster = cluster_settings(capacity)  # imports the node's packages
+        if not capacity["apt_sources"]:
+            del capacity["apt_sources"]
         from space.control.secrets import load_keyring
         from space.control.server import run_control_plane
         from space.control.settings import ControlSettings
@@ -393,6 +408,8 @@ def node(
         fail("a node agent needs --control-url and --token-file", 2)
     with server_errors():
         cluster = cluster_settings(capacity)  # imports the node's packages
+        if not capacity["apt_sources"]:
+            del capacity["apt_sources"]
         from space.control.nodes import capacity_report
         from space.control.server import heartbeat, register_remote_node
         from space.node.agent import Node

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from space.node.templates import (
     CopyStep,
     DebianBase,
     DigestBase,
+    ReadyCheck,
     Resources,
     RunStep,
     TemplateBase,
@@ -19,6 +21,7 @@ from space.node.templates import (
     TemplateSpec,
     TemplateSpecError,
     load_spec,
+    ready_from_record,
 )
 from space.node.templates.spec import MAX_SPEC_BYTES
 
@@ -389,3 +392,72 @@ def test_negative_a_refused_spec_leaves_its_directory_unchanged(project: Path) -
         load_spec(path)
     after = sorted((p.relative_to(project), p.stat().st_mtime_ns) for p in project.rglob("*"))
     assert after == before
+
+
+# --- the ready check ---------------------------------------------------------------------
+
+STARTED = MINIMAL + 'start = "python3 -m http.server 8000"\n'
+
+
+def test_a_ready_check_reads_as_an_http_probe_or_a_command(tmp_path: Path) -> None:
+    http = load_spec(
+        write(tmp_path, STARTED + '[ready]\nhttp = { port = 8000, path = "/h?x=1" }\n')
+    )
+    assert http.config.ready == ReadyCheck(http_port=8000, http_path="/h?x=1", timeout_s=300)
+    text = STARTED + '[ready]\ncommand = "test -e /tmp/up"\ntimeout_s = 1800\n'
+    command = load_spec(write(tmp_path, text)).config.ready
+    assert command == ReadyCheck(command="test -e /tmp/up", timeout_s=1800)
+    assert load_spec(write(tmp_path, STARTED)).config.ready is None
+
+
+def test_a_ready_check_record_reads_back_as_the_check_it_was(tmp_path: Path) -> None:
+    for table in ('http = { port = 1, path = "/" }', 'command = "true"\ntimeout_s = 1'):
+        check = load_spec(write(tmp_path, STARTED + f"[ready]\n{table}\n")).config.ready
+        assert check is not None and ready_from_record(asdict(check)) == check
+
+
+READY = STARTED + "[ready]\n"
+HTTP = "ready.http"
+
+READY_REFUSED = [
+    (MINIMAL + '[ready]\ncommand = "true"\n', "ready", "needs a start command"),
+    (READY, "ready", "exactly one of 'command' or 'http'"),
+    (READY + 'command = "true"\nhttp = { port = 1, path = "/" }\n', "ready", "exactly one of"),
+    (READY + 'command = "true"\nevery_s = 1\n', "ready.every_s", "unknown key"),
+    (READY + 'command = " "\n', "ready.command", "must not be empty"),
+    (READY + f"command = {q('x' * (16 * 1024 + 1))}\n", "ready.command", "at most 16384 bytes"),
+    (READY + 'command = "true"\ntimeout_s = 0\n', "ready.timeout_s", "within 1..1800, got 0"),
+    (READY + 'command = "true"\ntimeout_s = 1801\n', "ready.timeout_s", "within 1..1800"),
+    (READY + 'command = "true"\ntimeout_s = 1.5\n', "ready.timeout_s", "must be an integer"),
+    (READY + 'http = "http://127.0.0.1/"\n', HTTP, "must be a table"),
+    (READY + 'http = { path = "/" }\n', f"{HTTP}.port", "is required"),
+    (READY + "http = { port = 80 }\n", f"{HTTP}.path", "is required"),
+    (READY + 'http = { port = 0, path = "/" }\n', f"{HTTP}.port", "within 1..65535, got 0"),
+    (READY + 'http = { port = 65536, path = "/" }\n', f"{HTTP}.port", "within 1..65535"),
+    (READY + 'http = { port = 80, path = "health" }\n', f"{HTTP}.path", "must match"),
+    (READY + 'http = { port = 80, path = "/a b" }\n', f"{HTTP}.path", "must match"),
+    (READY + f"http = {{ port = 80, path = {q('/' * 1025)} }}\n", f"{HTTP}.path", "at most 1024"),
+    (READY + 'http = { port = 80, path = "/", host = "10.0.0.1" }\n', f"{HTTP}.host", "unknown"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "problem"), READY_REFUSED, ids=[c[2][:24] for c in READY_REFUSED]
+)
+def test_negative_a_malformed_ready_check_is_refused_by_key(
+    tmp_path: Path, text: str, key: str, problem: str
+) -> None:
+    error = refused(tmp_path, text)
+    assert (error.key, problem in error.problem) == (key, True), error.problem
+
+
+def test_negative_a_hostile_ready_check_record_is_refused_as_an_invalid_argument() -> None:
+    for record in (
+        {"command": None, "http_port": 99999, "http_path": "/", "timeout_s": 1},
+        {"command": "true", "http_port": 80, "http_path": "/", "timeout_s": 1},
+        {"command": "true", "http_port": None, "http_path": None, "timeout_s": 10**9},
+        {"command": "true", "extra": 1},
+        "true",
+    ):
+        with pytest.raises(InvalidArgument):
+            ready_from_record(record)

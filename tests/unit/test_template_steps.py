@@ -245,7 +245,25 @@ CHANGES = {
     "the workdir": (edit_spec('workdir = "/work"', 'workdir = "/srv"'), CONFIG),
     "the start command": (edit_spec("8000", "8001"), CONFIG),
     "a resource": (edit_spec("cpus = 2", "cpus = 3"), CONFIG),
+    "a ready check": (edit_spec("cpus = 2\n", 'cpus = 2\n[ready]\ncommand = "true"\n'), CONFIG),
 }
+
+
+def test_every_field_of_a_ready_check_is_part_of_the_config_digest(project: Path) -> None:
+    spec = project  # the spec file's path
+    seen = set()
+    for ready in (
+        'command = "true"',
+        'command = "true"\ntimeout_s = 10',
+        'http = { port = 8000, path = "/" }',
+        'http = { port = 8001, path = "/" }',
+        'http = { port = 8000, path = "/health" }',
+    ):
+        spec.write_text(SPEC.replace("cpus = 2\n", f"cpus = 2\n[ready]\n{ready}\n"))
+        steps = plan_of(spec)
+        seen.add(steps[CONFIG].digest)
+        assert "ready " in describe(steps)[CONFIG]
+    assert len(seen) == 5
 
 
 @pytest.mark.parametrize(("change", "first_changed"), CHANGES.values(), ids=CHANGES.keys())
@@ -357,8 +375,9 @@ def test_negative_a_malformed_base_digest_is_refused(project: Path, base: str) -
 def test_the_package_exports_exactly_the_pinned_names() -> None:
     assert set(templates.__all__) == {
         "Base", "CopyEntry", "CopyPlan", "CopyStep", "DebianBase", "DigestBase", "Packages",
-        "Resources", "RunStep", "Step", "TemplateBase", "TemplateConfig", "TemplateError",
-        "TemplateRef", "TemplateRefError", "TemplateSpec", "TemplateSpecError", "describe",
-        "load_spec", "parse_ref", "parse_spec", "plan", "template_digest", "unpack_context",
+        "ReadyCheck", "Resources", "RunStep", "Step", "TemplateBase", "TemplateConfig",
+        "TemplateError", "TemplateRef", "TemplateRefError", "TemplateSpec", "TemplateSpecError",
+        "describe", "load_spec", "parse_ref", "parse_spec", "plan", "ready_from_record",
+        "template_digest", "unpack_context",
     }  # fmt: skip
     assert all(hasattr(templates, name) for name in templates.__all__)

@@ -16,7 +16,7 @@ from space.node.api import Conflict, InvalidArgument, NotFound
 from space.node.core.state import _JsonDir
 from space.node.core.template import BASE, Shape, Template, image_mib
 from space.node.storage.btrfs import BtrfsPool
-from space.node.templates import parse_ref
+from space.node.templates import ReadyCheck, parse_ref, ready_from_record
 
 __all__ = ["Build", "Catalog"]
 
@@ -34,6 +34,7 @@ class Build:
     env: dict[str, str] = field(default_factory=dict)
     workdir: str | None = None
     start: str | None = None
+    ready_check: ReadyCheck | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,8 @@ class _Record:
         builds = {}
         for digest, raw in dict(data["builds"]).items():
             raw = dict(raw, shape=Shape(**raw["shape"]))
+            if raw.get("ready_check") is not None:
+                raw["ready_check"] = ready_from_record(raw["ready_check"])
             builds[str(digest)] = Build(**raw)
         return cls(str(data["name"]), {str(k): str(v) for k, v in data["tags"].items()}, builds)
 
@@ -221,6 +224,7 @@ class Catalog:
             env=dict(build.env),
             workdir=build.workdir,
             start=build.start,
+            ready_check=build.ready_check,
         )
         return self._with_ready(template)
 

@@ -11,7 +11,14 @@ import time
 from typing import TYPE_CHECKING
 
 from space.node.agent._pool import POOL_PREFIX
-from space.node.api import ExecOutput, ExecRequest, SandboxSpec, SandboxState, Unavailable
+from space.node.api import (
+    ExecExited,
+    ExecOutput,
+    ExecRequest,
+    SandboxSpec,
+    SandboxState,
+    Unavailable,
+)
 from space.node.channel import GuestChannel
 from space.node.core.capacity import Claim, volume_limit_mib
 from space.node.core.sandbox import MEMORY_FILE, LiveSandbox
@@ -22,12 +29,56 @@ from space.node.storage.btrfs import TemplateVolume
 if TYPE_CHECKING:
     from space.node.agent._registry import Registry
 
-__all__ = ["HIDDEN_PREFIXES", "boot_hidden", "channel_of", "is_hidden", "start_command"]
+__all__ = [
+    "HIDDEN_PREFIXES",
+    "boot_hidden",
+    "channel_of",
+    "is_hidden",
+    "start_command",
+    "wait_ready",
+]
 
 #: Ids of the node's own VMs: pool VMs (space.node.agent._pool), build VMs, ready-state VMs.
 HIDDEN_PREFIXES = (POOL_PREFIX, "build-", "ready-")
 #: How long a start command must keep running before its template counts as ready.
 START_GRACE_S = 1.0
+#: How often a ready check is tried in the guest, and how long one HTTP try may take.
+_READY_INTERVAL_S = 0.5
+_READY_HTTP_TIMEOUT_S = 5.0
+#: Beyond a check's own timeout: the probe's python3 start under TCG and the exec.
+_READY_SLACK_S = 60.0
+# Runs in the guest with its python3 (the one spaced runs on), as the template's user:
+# tries the check every interval until it passes (exit 0) or the deadline (exit 1,
+# printing the last failure). Arguments: timeout_s, interval_s, http_timeout_s, then
+# "http" PORT PATH or "command" COMMAND.
+_READY_PROBE = """
+import subprocess, sys, time, urllib.request
+timeout_s, interval_s, http_timeout_s = map(float, sys.argv[1:4])
+kind, args = sys.argv[4], sys.argv[5:]
+deadline = time.monotonic() + timeout_s
+last = "never tried"
+while True:
+    try:
+        if kind == "http":
+            url = "http://127.0.0.1:%s%s" % (args[0], args[1])
+            with urllib.request.urlopen(url, timeout=http_timeout_s) as response:
+                if 200 <= response.status < 300:
+                    sys.exit(0)
+                last = "HTTP %d" % response.status
+        else:
+            left = max(deadline - time.monotonic(), 0.1)
+            done = subprocess.run(["/bin/sh", "-c", args[0]], capture_output=True, timeout=left)
+            if done.returncode == 0:
+                sys.exit(0)
+            output = (done.stdout + done.stderr)[-500:].decode("utf-8", "replace").strip()
+            last = "exit code %d: %s" % (done.returncode, output)
+    except Exception as exc:
+        last = repr(exc)[:500]
+    if time.monotonic() + interval_s > deadline:
+        print(last)
+        sys.exit(1)
+    time.sleep(interval_s)
+"""
 
 
 def is_hidden(sandbox_id: str) -> bool:
@@ -133,3 +184,33 @@ async def _replay(channel: GuestChannel, process_id: str) -> str:
         if isinstance(event, ExecOutput):
             chunks.append(event.data)
     return b"".join(chunks)[-2000:].decode("utf-8", "replace").strip()
+
+
+async def wait_ready(channel: GuestChannel, template: Template) -> None:
+    """Poll ``template``'s ready check in the guest until it passes. Raises Unavailable
+    (with the check's last failure) if it has not passed within its timeout."""
+    check = template.ready_check
+    if check is None:
+        return
+    if check.command is not None:
+        target = ["command", check.command]
+    else:
+        target = ["http", str(check.http_port), str(check.http_path)]
+    argv = ["python3", "-c", _READY_PROBE, str(check.timeout_s), str(_READY_INTERVAL_S)]
+    request = ExecRequest(
+        argv=[*argv, str(_READY_HTTP_TIMEOUT_S), *target],
+        env=dict(template.env),
+        cwd=template.workdir,
+        timeout_s=check.timeout_s + _READY_SLACK_S,
+    )
+    chunks: list[bytes] = []
+    exited: ExecExited | None = None
+    async for event in await channel.exec(request):
+        if isinstance(event, ExecOutput) and sum(map(len, chunks)) < 4096:
+            chunks.append(event.data)
+        elif isinstance(event, ExecExited):
+            exited = event
+    if exited is not None and exited.exit_code == 0:
+        return
+    output = b"".join(chunks)[-2000:].decode("utf-8", "replace").strip()
+    raise Unavailable(f"the ready check {check.describe()} did not pass: {output}")

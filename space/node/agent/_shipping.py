@@ -80,7 +80,7 @@ from space.node.storage.streams import (
     send_stream,
     subvolume_ids,
 )
-from space.node.templates import parse_ref
+from space.node.templates import parse_ref, ready_from_record
 
 __all__ = ["SHIP_TTL_S", "Shipping", "TemplateSource"]
 
@@ -97,7 +97,9 @@ _MAX_PARENTS = 16
 _MAX_ANCESTORS = 8
 _MAX_ENV = 64
 _MAX_TEXT = 64 << 10
-_BUILD_KEYS = frozenset({"digest", "base", "created_at", "shape", "env", "workdir", "start"})
+_BUILD_KEYS = frozenset(
+    {"digest", "base", "created_at", "shape", "env", "workdir", "start", "ready_check"}
+)
 #: What a stream may take beyond the template's disk: its kernel and initrd (about
 #: 60 MiB for Debian's cloud kernel) and btrfs send's framing (a few percent).
 _EXTRA_MIB = 512
@@ -390,4 +392,5 @@ def _build_of(data: object, digest: str) -> Build:
         env=dict(env),
         workdir=data["workdir"],
         start=data["start"],
+        ready_check=None if data["ready_check"] is None else ready_from_record(data["ready_check"]),
     )

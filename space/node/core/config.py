@@ -149,6 +149,9 @@ class NodeConfig:
     #: Where template builds fetch packages from (apt one-line sources; the host
     #: fetches, the build VM has no network).
     apt_sources: tuple[str, ...] = DEFAULT_APT_SOURCES
+    #: Where finished build layers are kept across pools, by content (None: nowhere);
+    #: see space/node/agent/_build_cache.py. The node's user must be able to write it.
+    build_cache_dir: Path | None = None
     #: DNS servers ("address" or "address:port", IPv4) the egress gateway resolves
     #: allowed names with; empty means the host's /etc/resolv.conf nameservers.
     egress_resolvers: tuple[str, ...] = ()

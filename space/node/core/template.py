@@ -15,6 +15,7 @@ from space.node.images import build_template
 from space.node.images._rootfs import Debootstrap
 from space.node.storage.btrfs import BtrfsPool, TemplateVolume
 from space.node.storage.disks import disk_bytes
+from space.node.templates import ReadyCheck
 
 __all__ = [
     "BASE",
@@ -66,6 +67,8 @@ class Template:
     env: dict[str, str] = field(default_factory=dict)
     workdir: str | None = None
     start: str | None = None
+    #: Polled after ``start`` before the ready state is saved (space.node.agent._ready).
+    ready_check: ReadyCheck | None = None
     #: The ready state's volume (a booted VM's disk and memory), once made.
     ready: Path | None = None
 

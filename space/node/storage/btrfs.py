@@ -35,6 +35,7 @@ import contextlib
 import fcntl
 import os
 import re
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,7 @@ from space.node.storage.disks import encrypt_image, grow_disk
 __all__ = [
     "BtrfsPool",
     "TemplateVolume",
+    "is_layer_of",
     "pack_snapshot_args",
     "snapshot_subvolume",
 ]
@@ -474,6 +476,19 @@ async def snapshot_subvolume(source: Path, dest: Path, *, read_only: bool = Fals
         await asyncio.to_thread(snapshot)
     except OSError as exc:
         raise Unavailable(f"snapshot of {source} as {dest} failed: {exc}") from exc
+
+
+def is_layer_of(path: Path, digest: str) -> bool:
+    """Whether ``path`` holds exactly a layer's files, regular, marked complete as the
+    layer ``digest`` (as save_layer leaves it): for a layer received from elsewhere."""
+    with os.scandir(path) as entries:
+        kinds = {entry.name: entry.stat(follow_symlinks=False).st_mode for entry in entries}
+    if set(kinds) != {*_TEMPLATE_FILES, _COMPLETE_MARK}:
+        return False
+    if not all(stat.S_ISREG(mode) for mode in kinds.values()):
+        return False
+    with open(path / _COMPLETE_MARK, "rb") as mark:
+        return mark.read(200) == f"{digest}\n".encode()
 
 
 def _keep_template_files(path: Path, digest: str) -> None:

@@ -22,6 +22,7 @@ from space.node.templates.spec import (
     CopyStep,
     DebianBase,
     DigestBase,
+    ReadyCheck,
     Resources,
     RunStep,
     TemplateBase,
@@ -29,6 +30,7 @@ from space.node.templates.spec import (
     TemplateSpec,
     load_spec,
     parse_spec,
+    ready_from_record,
 )
 from space.node.templates.steps import (
     CopyEntry,
@@ -48,6 +50,7 @@ __all__ = [
     "DebianBase",
     "DigestBase",
     "Packages",
+    "ReadyCheck",
     "Resources",
     "RunStep",
     "Step",
@@ -63,6 +66,7 @@ __all__ = [
     "parse_ref",
     "parse_spec",
     "plan",
+    "ready_from_record",
     "template_digest",
     "unpack_context",
 ]

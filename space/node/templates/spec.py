@@ -7,6 +7,9 @@
     env = { LANG = "C.UTF-8" }       # at most 256 entries, for the sandboxes
     workdir = "/home/user/work"      # optional, absolute
     start = "python3 -m http.server" # optional; runs at boot and stays running
+    [ready]                          # optional, with start: polled in the guest before
+    http = { port = 8000, path = "/" }  # the ready state is saved; or command = "..."
+    timeout_s = 300                  # 1..1800, default 300
     [resources]                      # optional defaults: cpus 1..8,
     cpus = 1                         #   memory_mib 128..16384, disk_mib 1024..65536
     [build_egress]                   # optional: the build VM's network for run steps
@@ -43,12 +46,14 @@ __all__ = [
     "MAX_COMMAND_BYTES",
     "MAX_ENV_ENTRIES",
     "MAX_PACKAGES",
+    "MAX_READY_TIMEOUT_S",
     "MAX_SPEC_BYTES",
     "MAX_STEPS",
     "Base",
     "CopyStep",
     "DebianBase",
     "DigestBase",
+    "ReadyCheck",
     "Resources",
     "RunStep",
     "SpecStep",
@@ -56,7 +61,9 @@ __all__ = [
     "TemplateConfig",
     "TemplateSpec",
     "load_spec",
+    "parse_ready",
     "parse_spec",
+    "ready_from_record",
 ]
 
 # Limits of issue 4; resources are the contract's (space.limits).
@@ -68,6 +75,11 @@ MAX_ENV_VALUE_BYTES = 4096
 #: The spec file itself: room for every command and env value at their limits.
 MAX_SPEC_BYTES = 4 << 20
 _MAX_PATH_BYTES = 4096
+#: A ready check's deadline (default and limit): a build VM waits at most this long.
+DEFAULT_READY_TIMEOUT_S = 300
+MAX_READY_TIMEOUT_S = 1800
+# An HTTP ready check's path: absolute, printable ASCII without spaces (RFC 3986 chars).
+_HTTP_PATH_RE = re.compile(r"/[!-~]{0,1023}")
 
 # Debian policy 5.6.7: lowercase letters, digits, "+", "-", "."; two or more characters.
 _PACKAGE_RE = re.compile(r"[a-z0-9][a-z0-9+.-]{1,127}")
@@ -84,6 +96,7 @@ _TOP_KEYS = (
     "workdir",
     "start",
     "resources",
+    "ready",
     "build_egress",
     "steps",
 )
@@ -156,6 +169,28 @@ class Resources:
 
 
 @dataclass(frozen=True, slots=True)
+class ReadyCheck:
+    """When a template's start command has become ready: polled in the guest after the
+    start command, before the ready state is saved (space.node.agent._ready).
+
+    Exactly one of ``command`` (``/bin/sh -c`` as the template's user exits 0) and
+    ``http_port``/``http_path`` (a GET of ``http://127.0.0.1:<port><path>`` in the guest
+    answers 2xx); ``timeout_s`` bounds the wait, after which the build fails.
+    """
+
+    command: str | None = None
+    http_port: int | None = None
+    http_path: str | None = None
+    timeout_s: int = DEFAULT_READY_TIMEOUT_S
+
+    def describe(self) -> str:
+        what = (
+            self.command if self.command is not None else f"GET :{self.http_port}{self.http_path}"
+        )
+        return f"{what} (within {self.timeout_s} s)"
+
+
+@dataclass(frozen=True, slots=True)
 class TemplateConfig:
     """What a sandbox of the template starts with; the build's final step."""
 
@@ -165,6 +200,8 @@ class TemplateConfig:
     #: Started at boot and kept running.
     start: str | None = None
     resources: Resources = field(default_factory=Resources)
+    #: Polled after ``start`` before the ready state is saved; needs ``start``.
+    ready: ReadyCheck | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,13 +334,57 @@ def _copy(where: Where, value: object, key: str, spec_dir: Path) -> CopyStep:
 
 
 def _config(where: Where, top: dict[str, object]) -> TemplateConfig:
-    workdir, start = top.get("workdir"), top.get("start")
+    workdir, start, ready = top.get("workdir"), top.get("start"), top.get("ready")
+    if ready is not None and start is None:
+        where.fail("ready", "needs a start command to wait for")
     return TemplateConfig(
         env=_env(where, top.get("env", {})),
         workdir=None if workdir is None else absolute_path(where, workdir, "workdir"),
         start=None if start is None else where.command(start, "start", MAX_COMMAND_BYTES),
         resources=_resources(where, top.get("resources", {})),
+        ready=None if ready is None else parse_ready(where, ready),
     )
+
+
+def parse_ready(where: Where, value: object, key: str = "ready") -> ReadyCheck:
+    """A ``[ready]`` table (also a ready check's record from another node). Raises
+    TemplateSpecError naming the key."""
+    table = where.table(value, key, ("command", "http", "timeout_s"))
+    if ("command" in table) == ("http" in table):
+        where.fail(key, "holds exactly one of 'command' or 'http'")
+    timeout_s = where.integer(
+        table.get("timeout_s", DEFAULT_READY_TIMEOUT_S),
+        child(key, "timeout_s"),
+        1,
+        MAX_READY_TIMEOUT_S,
+    )
+    if "command" in table:
+        command = where.command(table["command"], child(key, "command"), MAX_COMMAND_BYTES)
+        return ReadyCheck(command=command, timeout_s=timeout_s)
+    http_key = child(key, "http")
+    http = where.table(table["http"], http_key, ("port", "path"))
+    for name in ("port", "path"):
+        if name not in http:
+            where.fail(child(http_key, name), "is required")
+    port = where.integer(http["port"], child(http_key, "port"), 1, 65535)
+    path = where.string(
+        http["path"], child(http_key, "path"), max_bytes=1024, pattern=_HTTP_PATH_RE
+    )
+    return ReadyCheck(http_port=port, http_path=path, timeout_s=timeout_s)
+
+
+def ready_from_record(value: object) -> ReadyCheck:
+    """A ReadyCheck from its record (``dataclasses.asdict`` of one, as a node's catalog
+    keeps it and another node ships it): checked as the ``[ready]`` table it came from.
+    Raises TemplateSpecError."""
+    where = Where(None)
+    fields = where.table(value, "ready", ("command", "http_port", "http_path", "timeout_s"))
+    table: dict[str, object] = {"timeout_s": fields.get("timeout_s")}
+    if fields.get("command") is not None:
+        table["command"] = fields["command"]
+    if fields.get("http_port") is not None or fields.get("http_path") is not None:
+        table["http"] = {"port": fields.get("http_port"), "path": fields.get("http_path")}
+    return parse_ready(where, table)
 
 
 def _env(where: Where, value: object) -> tuple[tuple[str, str], ...]:

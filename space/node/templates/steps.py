@@ -5,7 +5,7 @@ The plan of a spec is, in order:
     packages   one step installing the sorted, deduplicated packages (none: no step)
     copy       one step per copy, with the resolved, hashed list of what it copies
     run        one step per run command
-    config     env, workdir, start and resources; always last
+    config     env, workdir, start, ready check and resources; always last
 
 A step's digest is the sha256 of its parent's digest (the previous step's, or the base's
 for the first), its kind and its canonical content, and, for a copy, one record per
@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -162,7 +162,7 @@ def _content(action: Action) -> dict[str, object]:
     if isinstance(action, RunStep):
         return {"run": action.command, "user": action.user}
     resources = action.resources
-    return {
+    content: dict[str, object] = {
         "env": dict(action.env),
         "workdir": action.workdir,
         "start": action.start,
@@ -172,6 +172,9 @@ def _content(action: Action) -> dict[str, object]:
             "disk_mib": resources.disk_mib,
         },
     }
+    if action.ready is not None:  # absent when unset: digests of specs without one stay
+        content["ready"] = asdict(action.ready)
+    return content
 
 
 def _canonical(value: Mapping[str, object]) -> bytes:
@@ -199,6 +202,8 @@ def _config_parts(config: TemplateConfig) -> list[str]:
         parts.append(f"workdir {config.workdir}")
     if config.start is not None:
         parts.append(f"start {_shorten(config.start)}")
+    if config.ready is not None:
+        parts.append(f"ready {_shorten(config.ready.describe())}")
     for name in ("cpus", "memory_mib", "disk_mib"):
         value = getattr(config.resources, name)
         if value is not None:

@@ -1,6 +1,7 @@
 """The code interpreter's HTTP server: what e2b-code-interpreter's Sandbox calls on port 49999.
 
-    GET    /health                    200 {"status": "ok", "default_context": "ready"|"starting"}
+    GET    /health                    200 {"status": "ok", "default_context": "ready"}, or
+                                      503 {"status": "starting", ...} until it answers
     POST   /execute                   {code, context_id?, language?, env_vars?} -> NDJSON stream
     POST   /contexts                  {language?, cwd?} -> {id, language, cwd}
     GET    /contexts                  [{id, language, cwd}, ...]
@@ -180,7 +181,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def _route(self, method: str, path: str, body: dict[str, Any]) -> None:
         registry = self.registry
         if (method, path) == ("GET", "/health"):
-            self._json(200, {"status": "ok", "default_context": registry.default_state()})
+            # 503 until the default kernel answers: the template's ready check waits for 200.
+            state = registry.default_state()
+            ready = state == "ready"
+            self._json(
+                200 if ready else 503,
+                {"status": "ok" if ready else "starting", "default_context": state},
+            )
         elif (method, path) == ("POST", "/execute"):
             self._execute(body)
         elif (method, path) == ("POST", "/contexts"):
