@@ -145,6 +145,22 @@ def test_template_import_is_read_only_and_idempotent(
     assert [t.digest for t in pool.templates()] == ["d1"]
 
 
+def test_a_template_published_grown_has_its_disk_and_leaves_its_source_as_it_was(
+    pool: BtrfsPool, runner: asyncio.Runner, image_files: dict[str, Any]
+) -> None:
+    base = runner.run(pool.import_template("base", "d1", **image_files))
+    digest = "c" * 64
+    grown = runner.run(pool.publish_template("steps-none", digest, base, grow_mib=IMAGE_MIB * 2))
+    assert grown.rootfs.stat().st_size == IMAGE_MIB * 2 << 20
+    assert base.rootfs.stat().st_size == IMAGE_MIB << 20
+    fsck = subprocess.run(["e2fsck", "-fn", str(grown.rootfs)], capture_output=True)
+    assert fsck.returncode == 0, fsck.stdout
+    assert "ro=true" in _btrfs("property", "get", "-ts", str(grown.path), "ro")
+    assert pool.template("steps-none", digest) == grown
+    again = runner.run(pool.publish_template("steps-none", digest, base, grow_mib=IMAGE_MIB * 2))
+    assert again == grown
+
+
 def test_sandbox_volume_is_an_o1_snapshot_with_a_grown_rootfs(
     pool: BtrfsPool, runner: asyncio.Runner, image_files: dict[str, Any]
 ) -> None:

@@ -7,6 +7,7 @@ space.node.agent._pool). Every method raises space.node.api errors only.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterable, Callable
 from dataclasses import replace
@@ -108,10 +109,24 @@ class Templates:
         it, goes)."""
         volume = await build_layers(self._registry, planned, say)
         spec = planned.spec
-        await self._registry.pool.publish_template(spec.name, planned.digest, volume)
+        # No disk step on the pristine base: the template is the base's image, grown
+        # here to its disk (as a build VM would have), since a built template's disk
+        # is never grown after.
+        base = planned.base
+        grow = planned.shape.disk_mib if base.pristine and volume == base.volume else None
+        pool = self._registry.pool
+        published = await pool.publish_template(spec.name, planned.digest, volume, grow_mib=grow)
         build = planned.build_record(time.time())
         say(f"making the ready state ({planned.shape.cpus} cpu, {planned.shape.memory_mib} MiB)")
-        await self._make_ready(self.catalog.template(spec.name, spec.tag, build))
+        try:
+            await self._make_ready(self.catalog.template(spec.name, spec.tag, build))
+        except BaseException:
+            # Its ready state failed (a ready check that never passed) or the build was
+            # cut short: the subvolume goes unless a tag names it already.
+            tagged = {(t.name, t.digest) for t in self.catalog.builds()}
+            if (spec.name, planned.digest) not in tagged:
+                await asyncio.shield(self._delete_build_files(published))
+            raise
         template, orphans = self.catalog.add(spec.name, spec.tag, build)
         for orphan in orphans:
             await self._drop_build(orphan)

@@ -274,11 +274,13 @@ class BtrfsPool:
             await self._delete_subvolume(path)
 
     async def publish_template(
-        self, name: str, digest: str, source: TemplateVolume
+        self, name: str, digest: str, source: TemplateVolume, *, grow_mib: int | None = None
     ) -> TemplateVolume:
         """Make ``source`` (a layer or another template) the template ``name``/``digest``.
 
-        O(1): a read-only snapshot. Idempotent; replaces a half-made one.
+        O(1): a read-only snapshot. ``grow_mib`` also grows its disk to that size (only
+        for a ``source`` whose image no guest wrote: a template of no disk step on the
+        pristine base). Idempotent; replaces a half-made one.
         """
         try:
             return self.template(name, digest)
@@ -288,7 +290,21 @@ class BtrfsPool:
         path.parent.mkdir(exist_ok=True)
         if path.exists():
             await self._delete_subvolume(path)
-        await snapshot_subvolume(source.path, path, read_only=True)
+        if grow_mib is None:
+            await snapshot_subvolume(source.path, path, read_only=True)
+            return TemplateVolume(name, digest, path)
+        await snapshot_subvolume(source.path, path)
+        try:
+            # Unmarked while it grows, so a crash leaves it half-made (replaced above).
+            mark = path / _COMPLETE_MARK
+            text = await asyncio.to_thread(mark.read_bytes)
+            await asyncio.to_thread(mark.unlink)
+            await grow_disk(path / "rootfs.img", grow_mib)
+            await asyncio.to_thread(_write_synced, mark, text)
+            await run("btrfs", "property", "set", "-ts", str(path), "ro", "true")
+        except BaseException:
+            await self._delete_subvolume(path)
+            raise
         return TemplateVolume(name, digest, path)
 
     async def delete_template(self, volume: TemplateVolume) -> None:
@@ -489,6 +505,13 @@ def is_layer_of(path: Path, digest: str) -> bool:
         return False
     with open(path / _COMPLETE_MARK, "rb") as mark:
         return mark.read(200) == f"{digest}\n".encode()
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
 
 
 def _keep_template_files(path: Path, digest: str) -> None:

@@ -171,7 +171,8 @@ class Resources:
 @dataclass(frozen=True, slots=True)
 class ReadyCheck:
     """When a template's start command has become ready: polled in the guest after the
-    start command, before the ready state is saved (space.node.agent._ready).
+    start command, before the ready state is saved (space.node.agent._hidden's
+    ``wait_ready``).
 
     Exactly one of ``command`` (``/bin/sh -c`` as the template's user exits 0) and
     ``http_port``/``http_path`` (a GET of ``http://127.0.0.1:<port><path>`` in the guest
