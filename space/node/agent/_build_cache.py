@@ -16,7 +16,8 @@ cache in the pool does, so a cache is only as exact as its sources are fixed (a
 content-addressed snapshot, or the tests' cached closure). A stream is checked like a
 shipped one: the SHA-256 the root broker took of what it fed to btrfs receive must be
 the record's, and the subvolume must be the layer it says it is; anything else is
-refused, said in the build log, and the steps run.
+refused, said in the build log and dropped from the cache, and the steps run (their
+layer takes the entry's place).
 """
 
 from __future__ import annotations
@@ -79,7 +80,17 @@ async def restore_layer(
         return await _receive(node, digest, stream_path, record, disk_mib)
     except (NodeError, OSError) as exc:
         say(f"the build cache's layer {digest[:12]} is refused ({exc}): building it")
+        # Dropped, or every later build would refuse it again: this build keeps the
+        # layer it makes in its place (store_layer writes only where no record is).
+        await asyncio.to_thread(_drop_entry, record_path, stream_path)
         return None
+
+
+def _drop_entry(record_path: Path, stream_path: Path) -> None:
+    """Remove an entry, its record first (so no reader takes a stream half gone)."""
+    for path in (record_path, stream_path):
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def _read_record(path: Path) -> dict[str, object] | None:
