@@ -27,7 +27,7 @@ import contextlib
 import hashlib
 import json
 import os
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 
 from space.node.agent._moves import clear_staging, new_staging
@@ -113,9 +113,11 @@ async def _receive(
     max_bytes = (disk_mib + _EXTRA_MIB) << 20
     staging = await new_staging(pool)
     try:
-        received = await receive_stream(
-            pool.broker, pool.root, staging, _chunks(stream_path), max_bytes=max_bytes
-        )
+        # Closed on the way out: a receive refused midway stops reading it.
+        async with contextlib.aclosing(_chunks(stream_path)) as chunks:
+            received = await receive_stream(
+                pool.broker, pool.root, staging, chunks, max_bytes=max_bytes
+            )
         if (received.sha256, received.stream_bytes) != (record["sha256"], record["stream_bytes"]):
             raise InvalidArgument("the stream is not the one its record names")
         await adopt_received(pool.broker, received.path, writable=True)
@@ -134,7 +136,7 @@ async def _receive(
     return layer
 
 
-async def _chunks(path: Path) -> AsyncIterator[bytes]:
+async def _chunks(path: Path) -> AsyncGenerator[bytes, None]:
     with await asyncio.to_thread(open, path, "rb") as file:
         while chunk := await asyncio.to_thread(file.read, _CHUNK_BYTES):
             yield chunk
