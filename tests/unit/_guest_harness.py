@@ -96,8 +96,12 @@ async def _spaced(home: Path, identity_record: Path) -> AsyncIterator[asyncio.su
     try:
         yield proc
     finally:
-        assert proc.stdin is not None
+        assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.close()
+        # Python 3.11's Process.wait() returns only once every pipe is at EOF: frames
+        # spaced sent that no closed channel read (a stalled tunnel's window) would
+        # pause the stdout transport and hold wait() after spaced has gone.
+        drained = asyncio.create_task(_drain(proc.stdout))
         try:
             async with asyncio.timeout(10):
                 await proc.wait()
@@ -105,7 +109,19 @@ async def _spaced(home: Path, identity_record: Path) -> AsyncIterator[asyncio.su
             proc.kill()
             await proc.wait()
             raise AssertionError("spaced did not exit at EOF") from None
+        finally:
+            await drained
     assert proc.returncode == 0
+
+
+async def _drain(stdout: asyncio.StreamReader) -> None:
+    """Read ``stdout`` to its end, dropping what comes; a channel still reading it
+    (RuntimeError: another reader) does so itself."""
+    try:
+        while await stdout.read(1 << 16):
+            pass
+    except (RuntimeError, ConnectionError):
+        pass
 
 
 def run_with_channel(home: Path, body: Callable[[GuestChannel, Guest], Awaitable[Any]]) -> Any:
