@@ -19,22 +19,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench._node_child import node_child
 from bench._stats import summary
 from space.node.agent import Node
 from space.node.agent.node_user import become_node_user, node_user
 from space.node.api import ExecExited, ExecRequest, SandboxSpec
 from space.node.core.config import NodeConfig
-from tests.integration.conftest import release_data_dir
 
 _FLOOR = "runsc do true (floor)"
 
@@ -113,20 +111,9 @@ def main() -> None:
     if args.data_dir is not None:  # the child: the node, its figures on stdout as JSON
         print(json.dumps(asyncio.run(run(args.data_dir, runs, args.user))))
         return
-    with tempfile.TemporaryDirectory(prefix="space-bench-gvisor-") as tmp:
-        os.chmod(tmp, 0o711)  # the node agent's user reaches its data dir
-        data_dir = Path(tmp) / "data"
-        command = [sys.executable, __file__, f"--runs={runs}", f"--user={args.user}"]
-        try:
-            child = subprocess.run(
-                [*command, f"--data-dir={data_dir}"], stdout=subprocess.PIPE, check=True
-            )
-        finally:
-            leaked = release_data_dir(data_dir)
-            if leaked:
-                print(f"cleaned up leftovers: {leaked}", file=sys.stderr)
-        results: dict[str, list[float]] = {_FLOOR: floor(runs, Path(tmp) / "runsc")}
-    results |= json.loads(child.stdout)
+    with node_child(__file__, runs, args.user, "space-bench-gvisor-") as (tmp, figures):
+        results: dict[str, list[float]] = {_FLOOR: floor(runs, tmp / "runsc")}
+    results |= figures
     print(f"node agent's user: {args.user}")
     base = statistics.median(results[_FLOOR])
     for name, values in results.items():

@@ -32,11 +32,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable
 from dataclasses import replace
@@ -44,6 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench._node_child import node_child
 from bench._stats import summary
 from space.node.agent import Node
 from space.node.agent.node_user import become_node_user, node_user
@@ -53,7 +51,6 @@ from space.node.core.keys import NodeKeys
 from space.node.core.sandbox import preflush
 from space.node.core.template import READY_SHAPE
 from space.node.vmm.qemu import QemuVM
-from tests.integration.conftest import release_data_dir
 
 _SANDBOX = "bench-lifecycle"
 # A process that lives across every operation without keeping the vCPU busy: under
@@ -221,19 +218,8 @@ def main() -> None:
     if args.data_dir is not None:  # the child: the node, its figures on stdout as JSON
         print(json.dumps(asyncio.run(run(args.data_dir, runs, args.user))))
         return
-    with tempfile.TemporaryDirectory(prefix="space-bench-lifecycle-") as tmp:
-        os.chmod(tmp, 0o711)  # the node agent's user reaches its data dir
-        data_dir = Path(tmp) / "data"
-        command = [sys.executable, __file__, f"--runs={runs}", f"--user={args.user}"]
-        try:
-            child = subprocess.run(
-                [*command, f"--data-dir={data_dir}"], stdout=subprocess.PIPE, check=True
-            )
-        finally:
-            leaked = release_data_dir(data_dir)
-            if leaked:
-                print(f"cleaned up leftovers: {leaked}", file=sys.stderr)
-    results, sealing, sized = json.loads(child.stdout)
+    with node_child(__file__, runs, args.user, "space-bench-lifecycle-") as (_, figures):
+        results, sealing, sized = figures
     print(f"node agent's user: {args.user}")
     baseline = statistics.median(results["cold create (baseline)"])
     for name, values in results.items():
