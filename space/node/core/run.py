@@ -6,11 +6,13 @@ import asyncio
 import contextlib
 import os
 import signal
+from collections.abc import Iterator
+from pathlib import Path
 
 from space.node.api import Timeout, Unavailable
 from space.node.core.environment import child_environment
 
-__all__ = ["run"]
+__all__ = ["command_lines", "run"]
 
 _MAX_OUTPUT_BYTES = 64 * 1024
 
@@ -51,3 +53,15 @@ async def run(
         detail = err[-_MAX_OUTPUT_BYTES:].decode(errors="replace").strip()
         raise Unavailable(f"{' '.join(argv)} failed ({proc.returncode}): {detail}")
     return out[:_MAX_OUTPUT_BYTES].decode(errors="replace")
+
+
+def command_lines() -> Iterator[tuple[int, bytes]]:
+    """(pid, NUL-separated argv) of every process /proc shows now; one that is gone by
+    the time it is read is skipped."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            yield int(proc.name), (proc / "cmdline").read_bytes()
+        except OSError:
+            continue

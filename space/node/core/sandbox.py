@@ -24,6 +24,7 @@ from typing import TypeVar
 from space.node.api import Conflict, NodeError, SandboxState, Timeout, Unavailable
 from space.node.channel import GuestChannel
 from space.node.core.keys import NodeKeys
+from space.node.core.run import command_lines
 from space.node.core.state import Pending, SandboxRecord
 from space.node.network import netns
 from space.node.vmm.accel import Accelerator
@@ -385,16 +386,10 @@ def _qemus_under(run_root: Path) -> list[tuple[int, str]]:
     """(pid, sandbox id) of every process whose command line has a socket in run_root."""
     marker = f"path={run_root}/".encode()
     found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
+    for pid, argv in command_lines():
         if marker in argv:
             sid = argv.split(marker, 1)[1].split(b"/", 1)[0].decode(errors="replace")
-            found.append((int(proc.name), sid))
+            found.append((pid, sid))
     return found
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from space.node.api import InvalidArgument, NodeError, Unavailable
+from space.node.core.run import command_lines
 from space.node.privileged import broker_for
 from space.node.privileged.requests import (
     CloneGuestTree,
@@ -269,14 +270,4 @@ async def stop_by_name(run_root: Path, name: str) -> None:
 def _processes_of(bundle: Path) -> list[int]:
     """Pids of the runsc processes serving ``bundle`` (its sandbox and gofer)."""
     marker = f"--bundle={bundle}\0".encode()
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if argv.startswith(b"runsc-") and marker in argv:
-            found.append(int(proc.name))
-    return found
+    return [pid for pid, argv in command_lines() if argv.startswith(b"runsc-") and marker in argv]
