@@ -41,7 +41,6 @@ import logging
 import math
 import os
 import secrets
-import shutil
 import stat
 import time
 from collections.abc import AsyncIterator, Callable
@@ -55,6 +54,7 @@ from space.node.agent._moves import (
     STREAM_SLACK,
     _Frames,
     _template_subvolumes,
+    clear_staging,
     framed,
     new_staging,
 )
@@ -63,7 +63,6 @@ from space.node.agent._templates import Templates
 from space.node.api import (
     Conflict,
     InvalidArgument,
-    NodeError,
     NotFound,
     PermissionDenied,
     ResourceExhausted,
@@ -230,7 +229,7 @@ class Shipping:
             try:
                 size = await self._receive(ticket, source_url, parent, staging, name, build)
             finally:
-                await asyncio.shield(self._clear(staging))
+                await asyncio.shield(clear_staging(pool, staging))
             try:
                 template = await self._templates.adopt(name, movable, build, log.info)
             except BaseException:  # its ready state, pool and subvolume go
@@ -281,13 +280,6 @@ class Shipping:
             await asyncio.shield(pool.delete_template(volume))
             raise
         return received.stream_bytes
-
-    async def _clear(self, staging: Path) -> None:
-        pool = self._registry.pool
-        with contextlib.suppress(OSError, NodeError):
-            for entry in await asyncio.to_thread(lambda: list(staging.iterdir())):
-                await pool.delete_staged(entry)
-            await asyncio.to_thread(shutil.rmtree, staging, True)
 
 
 def _key(ticket: str) -> str:
