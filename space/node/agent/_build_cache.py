@@ -30,7 +30,7 @@ import os
 from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 
-from space.node.agent._moves import clear_staging, new_staging
+from space.node.agent._moves import STREAM_EXTRA_MIB, clear_staging, new_staging
 from space.node.agent._registry import Registry
 from space.node.api import InvalidArgument, NodeError
 from space.node.core.run import run
@@ -42,9 +42,6 @@ __all__ = ["cache_key", "restore_layer", "store_layer"]
 _FORMAT = 1
 _MAX_RECORD_BYTES = 4096
 _CHUNK_BYTES = 1 << 20
-#: What a layer's stream may take beyond its disk: btrfs send's framing and the
-#: kernel and initrd files a layer holds (space.node.agent._shipping bounds the same).
-_EXTRA_MIB = 512
 
 
 def cache_key(digest: str, key_id: str, apt_sources: Sequence[str]) -> str:
@@ -110,7 +107,7 @@ async def _receive(
     node: Registry, digest: str, stream_path: Path, record: dict[str, object], disk_mib: int
 ) -> TemplateVolume:
     pool = node.pool
-    max_bytes = (disk_mib + _EXTRA_MIB) << 20
+    max_bytes = (disk_mib + STREAM_EXTRA_MIB) << 20
     staging = await new_staging(pool)
     try:
         # Closed on the way out: a receive refused midway stops reading it.

@@ -74,6 +74,7 @@ from space.node.storage.streams import (
 
 __all__ = [
     "EXPORT_TTL_S",
+    "STREAM_EXTRA_MIB",
     "STREAM_SLACK",
     "Moves",
     "Source",
@@ -95,6 +96,10 @@ _TRAILER = struct.Struct(">32sQ")
 #: What a stream may exceed the volume's own bound by: btrfs send's framing and
 #: metadata (a few percent of the data; measured 0.1% for a 256 MiB guest).
 STREAM_SLACK = 1.25
+#: What a template's stream (a shipment, a build cache's layer) may take beyond its
+#: disk: its kernel and initrd (about 60 MiB for Debian's cloud kernel) and btrfs send's
+#: framing (a few percent).
+STREAM_EXTRA_MIB = 512
 _MIN_STREAM_BYTES = 64 << 20
 _MAX_RECORD_KEYS = 32
 

@@ -51,6 +51,7 @@ from typing import Protocol
 from space.limits import RESOURCES
 from space.node.agent._catalog import Build, Catalog
 from space.node.agent._moves import (
+    STREAM_EXTRA_MIB,
     STREAM_SLACK,
     _Frames,
     _template_subvolumes,
@@ -99,9 +100,6 @@ _MAX_TEXT = 64 << 10
 _BUILD_KEYS = frozenset(
     {"digest", "base", "created_at", "shape", "env", "workdir", "start", "ready_check"}
 )
-#: What a stream may take beyond the template's disk: its kernel and initrd (about
-#: 60 MiB for Debian's cloud kernel) and btrfs send's framing (a few percent).
-_EXTRA_MIB = 512
 
 
 class TemplateSource(Protocol):
@@ -288,7 +286,7 @@ def _key(ticket: str) -> str:
 
 def _stream_bound(shape: Shape) -> int:
     """The most bytes a stream of a template of ``shape`` may take."""
-    return int(((shape.disk_mib + _EXTRA_MIB) << 20) * STREAM_SLACK)
+    return int(((shape.disk_mib + STREAM_EXTRA_MIB) << 20) * STREAM_SLACK)
 
 
 def _base_of(catalog: Catalog, text: str) -> Template | None:
