@@ -6,6 +6,7 @@ test_template_ready.py (and test_e2b_code_interpreter.py at scale)."""
 from __future__ import annotations
 
 import asyncio
+import stat
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -91,6 +92,8 @@ def test_a_kept_layer_comes_back_and_a_damaged_one_is_refused_dropped_and_replac
     record, stream = cache / f"{key}.json", cache / f"{key}.stream"
     assert record.is_file() and stream.is_file(), said
     assert sorted(p.name for p in cache.iterdir()) == [record.name, stream.name]
+    # A tenant's template: the node's user alone reads it.
+    assert {stat.S_IMODE(p.stat().st_mode) for p in (record, stream)} == {0o600}
 
     _forget(layer)
     assert pool.layer(LAYER) is None

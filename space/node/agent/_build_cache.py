@@ -152,7 +152,7 @@ async def store_layer(node: Registry, layer: TemplateVolume, say: Callable[[str]
     partial = directory / f".{key}.{os.getpid()}.partial"
     try:
         digest, size = hashlib.sha256(), 0
-        with await asyncio.to_thread(open, partial, "wb") as file:
+        with await asyncio.to_thread(open, partial, "wb", opener=_private) as file:
             async for chunk in send_stream(node.pool.broker, layer.path, None):
                 digest.update(chunk)
                 size += len(chunk)
@@ -171,8 +171,13 @@ async def store_layer(node: Registry, layer: TemplateVolume, say: Callable[[str]
 
 def _write_record(path: Path, record: dict[str, object]) -> None:
     partial = path.with_name(f".{path.name}.partial")
-    with open(partial, "w") as file:
+    with open(partial, "w", opener=_private) as file:
         json.dump(record, file)
         file.flush()
         os.fsync(file.fileno())
     os.rename(partial, path)
+
+
+def _private(path: str, flags: int) -> int:
+    """Open as ``open`` does, but 0600: a layer is a tenant's template."""
+    return os.open(path, flags, 0o600)
