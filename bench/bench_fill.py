@@ -9,7 +9,7 @@ the SDK:
    in each (a woken VM translates its guest's code anew on first use: paid once, kept
    out of the timed window), syncs, waits ``--settle`` seconds; MemAvailable again:
    host memory per idle sandbox is the difference divided by N; then a ``--idle``
-   second window: the CPU time of the sandboxes' QEMUs in it, divided by N;
+   second window: the CPU time of the sandboxes' VMMs in it, divided by N;
 3. for ``--seconds``, ``--threads`` threads run ``echo ok`` (each call bounded by
    ``--exec-timeout``), every call on the next sandbox in turn, so all N guests work;
    no call starts after the deadline and the window ends when the last one returned.
@@ -31,7 +31,9 @@ the API, then the server, then any QEMU, egress gateway, network namespace, moun
 device left under the data directory. Figures are of the whole machine: the client's
 threads run on it too. Usage, as root:
 `.venv/bin/python bench/bench_fill.py [--sizes 4,48] [--threads 32] [--seconds 30] [--admit]
-[--pool-size-gib 64]`.
+[--pool-size-gib 64] [--guest qemu|gvisor]`. With ``--guest gvisor`` the node's ``auto``
+is gVisor (``--guest-without-kvm gvisor``): its sandboxes, warm pool included, are gVisor
+sandboxes, and a sandbox's VMM is its runsc sandbox and gofer and its channel relay.
 """
 
 from __future__ import annotations
@@ -59,8 +61,9 @@ from bench._host import HostSample, Interval, mem_available_bytes
 from bench._platform import Api, embedded_platform, say
 from bench._stats import percentile
 from space import Sandbox, Space
+from space.node.core.config import NodeConfig
 from space.sdk import SpaceError
-from tests.integration.platform import qemu_pids
+from tests.integration.platform import processes_naming, qemu_pids
 
 MIB = 1 << 20
 #: A sandbox's lifetime: longer than any run, so the reaper never takes one mid-run.
@@ -100,10 +103,19 @@ def kill_all(sandboxes: list[Sandbox]) -> None:
     sandboxes.clear()
 
 
-def qemu_rss_bytes(data_dir: Path) -> int:
-    """Resident memory of every QEMU of this data directory, summed."""
+def vmm_pids(data_dir: Path, guest: str) -> list[int]:
+    """The processes that are this data directory's sandboxes: QEMUs, or gVisor's runsc
+    sandbox and gofer processes and each sandbox's channel relay (all name its run
+    directory)."""
+    if guest == "qemu":
+        return qemu_pids(data_dir)
+    return processes_naming(f"{NodeConfig(data_dir=data_dir).effective_run_dir}/")
+
+
+def vmm_rss_bytes(data_dir: Path, guest: str) -> int:
+    """Resident memory of every VMM (``vmm_pids``) of this data directory, summed."""
     total = 0
-    for pid in qemu_pids(data_dir):
+    for pid in vmm_pids(data_dir, guest):
         with contextlib.suppress(OSError):
             for line in Path(f"/proc/{pid}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
@@ -111,10 +123,10 @@ def qemu_rss_bytes(data_dir: Path) -> int:
     return total
 
 
-def qemu_cpu_seconds(data_dir: Path) -> float:
-    """CPU time (user + system, all threads) of every QEMU of this data directory."""
+def vmm_cpu_seconds(data_dir: Path, guest: str) -> float:
+    """CPU time (user + system, all threads) of every VMM of this data directory."""
     ticks = 0
-    for pid in qemu_pids(data_dir):
+    for pid in vmm_pids(data_dir, guest):
         with contextlib.suppress(OSError):
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             ticks += int(fields[11]) + int(fields[12])  # utime, stime
@@ -150,8 +162,8 @@ class ExecLoad:
     #: The first message of each kind of failure.
     examples: dict[str, str] = field(default_factory=dict)
     host: Interval | None = None
-    #: CPU time the sandboxes' QEMUs (the guests) used in the window.
-    qemu_cpu_s: float = 0.0
+    #: CPU time the sandboxes' VMMs (the guests) used in the window.
+    vmm_cpu_s: float = 0.0
 
 
 def one_exec(sandbox: Sandbox, timeout_s: float) -> tuple[str, str] | None:
@@ -227,10 +239,10 @@ class SizeFigures:
     idle_mem_mib_per_sandbox: float
     idle_cpu_core_share_per_sandbox: float
     idle_written_mib_per_s: float
-    qemu_rss_mib_per_sandbox: float
-    #: CPU per exec in the window: the guests' QEMUs, and everything else (node,
-    #: control plane, client, kernel outside QEMU).
-    qemu_cpu_ms_per_exec: float
+    vmm_rss_mib_per_sandbox: float
+    #: CPU per exec in the window: the guests' VMMs, and everything else (node,
+    #: control plane, client, kernel outside them).
+    vmm_cpu_ms_per_exec: float
     other_cpu_ms_per_exec: float
 
 
@@ -242,6 +254,8 @@ class Options:
     settle_s: float
     idle_s: float
     create_workers: int
+    #: The guest type the node's sandboxes get (``auto`` is made to mean it).
+    guest: str = "qemu"
 
 
 def measure_size(space: Space, api: Api, count: int, opts: Options) -> SizeFigures:
@@ -257,14 +271,16 @@ def measure_size(space: Space, api: Api, count: int, opts: Options) -> SizeFigur
         warm_up(sandboxes, opts.create_workers, opts.exec_timeout_s)
         os.sync()
         time.sleep(opts.settle_s)
-        mem_after, cpu_before = mem_available_bytes(), qemu_cpu_seconds(api.data_dir)
+        mem_after, cpu_before = mem_available_bytes(), vmm_cpu_seconds(api.data_dir, opts.guest)
         idle = host_window(opts.idle_s)
-        idle_core_share = (qemu_cpu_seconds(api.data_dir) - cpu_before) / idle.seconds / count
-        rss = qemu_rss_bytes(api.data_dir)
+        idle_core_share = (
+            (vmm_cpu_seconds(api.data_dir, opts.guest) - cpu_before) / idle.seconds / count
+        )
+        rss = vmm_rss_bytes(api.data_dir, opts.guest)
         say(f"{count} sandboxes: {opts.threads} threads of echo ok for {opts.seconds} s")
-        qemu_before = qemu_cpu_seconds(api.data_dir)
+        vmm_before = vmm_cpu_seconds(api.data_dir, opts.guest)
         load = exec_load(sandboxes, opts.threads, opts.seconds, opts.exec_timeout_s)
-        load.qemu_cpu_s = qemu_cpu_seconds(api.data_dir) - qemu_before
+        load.vmm_cpu_s = vmm_cpu_seconds(api.data_dir, opts.guest) - vmm_before
     finally:
         say(f"{count} sandboxes: deleting {len(sandboxes)}")
         kill_all(sandboxes)
@@ -305,10 +321,10 @@ def _figures(
         idle_mem_mib_per_sandbox=mem_per_sandbox / MIB,
         idle_cpu_core_share_per_sandbox=idle_core_share,
         idle_written_mib_per_s=idle.written_bytes_per_s / MIB,
-        qemu_rss_mib_per_sandbox=rss_per_sandbox / MIB,
-        qemu_cpu_ms_per_exec=1000 * load.qemu_cpu_s / max(len(lat), 1),
+        vmm_rss_mib_per_sandbox=rss_per_sandbox / MIB,
+        vmm_cpu_ms_per_exec=1000 * load.vmm_cpu_s / max(len(lat), 1),
         other_cpu_ms_per_exec=1000
-        * (host.busy * CPUS * host.seconds - load.qemu_cpu_s)
+        * (host.busy * CPUS * host.seconds - load.vmm_cpu_s)
         / max(len(lat), 1),
     )
 
@@ -363,7 +379,7 @@ def report_sizes(sizes: list[SizeFigures], out: Callable[[str], None]) -> None:
     """The figures as Markdown tables, the ratio and the first failure of each kind."""
     out(
         "| sandboxes | execs/s | p50 | p99 | failed | written back | dirtied"
-        " | CPU user / system / iowait | CPU per exec: QEMU / the rest |"
+        " | CPU user / system / iowait | CPU per exec: VMM / the rest |"
     )
     out("|---|---|---|---|---|---|---|---|---|")
     for f in sizes:
@@ -371,19 +387,19 @@ def report_sizes(sizes: list[SizeFigures], out: Callable[[str], None]) -> None:
             f"| {f.sandboxes} | {f.execs_per_s:.1f} | {f.p50_s:.2f} s | {f.p99_s:.2f} s"
             f" | {_failures(f)} | {f.written_mib_per_s:.0f} MiB/s | {f.dirtied_mib_per_s:.0f} MiB/s"
             f" | {_pct(f.cpu_user)} / {_pct(f.cpu_system)} / {_pct(f.cpu_iowait)}"
-            f" | {f.qemu_cpu_ms_per_exec:.0f} / {f.other_cpu_ms_per_exec:.0f} ms |"
+            f" | {f.vmm_cpu_ms_per_exec:.0f} / {f.other_cpu_ms_per_exec:.0f} ms |"
         )
     out("")
     out(
         "| sandboxes | create p50 | host memory per idle sandbox | idle CPU per sandbox"
-        " | QEMU RSS per sandbox | written back while idle |"
+        " | VMM RSS per sandbox | written back while idle |"
     )
     out("|---|---|---|---|---|---|")
     for f in sizes:
         out(
             f"| {f.sandboxes} | {f.create_p50_s:.2f} s | {f.idle_mem_mib_per_sandbox:.0f} MiB"
             f" | {100 * f.idle_cpu_core_share_per_sandbox:.2f}% of a core"
-            f" | {f.qemu_rss_mib_per_sandbox:.0f} MiB | {f.idle_written_mib_per_s:.1f} MiB/s |"
+            f" | {f.vmm_rss_mib_per_sandbox:.0f} MiB | {f.idle_written_mib_per_s:.1f} MiB/s |"
         )
     if len(sizes) > 1:
         out(
@@ -442,7 +458,13 @@ def run(api: Api, args: argparse.Namespace) -> tuple[list[SizeFigures], Admissio
     """Every size, then admission if asked; prints the sizes' tables as soon as they are
     measured."""
     opts = Options(
-        args.threads, args.seconds, args.exec_timeout, args.settle, args.idle, args.create_workers
+        args.threads,
+        args.seconds,
+        args.exec_timeout,
+        args.settle,
+        args.idle,
+        args.create_workers,
+        args.guest,
     )
     with Space(api.url, api.key) as space:
         sizes = [measure_size(space, api, n, opts) for n in args.sizes]
@@ -472,6 +494,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--idle", type=float, default=10.0, help="idle CPU window, seconds")
     p.add_argument("--create-workers", type=int, default=4, help="creates at a time")
     p.add_argument("--admit", action="store_true", help="count admitted sandboxes too")
+    p.add_argument(
+        "--guest", choices=["qemu", "gvisor"], default="qemu",
+        help="the sandboxes' guest type (gvisor: the node's auto is gVisor, its pools too)",
+    )  # fmt: skip
     p.add_argument("--admit-max", type=int, default=256)
     p.add_argument(
         "--pool-size-gib", type=int, default=64,
@@ -487,8 +513,10 @@ def main() -> None:
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="space-bench-fill-") as tmp:
         say(f"starting space serve in {tmp}")
-        pool = ["--pool-size-gib", str(args.pool_size_gib)]
-        with embedded_platform(Path(tmp) / "data", pool) as api:
+        options = ["--pool-size-gib", str(args.pool_size_gib)]
+        if args.guest == "gvisor":
+            options += ["--guest-without-kvm", "gvisor"]
+        with embedded_platform(Path(tmp) / "data", options) as api:
             sizes, admission = run(api, args)
     print(as_json(args, sizes, admission, time.monotonic() - start))
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets everything up, then runs every gate: ruff (format + lint), mypy (strict), and the
 # whole pytest suite (unit, security, and integration tests that boot real VMs) in two
-# lanes: the fast one on two workers, then the VM one.
+# lanes: the fast one on two workers, then the VM one (two workers, then its solo tests
+# alone).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -18,19 +19,24 @@ if [ $# -gt 0 ]; then  # what to run was given: one run of exactly that
   echo "== pytest $*"
   exec "${pytest[@]}" "$@"
 fi
-# Two lanes, one after the other, each run to its end whatever the other did. The fast
-# lane (no VMs) runs on two workers: its tests share no names, ports or directories.
-# The VM lane runs on one: its TCG guests are CPU-bound, several of its files use fixed
-# host addresses (tests/egress_world.py, tests/integration/hosts.py), and its timings
-# (boot and wake deadlines, guest clocks) are tuned for one test at a time.
+# Two lanes, one after the other, each run to its end whatever the other did, each on
+# two workers. The fast lane's tests share no names, ports or directories. The VM
+# lane's share none either (host-wide addresses are the worker's own: tests/workers.py);
+# it hands out groups (--dist loadgroup, tests/conftest.py): a whole file, so a module's
+# shared VM boots once, or a part of the conformance matrix.
 echo "== pytest: the fast lane (-m 'not vm', two workers)"
 fast=0
 "${pytest[@]}" -m "not vm" -n 2 || fast=$?
-echo "== pytest: the VM lane (-m 'vm and not heavy_build')"
+echo "== pytest: the VM lane (-m 'vm and not heavy_build and not solo', two workers)"
 echo "!! NOT RUN HERE: the heavy_build tests (the code interpreter through the real"
 echo "!! e2b_code_interpreter SDK): a first build of its template takes about 30 minutes"
 echo "!! under TCG, past what CI can add. Run them with: .venv/bin/pytest -m heavy_build"
 vm=0
-"${pytest[@]}" -m "vm and not heavy_build" || vm=$?
-echo "== fast lane exit $fast, VM lane exit $vm"
-exit $((fast != 0 ? fast : vm))
+"${pytest[@]}" -m "vm and not heavy_build and not solo" -n 2 --dist loadgroup || vm=$?
+echo "== pytest: the VM lane's solo tests (-m 'vm and solo', alone: a hundred VMs, a pace)"
+solo=0
+"${pytest[@]}" -m "vm and solo and not heavy_build" || solo=$?
+echo "== fast lane exit $fast, VM lane exit $vm, solo exit $solo"
+for code in "$fast" "$vm" "$solo"; do
+  if [ "$code" -ne 0 ]; then exit "$code"; fi
+done

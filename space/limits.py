@@ -27,6 +27,7 @@ __all__ = [
     "MAX_IDLE_TIMEOUT_S",
     "MAX_JSON_BODY_BYTES",
     "MAX_LIFETIME_S",
+    "MAX_PROCESS_PID",
     "MAX_PTY_SIZE",
     "MAX_SANDBOX_SECRETS",
     "MAX_STDIN_BYTES",
@@ -160,11 +161,13 @@ MAX_IDLE_TIMEOUT_S: Final = 7 * 24 * 3600
 #: Longest a command may run (a day).
 MAX_COMMAND_TIMEOUT_S: Final = 24 * 3600
 #: Interactive processes (issue 20), the guest protocol's own numbers (space.protocol
-#: MAX_INPUT_BYTES, MAX_PTY_SIZE, TAG_PATTERN; a unit test keeps them equal): stdin bytes
-#: per call, rows and columns of a PTY (1 to this), a process tag.
+#: MAX_INPUT_BYTES, MAX_PTY_SIZE, TAG_PATTERN, MAX_PID; a unit test keeps them equal):
+#: stdin bytes per call, rows and columns of a PTY (1 to this), a process tag, the
+#: largest pid a process is found by.
 MAX_STDIN_BYTES: Final = 1 << 20
 MAX_PTY_SIZE: Final = 1000
 PROCESS_TAG_PATTERN: Final = r"[A-Za-z0-9_.:-]{1,64}"
+MAX_PROCESS_PID: Final = 4 * 1024 * 1024
 
 #: A node's admission by capacity (issue 15; space/node/core/capacity.py has the formula
 #: and why these defaults). Host memory no sandbox may take: this share of MemTotal,

@@ -5,9 +5,11 @@ session (tests/postgres.py), and ``database_url``, a fresh database of each back
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -50,6 +52,37 @@ def _umask_restored() -> Generator[None]:
     os.umask(before)
     yield
     os.umask(before)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """The VM lane's ``--dist loadgroup``, scheduled here by test file: a file is one
+    group (its module fixtures, a booted VM or platform, are made once), unless the
+    module splits itself with ``xdist_group_of(nodeid)`` (the conformance matrix: its
+    parts run on both workers at once). xdist 3.8's own loadgroup grouped nothing under
+    pytest 9.2 (seen: a marked module's tests ran on both workers), so it is not used."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
+
+    class Groups(LoadScopeScheduling):  # type: ignore[misc]  # xdist has no types
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid)
+
+    return Groups(config, log)
+
+
+@functools.cache
+def _module_split(path: str) -> Callable[[str], str] | None:
+    module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+    split: Callable[[str], str] | None = getattr(module, "xdist_group_of", None)
+    return split
+
+
+def xdist_group(nodeid: str) -> str:
+    """The group of the test ``nodeid`` for the VM lane's workers (see above)."""
+    path = nodeid.split("::")[0]
+    split = _module_split(path) if path.endswith(".py") else None
+    return split(nodeid) if split is not None else path
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -1,5 +1,7 @@
 """One sandbox with egress, in a node of its own, next to a test-made internet.
 
+The sandbox is a VM or a gVisor sandbox (GUESTS): the egress tests run on both.
+
 The shared fixture of the egress tests (tests/integration/test_egress.py, and the red
 team's tests/security/test_egress_redteam.py). POLICY is the sandbox's allow-list and
 RECORDS what the world's DNS server answers (the world itself: tests/egress_world.py).
@@ -39,6 +41,7 @@ from .integration.conftest import NodeHarness, release_data_dir, started_node
 
 __all__ = [
     "CANARIES",
+    "GUESTS",
     "POLICY",
     "PROBE",
     "RECORDS",
@@ -55,6 +58,8 @@ __all__ = [
 ]
 
 SANDBOX = "egress-1"
+#: The guest types every egress test runs on (the red team's too).
+GUESTS = ("qemu", "gvisor")
 PROBE = Path(__file__).parent / "integration" / "egress_probe.py"
 #: Where the scripts go in the guest (a script's name is its file name there).
 GUEST_DIR = "/tmp"
@@ -97,8 +102,8 @@ RECORDS: dict[str, list[str] | list[list[str]]] = {
 class Guest:
     """The sandbox, seen from inside: ``probe`` runs egress_probe.py in it."""
 
-    def __init__(self, harness: NodeHarness, world: World) -> None:
-        self.h, self.world = harness, world
+    def __init__(self, harness: NodeHarness, world: World, guest: str) -> None:
+        self.h, self.world, self.type = harness, world, guest
 
     @property
     def node(self) -> Node:
@@ -140,27 +145,31 @@ async def output(node: Node, request: ExecRequest, sandbox_id: str = SANDBOX) ->
 def booted_guest(
     node_config: NodeConfig,
     *,
+    guest: str = "qemu",
     scripts: Mapping[str, Path] | None = None,
     watch_strays: bool = False,
 ) -> Iterator[Guest]:
-    """The world, a node on ``node_config`` resolving through it, and SANDBOX under
-    POLICY with ``scripts`` (name in the guest -> file here; default: egress_probe.py
-    as "probe.py") uploaded to GUEST_DIR. ``watch_strays``: see egress_world. Teardown
-    deletes the sandbox, stops the node and the world, and fails on anything left."""
+    """The world, a node on ``node_config`` resolving through it, and SANDBOX (of the
+    guest type ``guest``, one of GUESTS) under POLICY with ``scripts`` (name in the
+    guest -> file here; default: egress_probe.py as "probe.py") uploaded to GUEST_DIR.
+    ``watch_strays``: see egress_world. Teardown deletes the sandbox, stops the node
+    and the world, and fails on anything left."""
     with egress_world(watch_strays=watch_strays) as world:
         world.records.update(RECORDS)
         config = replace(
             node_config, egress_resolvers=(world.resolver,), egress_upstream_ca=world.upstream_ca
         )
+        if guest == "gvisor":  # a gVisor sandbox needs no ready state: boot no VM for one
+            config = replace(config, ready_state=False)
         with started_node(config) as harness:
-            spec = SandboxSpec(sandbox_id=SANDBOX, egress=POLICY)
+            spec = SandboxSpec(sandbox_id=SANDBOX, egress=POLICY, guest=guest)
             harness.run(harness.node.create_sandbox(spec))
             for name, path in (scripts or {"probe.py": PROBE}).items():
                 upload = harness.node.write_file(
                     SANDBOX, f"{GUEST_DIR}/{name}", _chunks(path.read_bytes())
                 )
                 harness.run(upload)
-            yield Guest(harness, world)
+            yield Guest(harness, world, guest)
 
 
 async def _chunks(data: bytes) -> AsyncIterator[bytes]:

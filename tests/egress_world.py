@@ -1,16 +1,24 @@
 """A small "internet" for egress tests, in a network namespace the test creates.
 
-The namespace hangs off the host by one veth pair. Its addresses are TEST-NET-2
-(198.51.100.0/24): these machines reach their package mirror in TEST-NET-3 and sit in
-TEST-NET-1 themselves, so neither may be shadowed. Servers run as threads of the test
-process, their sockets bound inside the namespace (or on the host's side, for the
-canaries that must never be reached):
+The namespace hangs off the host by one veth pair. Its addresses are documentation
+ones, which the gateway takes for public: TEST-NET-2 (198.51.100.0/24), or TEST-NET-3,
+then TEST-NET-1, where the host already has an address or a route in it (these
+machines have sat in TEST-NET-1 and reached their package mirror in TEST-NET-3; a
+world there would shadow them and be shadowed). Its private network is 10.99.0.0/24,
+or 172.29 or 192.168.99, likewise. Each pytest-xdist worker has its own quarter of the
+public /24 (a /26) and its own private /24, so worlds of the VM lane's two workers
+never share a route; the table is worker gw0's where nothing is taken (gw1 adds 64 to
+the last byte of the public addresses and 1 to the third of the private ones). A new
+world checks that the host reaches its upstream server, and fails naming the host's
+addresses and routes if not. Servers run as threads of the test process, their
+sockets bound inside the namespace (or on the host's side, for the canaries that must
+never be reached):
 
 | address          | where           | what                                            |
 |------------------|-----------------|-------------------------------------------------|
-| 198.51.100.1      | host's veth end | canary HTTP :8080 (the node itself)             |
-| 198.51.100.2      | namespace       | DNS :53, HTTP :80 and :8080, TLS :443, UDP :9999 |
-| 198.51.100.3      | namespace       | HTTP :80 ("other", a host no policy names)      |
+| 198.51.100.1     | host's veth end | canary HTTP :8080 (the node itself)             |
+| 198.51.100.2     | namespace       | DNS :53, HTTP :80 and :8080, TLS :443, UDP :9999 |
+| 198.51.100.3     | namespace       | HTTP :80 ("other", a host no policy names)      |
 | 10.99.0.2        | namespace       | canary HTTP :80 (a private address)             |
 | 127.0.0.1        | host loopback   | canary HTTP on a free port                      |
 
@@ -30,6 +38,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import ipaddress
+import json
 import os
 import secrets
 import shutil
@@ -49,19 +58,66 @@ from mitmproxy.net.dns import response_codes, types
 from space.node.privileged.netns_socket import bind_in_netns
 
 from .tls import write_self_signed
+from .workers import xdist_worker
 
 __all__ = ["Hit", "World", "egress_world"]
 
-UPSTREAM = "198.51.100.2"
-OTHER = "198.51.100.3"
-HOST_SIDE = "198.51.100.1"
-PRIVATE = "10.99.0.2"
+#: This process's pytest-xdist worker (0 outside xdist): which quarter of the public
+#: /24 and which private /24 its worlds use.
+WORKER = xdist_worker()
+if WORKER > 3:
+    raise RuntimeError("egress worlds have addresses for four pytest-xdist workers at most")
+#: Where a world's addresses may come from, in order of preference (the module docstring).
+_PUBLIC_BLOCKS = ("198.51.100", "203.0.113", "192.0.2")
+_PRIVATE_BLOCKS = ("10.99", "172.29", "192.168")
+_PRIVATE_THIRD = {"192.168": 99}
+
+
+def _host_networks() -> list[ipaddress.IPv4Network]:
+    """The host's IPv4 addresses and routes, in every table, but its default routes and
+    the veths of egress worlds (this worker's stale ones are cleared; others' are theirs)."""
+    out = subprocess.run(
+        ["ip", "-j", "-4", "route", "show", "table", "all"],
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    return [
+        ipaddress.IPv4Network(route["dst"], strict=False)
+        for route in json.loads(out)
+        if route.get("dst", "default") != "default" and not route.get("dev", "").startswith("spt")
+    ]
+
+
+def _free(candidates: list[str], taken: list[ipaddress.IPv4Network]) -> str:
+    for network in candidates:
+        if not any(ipaddress.ip_network(network).overlaps(used) for used in taken):
+            return network
+    raise RuntimeError(
+        f"no network for an egress world: the host has addresses or routes in each of "
+        f"{candidates} ({', '.join(map(str, taken))})"
+    )
+
+
+_TAKEN = _host_networks()
+#: The world's quarter of a public /24, and its private network (PRIVATE's).
+WORLD_NET = _free([f"{block}.{64 * WORKER}/26" for block in _PUBLIC_BLOCKS], _TAKEN)
+PRIVATE_NET = _free(
+    [f"{b}.{_PRIVATE_THIRD.get(b, 0) + WORKER}.0/24" for b in _PRIVATE_BLOCKS], _TAKEN
+)
+_BASE = ipaddress.ip_network(WORLD_NET).network_address
+_PRIVATE_BASE = ipaddress.ip_network(PRIVATE_NET).network_address
+HOST_SIDE = str(_BASE + 1)
+UPSTREAM = str(_BASE + 2)
+OTHER = str(_BASE + 3)
+PRIVATE = str(_PRIVATE_BASE + 2)
 #: The host's end of the veth also holds this, the source of its packets to PRIVATE.
-HOST_PRIVATE_SIDE = "10.99.0.1"
+HOST_PRIVATE_SIDE = str(_PRIVATE_BASE + 1)
 _LINK = "u0"
 _ETH_P_ALL, _ETH_P_IP, _ETH_P_IPV6 = 0x0003, 0x0800, 0x86DD
 _PACKET_OUTGOING = 4
 _CLONE_NEWNET = 0x40000000
+#: The host-side veths of the worlds this process has open: the worker's addresses
+#: allow one at a time.
+_OPEN: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -115,15 +171,17 @@ def egress_world(*, watch_strays: bool = False) -> Iterator[World]:
     veth end on the host goes with it), even if the test failed. ``watch_strays`` also
     records stray packets (see the module docstring): off by default, as it reads every
     packet of the link in Python."""
+    _clear_stale_worlds()
     tag = secrets.token_hex(3)
     name, host_veth = f"spt-{tag}", f"spt{tag}"
     _run("ip", "netns", "add", name)
+    _OPEN.add(host_veth)
     try:
         _run("ip", "link", "add", host_veth, "type", "veth", "peer", "name", _LINK, "netns", name)
-        _run("ip", "addr", "add", f"{HOST_SIDE}/24", "dev", host_veth)
+        _run("ip", "addr", "add", f"{HOST_SIDE}/26", "dev", host_veth)
         _run("ip", "addr", "add", f"{HOST_PRIVATE_SIDE}/24", "dev", host_veth)
         _run("ip", "link", "set", host_veth, "up")
-        for address in (f"{UPSTREAM}/24", f"{OTHER}/24", f"{PRIVATE}/24"):
+        for address in (f"{UPSTREAM}/26", f"{OTHER}/26", f"{PRIVATE}/24"):
             _run("ip", "-n", name, "addr", "add", address, "dev", _LINK)
         _run("ip", "-n", name, "link", "set", _LINK, "up")
         _run("ip", "-n", name, "link", "set", "lo", "up")
@@ -131,6 +189,7 @@ def egress_world(*, watch_strays: bool = False) -> Iterator[World]:
         world = World(Path("/run/netns") / name, directory=directory)
         try:
             _start_servers(world)
+            _check_reached(world)
             if watch_strays:
                 _watch_strays(world)
             yield world
@@ -142,8 +201,34 @@ def egress_world(*, watch_strays: bool = False) -> Iterator[World]:
                 sock.close()
             shutil.rmtree(directory, ignore_errors=True)
     finally:
-        subprocess.run(["ip", "netns", "delete", name], check=False)
-        subprocess.run(["ip", "link", "delete", host_veth], check=False, capture_output=True)
+        _OPEN.discard(host_veth)
+        _delete_world(host_veth)
+
+
+def _delete_world(host_veth: str) -> None:
+    """Delete a world's namespace and its veth (the pair goes with either end)."""
+    subprocess.run(["ip", "netns", "delete", f"spt-{host_veth[3:]}"], check=False)
+    subprocess.run(["ip", "link", "delete", host_veth], check=False, capture_output=True)
+
+
+def _clear_stale_worlds() -> None:
+    """Delete this worker's worlds that a killed test process left: the routes of their
+    veths, on the same addresses, would take a new world's traffic. A world this process
+    still has open is a test's bug (two at once), and says so."""
+    links = json.loads(subprocess.run(
+        ["ip", "-j", "-4", "addr", "show"], check=True, capture_output=True, text=True
+    ).stdout)  # fmt: skip
+    for link in links:
+        name = link.get("ifname", "")
+        if not any(a.get("local") == HOST_SIDE for a in link.get("addr_info", [])):
+            continue
+        if name in _OPEN:
+            raise RuntimeError(
+                f"a second egress world of worker {WORKER} while {name} is open: "
+                "they would share its addresses"
+            )
+        if name.startswith("spt"):
+            _delete_world(name)
 
 
 def _start_servers(world: World) -> None:
@@ -167,6 +252,31 @@ def _start_servers(world: World) -> None:
     world._sockets += [dns_sock, udp_sock]
     _thread(_serve_dns, world, dns_sock)
     _thread(_serve_udp, world, udp_sock)
+
+
+def _check_reached(world: World) -> None:
+    """Fail, naming the host's addresses and routes, unless the host reaches the world's
+    upstream server: a test whose every egress attempt fails for that reason would
+    otherwise blame the gateway. The check's own hit is not kept."""
+    token = f"world-check-{secrets.token_hex(4)}"
+    try:
+        with socket.create_connection((UPSTREAM, 80), timeout=5) as sock:
+            sock.sendall(f"GET / HTTP/1.1\r\nHost: {token}\r\n\r\n".encode())
+            answer = b""
+            while chunk := sock.recv(4096):
+                answer += chunk
+    except OSError as exc:
+        answer = repr(exc).encode()
+    world.hits[:] = [hit for hit in world.hits if hit.host != token]
+    if not answer.endswith(f"upstream host={token}\n".encode()):
+        shown = [
+            subprocess.run(argv, capture_output=True, text=True, check=False).stdout
+            for argv in (["ip", "-4", "-br", "addr"], ["ip", "-4", "route", "show", "table", "all"])
+        ]
+        raise RuntimeError(
+            f"the host does not reach the egress world's upstream {UPSTREAM}:80 "
+            f"({answer[-200:]!r}); its addresses:\n{shown[0]}its routes:\n{shown[1]}"
+        )
 
 
 def _listen(address: tuple[str, int]) -> socket.socket:

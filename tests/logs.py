@@ -4,8 +4,9 @@ Fixtures that make a node or platform data dir call ``register`` (tests/integrat
 ``node_config``, ``started_node``, ``running_platform``); the hook in tests/conftest.py
 adds, to the report of a failed ``vm`` test, the tail of every log of those dirs that
 changed while the test ran: the node's per-sandbox console logs
-(``<data_dir>/sandboxes/*.console.log``), a platform's ``serve.log``, and the QEMU
-stderr logs (``<run_dir>/<sandbox>/qemu.log``). CI prints pytest's output, so they end
+(``<data_dir>/sandboxes/*.console.log``), a platform's ``serve.log``, the egress
+gateway's log (``<data_dir>/egress/gateway.log``) and the QEMU stderr logs
+(``<run_dir>/<sandbox>/qemu.log``). CI prints pytest's output, so they end
 up next to the failure.
 """
 
@@ -75,6 +76,7 @@ def failure_sections(
 def _logs(dirs: list[tuple[Path, Path | None]]) -> Iterator[Path]:
     for data_dir, run_dir in dirs:
         yield data_dir / "serve.log"
+        yield data_dir / "egress" / "gateway.log"
         yield from sorted(data_dir.glob("sandboxes/*.console.log"))
         yield from sorted((run_dir or _default_run_dir(data_dir)).glob("*/qemu.log"))
 

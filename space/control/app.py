@@ -79,9 +79,17 @@ async def _running(
         try:
             yield ctx
         finally:
-            for task in (rounds, *ctx.tasks):
+            # A task that is done needs nothing more, and one of another loop can be
+            # neither cancelled into nor awaited from this one (a test's client can
+            # serve requests on a loop of its own, even one closed by now).
+            loop = asyncio.get_running_loop()
+            pending = [
+                task for task in (rounds, *ctx.tasks) if not task.done() and task.get_loop() is loop
+            ]
+            for task in pending:
                 task.cancel()
-            await asyncio.gather(rounds, *ctx.tasks, return_exceptions=True)
+            await asyncio.gather(*pending, return_exceptions=True)
+            await ctx.activity.aclose()
             await background.release_jobs(ctx)
             await nodes.aclose()
     finally:

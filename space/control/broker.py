@@ -181,7 +181,8 @@ async def bind(
         return inherited
     if len(set(names)) != len(names):
         raise ApiError("invalid_argument", "secrets: a name is given twice", field="secrets")
-    found = await ctx.db.run(lambda s: stored.find_secrets(s, tenant, names))
+    # Most creates bind no secret: no transaction for an empty list (issue 21).
+    found = await ctx.db.run(lambda s: stored.find_secrets(s, tenant, names)) if names else {}
     unknown = [name for name in names if name not in found]
     if unknown:
         raise ApiError(

@@ -17,7 +17,7 @@ from space.control import quota_checks
 from space.control.activity import Activity
 from space.control.errors import ApiError
 from space.control.instruments import PlatformMetrics
-from space.control.keys import tenant_for_key
+from space.control.keys import KeyVerdicts, tenant_for_key
 from space.control.nodes import NodeRegistry
 from space.control.quotas import TenantSlots
 from space.control.settings import ControlSettings
@@ -50,6 +50,8 @@ class ControlContext:
     #: This replica's name in the job leases it holds (space.control.background).
     replica_id: str = field(default_factory=lambda: f"replica-{secrets.token_hex(8)}")
     activity: Activity = field(init=False)
+    #: API keys this replica found valid recently (space.control.keys).
+    key_verdicts: KeyVerdicts = field(init=False)
     #: Per tenant: builds in flight, and the lock that wakes, hibernations and creates
     #: take (space.control.quotas).
     slots: TenantSlots = field(init=False, default_factory=TenantSlots)
@@ -61,6 +63,7 @@ class ControlContext:
 
     def __post_init__(self) -> None:
         self.activity = Activity(self.db, self.clock)
+        self.key_verdicts = KeyVerdicts(self.clock)
 
 
 def load_or_create_node_token(path: Path) -> str:
@@ -79,7 +82,9 @@ def load_or_create_node_token(path: Path) -> str:
     return token
 
 
-def _context(request: Request) -> ControlContext:
+async def _context(request: Request) -> ControlContext:
+    # async: FastAPI runs a plain function dependency in a worker thread, a hop (and a
+    # wait for the GIL) on every request for an attribute read.
     ctx: ControlContext = request.app.state.ctx
     return ctx
 
@@ -97,16 +102,22 @@ def _presented_key(headers: Mapping[str, str]) -> str | None:
 async def authenticate(ctx: ControlContext, headers: Mapping[str, str]) -> str:
     """The tenant of the API key in ``headers`` (Authorization: Bearer, or X-API-Key).
 
-    Raises ApiError(unauthenticated) for a missing, unknown or revoked key.
+    The verdict of this replica is kept VERDICT_TTL_S (space.control.keys). Raises
+    ApiError(unauthenticated) for a missing, unknown or revoked key (within
+    VERDICT_TTL_S of its revoke: it may still pass).
     """
     key = _presented_key(headers)
     if key is None:
         raise ApiError(
             "unauthenticated", "missing API key: send Authorization: Bearer <key> or X-API-Key"
         )
-    tenant = await ctx.db.run(lambda session: tenant_for_key(session, key))
+    tenant = ctx.key_verdicts.tenant(key)
+    if tenant is not None:
+        return tenant
+    tenant = await ctx.db.read(lambda session: tenant_for_key(session, key))
     if tenant is None:
         raise ApiError("unauthenticated", "unknown or revoked API key")
+    ctx.key_verdicts.remember(key, tenant)
     return tenant
 
 
@@ -123,7 +134,7 @@ Tenant = Annotated[str, Depends(_tenant)]
 
 async def _sandbox(sandbox_id: str, tenant: Tenant, ctx: Context) -> SandboxRecord:
     # The tenant is part of the query: another tenant's id is exactly a missing id.
-    record = await ctx.db.run(lambda s: repo.find_sandbox(s, tenant, sandbox_id))
+    record = await ctx.db.read(lambda s: repo.find_sandbox(s, tenant, sandbox_id))
     if record is None:
         raise ApiError("not_found", f"no sandbox {sandbox_id!r}", sandbox_id=sandbox_id)
     return record
@@ -157,7 +168,7 @@ async def live_sandbox(ctx: ControlContext, record: SandboxRecord) -> SandboxRec
             sandbox_id=record.id,
             state=record.state,
         )
-    marked = await ctx.activity.mark(record.id, record.last_active_at)
+    marked = ctx.activity.mark(record.id, record.last_active_at)
     return record if marked is None else replace(record, last_active_at=marked)
 
 

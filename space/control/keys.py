@@ -4,6 +4,13 @@ A key is ``sk_space_`` + 32 random bytes (urlsafe base64). Because the secret is
 high-entropy, looking a key up by its hash is safe (no per-key salt needed); the found
 hash is still compared in constant time. ``create_key``, ``list_keys`` and
 ``revoke_key`` are blocking helpers for the CLI; they apply migrations first.
+
+A replica trusts a key it found valid for ``VERDICT_TTL_S`` without asking the
+database again (``KeyVerdicts``, issue 21: the lookup was a database round trip on every
+request). A revoke is a write to the database, which every replica shares and none is
+told of: each refuses the key at the latest ``VERDICT_TTL_S`` after the revoke
+committed, when its verdict runs out. Unknown and revoked keys are never remembered:
+a new key works at once, and a wrong one costs its lookup every time.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import hmac
 import re
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sqlalchemy import select, update
@@ -26,7 +34,9 @@ from space.control.store.models import ApiKeyRow, TenantRow
 
 __all__ = [
     "KEY_PREFIX",
+    "VERDICT_TTL_S",
     "KeyInfo",
+    "KeyVerdicts",
     "add_key",
     "create_key",
     "hash_key",
@@ -38,6 +48,11 @@ __all__ = [
 KEY_PREFIX = "sk_space_"
 _TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _DISPLAY_CHARS = len(KEY_PREFIX) + 6
+#: How long a replica trusts a key it found valid (seconds): the longest a revoked key
+#: still works.
+VERDICT_TTL_S = 5.0
+#: The most verdicts a replica keeps (past it, expired ones are dropped, then all).
+_MAX_VERDICTS = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +100,30 @@ def tenant_for_key(session: Session, key: str) -> str | None:
     if row is None or not hmac.compare_digest(row.key_hash, digest):
         return None
     return row.tenant_id
+
+
+class KeyVerdicts:
+    """The tenants of keys this replica found valid less than VERDICT_TTL_S ago, by
+    the key's hash (the key itself is not kept). For one event loop: not thread-safe."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._valid: dict[str, tuple[str, float]] = {}
+
+    def tenant(self, key: str) -> str | None:
+        """The tenant of ``key`` if it was found valid less than VERDICT_TTL_S ago."""
+        found = self._valid.get(hash_key(key))
+        if found is None or not 0 <= self._clock() - found[1] < VERDICT_TTL_S:
+            return None
+        return found[0]
+
+    def remember(self, key: str, tenant: str) -> None:
+        """Record ``key`` as found valid for ``tenant`` now."""
+        now = self._clock()
+        if len(self._valid) >= _MAX_VERDICTS:
+            fresh = {k: v for k, v in self._valid.items() if now - v[1] < VERDICT_TTL_S}
+            self._valid = fresh if len(fresh) < _MAX_VERDICTS else {}
+        self._valid[hash_key(key)] = (tenant, now)
 
 
 def create_key(settings: ControlSettings, tenant: str) -> str:

@@ -24,7 +24,7 @@ from space.control.errors import ApiError
 from space.control.idempotency import Idempotency
 from space.control.node_text import scrub
 from space.control.scheduler import rank_nodes
-from space.control.schemas import NO_IDLE_HIBERNATE, SandboxCreate
+from space.control.schemas import SandboxCreate
 from space.control.store import nodes as node_rows
 from space.control.store import repo
 from space.control.store import snapshots as snaps
@@ -84,7 +84,7 @@ async def _place(ctx: ControlContext, template: str, guest: str = "auto") -> lis
     def read(session: Session) -> tuple[list[node_rows.NodeRecord], dict[str, int]]:
         return node_rows.list_nodes(session), repo.active_counts(session)
 
-    records, load = await ctx.db.run(read)
+    records, load = await ctx.db.read(read)  # advisory: no common snapshot needed
     nodes = rank_nodes(records, load, reachable=ctx.nodes.ids(), template=template, guest=guest)
     if not nodes:
         raise ApiError("unavailable", f"no node is registered and active to run {guest} sandboxes")
@@ -425,11 +425,8 @@ async def set_timeouts(
 
     ``max_lifetime_s`` counts from creation, so one shorter than the sandbox's age makes
     the reaper delete it at its next round. Takes effect at the reaper's next round.
-    Raises ApiError(invalid_argument) for an idle timeout on a gVisor sandbox.
     """
     idle = changes.get("idle_timeout_s", record.idle_timeout_s)
-    if idle is not None and record.guest == "gvisor":
-        raise ApiError("invalid_argument", NO_IDLE_HIBERNATE)
     lifetime = changes.get("max_lifetime_s", record.max_lifetime_s)
     expires_at = None if lifetime is None else record.created_at + lifetime
     await ctx.db.run(lambda s: repo.set_timeouts(s, record.id, idle, expires_at))

@@ -72,6 +72,7 @@ async def hibernate_idle(ctx: ControlContext) -> list[str]:
     round.
     """
     now = ctx.clock()
+    await ctx.activity.write()  # this replica's marks not written yet count too
     busy = ctx.activity.streaming()
     hibernated = []
     for record in await ctx.db.run(lambda s: repo.idle(s, now)):

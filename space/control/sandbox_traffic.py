@@ -139,7 +139,7 @@ class SandboxTraffic:
         if handler is None:
             await refuse(scope, receive, send, 502, f"port {target.port} is not served here")
             return
-        record = await ctx.db.run(lambda s: repo.sandbox_by_id(s, target.sandbox_id))
+        record = await ctx.db.read(lambda s: repo.sandbox_by_id(s, target.sandbox_id))
         if record is None and target.port == ENVD_PORT and _proves_envd(ctx, target, scope):
             # Whoever holds the sandbox's own token may learn that it is gone: E2B's SDK
             # reads this as "no longer running" (is_running() False).

@@ -145,11 +145,6 @@ class PortsBody(_Body):
         return self
 
 
-#: An idle sandbox is hibernated, which keeps its memory: not there yet for gVisor (its
-#: node refuses memory operations), so an idle timeout on one could never act.
-NO_IDLE_HIBERNATE = "idle_timeout_s needs a guest that can hibernate (not gvisor yet)"
-
-
 class SandboxCreate(_Body):
     #: ``name`` (tag latest), ``name:tag`` or ``name@<digest>``: base or the tenant's own.
     template: str = Field("base", pattern=REF_PATTERN, max_length=129)
@@ -181,8 +176,6 @@ class SandboxCreate(_Body):
     def _guest_is_a_choice(self) -> SandboxCreate:
         if self.guest not in GUEST_CHOICES:
             raise ValueError(f"guest must be one of {', '.join(GUEST_CHOICES)}")
-        if self.guest == "gvisor" and self.idle_timeout_s is not None:
-            raise ValueError(NO_IDLE_HIBERNATE)
         return self
 
     @model_validator(mode="after")

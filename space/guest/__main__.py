@@ -1,11 +1,13 @@
-"""Run spaced: ``python3 -m space.guest [--stdio [--identity-record PATH]] [--user-default
-NAME] [--home-default PATH]``.
+"""Run spaced: ``python3 -m space.guest [--stdio [--identity-record PATH | --gvisor]]
+[--user-default NAME] [--home-default PATH]``.
 
 Without ``--stdio`` it serves the virtio-serial port named ``space.agent`` (waiting for
 the device to appear) and never exits on its own; with ``--stdio`` it speaks on
 stdin/stdout and exits at EOF, killing the background processes it started. In
 ``--stdio`` mode system.identity changes nothing: it only records the changes (as JSON
-lines appended to ``--identity-record``, if given), since that mode runs on a host.
+lines appended to ``--identity-record``, if given), since that mode runs on a host;
+with ``--gvisor`` (spaced is a gVisor sandbox's init) it changes the sandbox's hostname
+and machine-id.
 """
 
 from __future__ import annotations
@@ -41,10 +43,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         metavar="PATH",
         help="--stdio only: append the identity changes to PATH instead of making them",
     )
+    parser.add_argument(
+        "--gvisor",
+        action="store_true",
+        help="--stdio only: spaced is a gVisor sandbox's init; system.identity applies",
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     if args.identity_record is not None and not args.stdio:
         parser.error("--identity-record needs --stdio")
+    if args.gvisor and (not args.stdio or args.identity_record is not None):
+        parser.error("--gvisor needs --stdio and no --identity-record")
     return args
 
 
@@ -60,20 +69,33 @@ def _open_port(name: str) -> int:
         time.sleep(0.1)
 
 
-def _use_pidfd_child_watcher() -> None:
-    """Watch children through pidfds on the loop instead of a thread per child.
+def _use_child_watcher(init: bool) -> None:
+    """Watch children without a thread each: Python 3.11's default (ThreadedChildWatcher)
+    starts one for every process, ~6 ms per exec on the emulated guest CPU.
 
-    Python 3.11's default (ThreadedChildWatcher) starts a thread for every process,
-    ~6 ms per exec on the emulated guest CPU; 3.12+ picks pidfds by itself.
+    ``init`` (spaced is a gVisor sandbox's PID 1): every orphan of the sandbox becomes
+    spaced's child, and only a wait reaps it, so a watcher that waits for any child on
+    SIGCHLD (FastChildWatcher; spaced starts processes through asyncio only, so it
+    takes no other waiter's child). Else pidfds on the loop, where the kernel has them;
+    3.12+ picks pidfds by itself.
     """
-    if sys.version_info >= (3, 12) or not hasattr(os, "pidfd_open"):
+    if sys.version_info >= (3, 12):
         return
-    try:
-        os.close(os.pidfd_open(os.getpid()))
-    except OSError:
-        return  # a kernel before 5.3
-    watcher = asyncio.PidfdChildWatcher()
-    watcher.attach_loop(asyncio.get_running_loop())
+    loop = asyncio.get_running_loop()
+    watcher: asyncio.AbstractChildWatcher
+    if init:
+        # An orphan is an unknown pid to the watcher, reaped as it should be: no warning.
+        logging.getLogger("asyncio").addFilter(
+            lambda record: not record.getMessage().startswith("Caught subprocess termination")
+        )
+        watcher = asyncio.FastChildWatcher()
+    else:
+        try:
+            os.close(os.pidfd_open(os.getpid()))
+        except (AttributeError, OSError):
+            return  # a kernel before 5.3
+        watcher = asyncio.PidfdChildWatcher()
+    watcher.attach_loop(loop)
     asyncio.set_child_watcher(watcher)
 
 
@@ -87,8 +109,8 @@ async def _serve(args: argparse.Namespace) -> None:
     else:
         fd = _open_port(args.port_name)
         transport = Transport(fd, fd, reconnecting=True)
-    _use_pidfd_child_watcher()
-    identity = system_for(args.stdio, args.identity_record)
+    _use_child_watcher(init=args.gvisor and os.getpid() == 1)
+    identity = system_for(args.stdio, args.identity_record, gvisor=args.gvisor)
     daemon = Daemon(transport, Accounts(args.user_default, args.home_default), identity=identity)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

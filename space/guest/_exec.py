@@ -3,7 +3,9 @@ process.input and process.resize (docs/protocol.md, "Requests").
 
 An exec with ``background`` and ``follow`` starts a background process and then serves
 its stream as process.attach does, so starting and reading one takes one request (E2B's
-Start, issue 20); cancelling that stream detaches, the process runs on."""
+Start, issue 20); cancelling that stream detaches, the process runs on. process.attach
+names its process by ``process_id``, or by ``pid`` or ``tag`` among the running ones, so
+E2B's Connect is one request too."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import re
 from space.protocol import (
     DATA_CHUNK_BYTES,
     MAX_INPUT_BYTES,
+    MAX_PID,
     MAX_PTY_SIZE,
     MAX_TAG_CHARS,
     TAG_PATTERN,
@@ -104,8 +107,8 @@ def _tag(fields: Fields) -> str | None:
     return tag
 
 
-def _started(process_id: str, pid: int) -> dict[str, object]:
-    return {"event": "started", "pid": pid, "process_id": process_id}
+def _started(process_id: str, pid: int, pty: bool) -> dict[str, object]:
+    return {"event": "started", "pid": pid, "process_id": process_id, "pty": pty}
 
 
 async def op_exec(
@@ -124,13 +127,13 @@ async def op_exec(
         table.add(managed)
         if follow:  # subscribed before the loop runs its pumps: no output is missed
             return await _follow(stream, managed)
-        await stream.send_event(_started(process_id, proc.pid))
+        await stream.send_event(_started(process_id, proc.pid, spec.pty is not None))
         return {"ok": True, "process_id": process_id, "pid": proc.pid}
     completed = False
     table.foreground[process_id] = proc
     table.foreground_io[process_id] = io
     try:
-        await stream.send_event(_started(process_id, proc.pid))
+        await stream.send_event(_started(process_id, proc.pid, spec.pty is not None))
         result = await _run_foreground(stream, proc, io, spec)
         completed = True
         return result
@@ -195,7 +198,18 @@ async def _feed(stream: Stream, writer: asyncio.StreamWriter) -> None:
 
 
 async def op_attach(stream: Stream, fields: Fields, table: ProcessTable) -> dict[str, object]:
-    return await _follow(stream, table.get(fields.string("process_id", max_chars=64)))
+    """Follow the background process ``process_id`` names, or the running one ``pid`` or
+    ``tag`` names (the oldest, if several share the tag); exactly one of the three."""
+    given = [key for key in ("process_id", "pid", "tag") if fields.mapping().get(key) is not None]
+    if len(given) != 1:
+        raise OpError(ErrorCode.INVALID_ARGUMENT, "give exactly one of process_id, pid and tag")
+    if given == ["process_id"]:
+        return await _follow(stream, table.get(fields.string("process_id", max_chars=64)))
+    if given == ["pid"]:
+        return await _follow(
+            stream, table.running(pid=fields.integer("pid", 0, low=1, high=MAX_PID))
+        )
+    return await _follow(stream, table.running(tag=_tag(fields)))
 
 
 async def _follow(stream: Stream, managed: ManagedProcess) -> dict[str, object]:
@@ -204,7 +218,8 @@ async def _follow(stream: Stream, managed: ManagedProcess) -> dict[str, object]:
     subscriber, replay = managed.subscribe()
     stream.on_signal = lambda signum: kill_group(managed.proc.pid, signum)
     try:
-        await stream.send_event(_started(managed.process_id, managed.proc.pid))
+        pty = managed.spec.pty is not None
+        await stream.send_event(_started(managed.process_id, managed.proc.pid, pty))
         for channel, data in replay:
             await stream.send_data(channel, data)
         while (item := await subscriber.get()) is not None:

@@ -8,6 +8,11 @@ What is changed goes through an ``IdentitySystem``:
 
 - ``LinuxSystem`` makes the syscalls. It refuses to act unless PID 1 is
   ``space.guest.init`` (that is, inside a SPACE guest), a second fence behind the first.
+- ``GvisorSystem`` makes the changes a gVisor sandbox's spaced can (``--gvisor``,
+  where spaced is the sandbox's init): hostname and machine-id. The clock and the RNG
+  are the host's there (gVisor reads both from the host at every call), so a restored
+  copy shares neither and those fields are accepted as already true. It refuses to act
+  unless spaced is PID 1, which it never is on a host.
 - ``RecordingSystem`` only records what it would do (JSON lines in a file); spaced's
   ``--stdio`` mode, which the unit tests run as root on a developer's machine, always
   gets this one (see ``system_for``), so tests can never touch the host's clock,
@@ -38,6 +43,7 @@ from ._request import Fields
 __all__ = [
     "RNDADDENTROPY",
     "RNDRESEEDCRNG",
+    "GvisorSystem",
     "IdentitySystem",
     "LinuxSystem",
     "RecordingSystem",
@@ -86,13 +92,16 @@ class IdentitySystem(Protocol):
     def set_machine_id(self, machine_id: str) -> None: ...
 
 
-def system_for(stdio: bool, record_path: str | None) -> IdentitySystem:
-    """The system spaced uses: in ``--stdio`` mode never the real one.
+def system_for(stdio: bool, record_path: str | None, *, gvisor: bool = False) -> IdentitySystem:
+    """The system spaced uses: in ``--stdio`` mode never the real one, unless spaced is
+    a gVisor sandbox's init (``gvisor``).
 
     ``--stdio`` runs spaced as a host process (the unit tests do so as root), where a
     real change would hit the developer's machine. ``record_path`` counts only there
     (spaced's argument parser refuses it without ``--stdio``).
     """
+    if gvisor:
+        return GvisorSystem()
     if stdio:
         return RecordingSystem(record_path)
     return LinuxSystem()
@@ -179,6 +188,37 @@ class LinuxSystem:
 
     def set_machine_id(self, machine_id: str) -> None:
         self._require_guest()
+        write_machine_id("/", machine_id)
+
+
+class GvisorSystem:
+    """The changes inside a gVisor sandbox, whose init spaced is (see the module
+    docstring). Its application kernel gives root of the sandbox its own UTS namespace
+    and files: nothing here reaches the host."""
+
+    def __init__(self, pid: int | None = None) -> None:
+        self._pid = os.getpid() if pid is None else pid
+
+    def _require_init(self) -> None:
+        if self._pid != 1:
+            raise OpError(
+                ErrorCode.PERMISSION_DENIED,
+                "spaced is not the sandbox's init: refusing to change this machine's identity",
+            )
+
+    def set_clock_ns(self, time_ns: int) -> None:
+        self._require_init()  # gVisor's clock is the host's: nothing stood still
+
+    def add_entropy(self, data: bytes) -> None:
+        self._require_init()  # getrandom is the host's at every call: no cloned pool
+
+    def set_hostname(self, hostname: str) -> None:
+        self._require_init()
+        socket.sethostname(hostname)
+        write_host_name("/", hostname)
+
+    def set_machine_id(self, machine_id: str) -> None:
+        self._require_init()
         write_machine_id("/", machine_id)
 
 

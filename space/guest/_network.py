@@ -25,6 +25,8 @@ import struct
 import time
 from collections.abc import Callable
 
+from space.protocol import resolv_conf_text
+
 __all__ = [
     "IFREQ_BYTES",
     "RTENTRY_BYTES",
@@ -284,11 +286,6 @@ def disable_ipv6(interface: str, conf_dir: str = _PROC_IPV6_CONF) -> None:
 
 
 # --- resolv.conf --------------------------------------------------------------------
-
-
-def resolv_conf_text(nameserver: ipaddress.IPv4Address) -> str:
-    """/etc/resolv.conf naming one resolver, retried briefly (2 s, 2 attempts)."""
-    return f"nameserver {nameserver}\noptions timeout:2 attempts:2\n"
 
 
 def write_resolv_conf(nameserver: ipaddress.IPv4Address, root: str = "/") -> None:

@@ -302,6 +302,17 @@ class ProcessTable:
             raise OpError(ErrorCode.NOT_FOUND, f"no process {process_id!r}")
         return managed
 
+    def running(self, *, pid: int | None = None, tag: str | None = None) -> ManagedProcess:
+        """The oldest running background process with ``pid`` (or else ``tag``); raises
+        not_found (an ended one is not found, as E2B's envd finds none: issue 20)."""
+        for managed in self._processes.values():  # insertion order: oldest first
+            if managed.running and (
+                managed.proc.pid == pid if tag is None else managed.spec.tag == tag
+            ):
+                return managed
+        what = f"pid {pid}" if tag is None else f"tag {tag!r}"
+        raise OpError(ErrorCode.NOT_FOUND, f"no running process with {what}")
+
     def all(self) -> list[ManagedProcess]:
         return list(self._processes.values())
 

@@ -1,7 +1,8 @@
 """The wire protocol between the host and `spaced`, shared by both sides (stdlib only).
 
 See docs/protocol.md for the session and stream rules; this package holds the framing
-(`_frames`) and the payload codecs (`_messages`, `_metrics`).
+(`_frames`), the payload codecs (`_messages`, `_metrics`) and the one file both sides
+write for the guest (`_resolver`: its resolv.conf).
 """
 
 from ._frames import (
@@ -30,6 +31,7 @@ from ._messages import (
     MAX_HOSTNAME_CHARS,
     MAX_INPUT_BYTES,
     MAX_JSON_BYTES,
+    MAX_PID,
     MAX_PING_BYTES,
     MAX_PTY_SIZE,
     MAX_STREAMS,
@@ -53,6 +55,7 @@ from ._messages import (
     encode_json,
 )
 from ._metrics import MAX_METRICS_BYTES, MAX_METRICS_CPUS, METRICS_FIELDS, Metrics
+from ._resolver import resolv_conf_text
 
 #: Name of the virtio-serial port the guest daemon talks on.
 PORT_NAME = "space.agent"
@@ -71,6 +74,7 @@ __all__ = [
     "MAX_METRICS_BYTES",
     "MAX_METRICS_CPUS",
     "MAX_PAYLOAD_BYTES",
+    "MAX_PID",
     "MAX_PING_BYTES",
     "MAX_PTY_SIZE",
     "MAX_STREAMS",
@@ -106,5 +110,6 @@ __all__ = [
     "length_prefix_bytes",
     "pack_data_header",
     "parse_body",
+    "resolv_conf_text",
     "unpack_length",
 ]

@@ -26,6 +26,7 @@ __all__ = [
     "MAX_HOSTNAME_CHARS",
     "MAX_INPUT_BYTES",
     "MAX_JSON_BYTES",
+    "MAX_PID",
     "MAX_PING_BYTES",
     "MAX_PTY_SIZE",
     "MAX_STREAMS",
@@ -71,6 +72,8 @@ MAX_PTY_SIZE = 1000
 #: A process tag: 1 to 64 of these characters (a label a client finds a process by).
 MAX_TAG_CHARS = 64
 TAG_PATTERN = r"[A-Za-z0-9_.:-]{1,64}"
+#: Largest pid a process.attach may name: Linux's PID_MAX_LIMIT on 64-bit.
+MAX_PID = 4 * 1024 * 1024
 
 _CREDIT = struct.Struct(">I")
 _T = TypeVar("_T")

@@ -26,7 +26,7 @@ from space.node.network import netns
 from space.node.privileged.cgroups import VmCgroups
 
 from .. import logs
-from .platform import gateway_pids, qemu_pids
+from .platform import gateway_pids, mounts_under, processes_naming, qemu_pids, settled
 
 T = TypeVar("T")
 
@@ -47,21 +47,30 @@ def release_data_dir(data_dir: Path) -> list[str]:
     for pid in qemu_pids(data_dir):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    run_dir = NodeConfig(data_dir=data_dir).effective_run_dir
+    # A gVisor sandbox's runsc and channel relay outlive the node agent, as QEMU does.
+    for pid in processes_naming(f"{run_dir}/"):
+        left.append(f"process {pid}")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for mount in sorted(mounts_under(run_dir), reverse=True):
+        left.append(f"mount {mount}")
+        subprocess.run(["umount", "-l", mount], check=False)
     pool = data_dir / "pool"
     if os.path.ismount(pool):
         left.append(f"mount {pool}")
         subprocess.run(["umount", "-l", str(pool)], check=False)
-    for loop in loops_of(data_dir / "pool.img"):
+    for loop in settled(lambda: loops_of(data_dir / "pool.img")):
         left.append(f"loop {loop}")
         subprocess.run(["losetup", "-d", loop], check=False)
-    for name in netns.node_netns(NodeConfig(data_dir=data_dir).effective_run_dir):
+    for name in netns.node_netns(run_dir):
         left.append(f"network namespace {name}")
         subprocess.run(["ip", "netns", "delete", name], check=False)
     for pid in gateway_pids(data_dir):
         left.append(f"egress gateway pid {pid}")
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    cgroups = VmCgroups(NodeConfig(data_dir=data_dir).effective_run_dir.name)
+    cgroups = VmCgroups(run_dir.name)
     for base in cgroups.bases:
         if base.exists():
             left.append(f"cgroup {base}")

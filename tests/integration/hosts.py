@@ -1,19 +1,18 @@
 """Several hosts on this machine, for issue 19's tests: node agents in network
 namespaces, control-plane replicas on one PostgreSQL database.
 
-A bridge in the host's namespace (10.213.0.1/24) is the LAN; each node host is a
-network namespace the test makes, hanging off it by a veth pair (10.213.0.11, .12,
-...), running `space node` (root, then its own `space` user) with its own data
-directory, loop-file btrfs pool and VMs, and one node key for all (``--node-key-file``:
-nodes that move sandboxes between them must share it, issue 19). The replicas are `space control`
-processes on the host's end of the bridge, each with its own data directory, sharing
-the database, the node token and the master key; every node is told every replica's
-URL (no load balancer: it tries them in turn). The node agents serve their API over
-HTTPS (one certificate for all, trusted by every node and replica). Traffic stays on
-the bridge and in the namespaces. ``close`` kills every process, removes every
-namespace, link, mount and loop device it made, and says what it had to clean, also
-when a test failed.
-"""
+A bridge in the host's namespace (10.213.0.1/24, the third byte the pytest-xdist
+worker's number) is the LAN; each node host is a network namespace the test makes,
+hanging off it by a veth pair (10.213.0.11, .12, ...), running `space node` (root, then
+its own `space` user) with its own data directory, loop-file btrfs pool and VMs, and one
+node key for all (``--node-key-file``: nodes that move sandboxes between them must share
+it, issue 19). The replicas are `space control` processes on the host's end of the
+bridge, each with its own data directory, sharing the database, the node token and the
+master key; every node is told every replica's URL (no load balancer: it tries them in
+turn). The node agents serve their API over HTTPS (one certificate for all, trusted by
+every node and replica). Traffic stays on the bridge and in the namespaces. ``close``
+kills every process, removes every namespace, link, mount and loop device it made, and
+says what it had to clean, also when a test failed."""
 
 from __future__ import annotations
 
@@ -38,18 +37,22 @@ from space.node.agent.node_user import DEFAULT_USER
 
 from .. import logs
 from ..tls import write_self_signed
+from ..workers import xdist_worker
 from .platform import (
     SPACE,
     let_through,
     loops_backed_by,
     mounts_under,
+    processes_naming,
     release,
+    settled,
     shared_node_key,
 )
 
 __all__ = ["Cluster", "NodeHost", "Replica", "cluster"]
 
-SUBNET = "10.213.0"
+#: Each pytest-xdist worker's clusters have their own LAN (tests/workers.py).
+SUBNET = f"10.213.{xdist_worker()}"
 BRIDGE_ADDRESS = f"{SUBNET}.1"
 _READY_TIMEOUT_S = 300.0
 #: Short enough that the tests see leases run out and jobs change hands in seconds.
@@ -67,17 +70,6 @@ def _log_tail(path: Path, lines: int = 40) -> str:
     with contextlib.suppress(OSError):
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     return ""
-
-
-def _processes_naming(text: str) -> list[int]:
-    """Processes whose command line mentions ``text`` (a data directory)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            with contextlib.suppress(OSError):
-                if text.encode() in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-    return found
 
 
 @dataclass
@@ -209,11 +201,11 @@ class NodeHost:
         """Kill and unmount whatever of this host is left; say what was."""
         self.kill(signal.SIGTERM)
         left = release(self.data_dir)
-        for pid in _processes_naming(str(self.data_dir)):  # a root broker, a launcher
+        for pid in processes_naming(str(self.data_dir)):  # a root broker, a launcher
             left.append(f"process {pid}")
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        if mounts_under(self.data_dir) or loops_backed_by(self.data_dir):
+        if mounts_under(self.data_dir) or settled(lambda: loops_backed_by(self.data_dir)):
             left.append("mounts or loop devices")
         return left
 

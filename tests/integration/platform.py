@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -123,6 +123,17 @@ def qemu_pids(data_dir: Path) -> list[int]:
     return pids
 
 
+def processes_naming(text: str) -> list[int]:
+    """Processes (but this one) whose command line mentions ``text`` (a directory)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+    return found
+
+
 def gateway_pids(data_dir: Path) -> list[int]:
     """Egress gateway processes serving ``data_dir`` (their working directory is its
     ``egress``); they outlive the node agent, as QEMU does."""
@@ -137,6 +148,19 @@ def mounts_under(path: Path) -> list[str]:
 def loops_backed_by(path: Path) -> list[str]:
     out = subprocess.run(["losetup", "-a"], capture_output=True, text=True, check=False).stdout
     return [line.split(":")[0] for line in out.splitlines() if str(path) in line]
+
+
+#: An autoclear loop device goes at its last close, which may be udev's probe of it a
+#: moment after the unmount (seen under load: a device listed just after a clean stop).
+LOOP_SETTLE_S = 10.0
+
+
+def settled(read: Callable[[], list[str]], within_s: float = LOOP_SETTLE_S) -> list[str]:
+    """What ``read`` still lists once it had ``within_s`` to empty."""
+    deadline = time.monotonic() + within_s
+    while (left := read()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
 
 
 def release(data_dir: Path) -> list[str]:
@@ -171,7 +195,7 @@ def running_platform(
         leaked = release(data_dir)
         assert not leaked, f"left behind after the platform stopped: {leaked}"
         assert not mounts_under(data_dir), "mounts left behind"
-        assert not loops_backed_by(data_dir), "loop devices left behind"
+        assert not settled(lambda: loops_backed_by(data_dir)), "loop devices left behind"
 
 
 @dataclass
@@ -234,7 +258,7 @@ def remote_node(
         leaked = release(data_dir)
         assert not leaked, f"left behind by the node agent in {data_dir}: {leaked}"
         assert not mounts_under(data_dir), "mounts left behind"
-        assert not loops_backed_by(data_dir), "loop devices left behind"
+        assert not settled(lambda: loops_backed_by(data_dir)), "loop devices left behind"
 
 
 def shared_node_key(directory: Path) -> Path:

@@ -6,19 +6,34 @@ endpoint (moto's server, on loopback): what one node uploads, the other restores
   is imported by the target from the bundle alone and wakes there with both;
 - a snapshot uploaded by the source makes a sandbox on the target, which copies it
   from the store first;
-- a bundle not complete, or of another sandbox, is refused and leaves nothing.
+- a bundle not complete, or of another sandbox, is refused and leaves nothing;
+- a stored snapshot whose volume is no send stream is refused, saying whether the
+  read went wrong (the part is not what its manifest lists) or not.
 """
 
 from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import boto3
 import pytest
 
-from space.node.api import InvalidArgument, NotFound, SandboxSpec, SandboxState
+from space.node.api import (
+    InvalidArgument,
+    NotFound,
+    SandboxSpec,
+    SandboxState,
+    snapshot_archive,
+)
+from space.node.artifacts import (
+    ArtifactStore,
+    ChecksumMismatch,
+    delete_bundle,
+    get_bundle,
+    put_bundle,
+)
 from space.node.core.config import ArtifactStoreConfig
 
 from ..unit._moto import ACCESS_KEY_ID, REGION, SECRET_ACCESS_KEY, moto_server
@@ -151,3 +166,45 @@ def test_negative_an_incomplete_or_foreign_bundle_is_refused_and_leaves_nothing(
         nodes.run(target.get_sandbox(sid))
     assert not list((target.pool.root / "incoming").glob("*"))
     assert not target.pool.sandbox_path(sid).exists()
+
+
+def test_negative_a_stored_snapshot_that_is_no_send_stream_says_where_it_went_wrong(
+    nodes: TwoNodes,
+) -> None:
+    source, target = nodes.source, nodes.target
+    sid, snapshot_id = "ar-bad-stream", f"sn-{secrets.token_hex(12)}"
+    _prepared(nodes, sid)
+    nodes.run(source.snapshot_sandbox(sid, snapshot_id))
+    nodes.run(source.archive_snapshot(snapshot_id))
+    store = source.archives._store
+    assert store is not None
+    name = snapshot_archive(snapshot_id)
+    bundle = nodes.run(get_bundle(store, name))
+    info = nodes.run(_whole(bundle.part("info")))
+    size = bundle.manifest.part("volume").size_bytes
+
+    # What is read is not what its manifest lists (the part replaced, at its size).
+    nodes.run(store.put(f"{name}/parts/volume", _one(bytes(size))))
+    with pytest.raises(ChecksumMismatch):
+        nodes.run(target.fetch_snapshot(snapshot_id))
+    # Stored so: the manifest lists a volume that is no send stream.
+    nodes.run(_restore_as(store, name, info, bytes(4096)))
+    with pytest.raises(
+        InvalidArgument, match=r"not a btrfs send stream.*what was read matches its manifest"
+    ):
+        nodes.run(target.fetch_snapshot(snapshot_id))
+    assert snapshot_id not in {s.snapshot_id for s in nodes.run(target.list_snapshots())}
+    assert not list((target.pool.root / "incoming").glob("*"))
+
+
+async def _one(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+async def _whole(pieces: AsyncIterator[bytes]) -> bytes:
+    return b"".join([piece async for piece in pieces])
+
+
+async def _restore_as(store: ArtifactStore, name: str, info: bytes, volume: bytes) -> None:
+    await delete_bundle(store, name)
+    await put_bundle(store, name, [("info", _one(info)), ("volume", _one(volume))])

@@ -21,7 +21,7 @@ from space.node.core.config import NodeConfig
 from .conftest import started_node
 
 # Ninety wakes from memory, four at a time, on two cores under TCG: minutes.
-pytestmark = [pytest.mark.vm, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.vm, pytest.mark.solo, pytest.mark.timeout(1500)]
 
 CREATES = 100
 POOL = 10

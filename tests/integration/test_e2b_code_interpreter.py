@@ -1,6 +1,7 @@
 """The real, unmodified ``e2b_code_interpreter`` SDK against a real platform: its
 ``Sandbox`` created from our code interpreter template (templates/code-interpreter),
-``run_code`` with text, values, errors and a matplotlib chart, and contexts (issue 20).
+``run_code`` with text, values, errors and a matplotlib chart (its PNG and its data), and
+contexts (issue 20).
 
 The platform runs with ``--sandbox-domain`` as in test_e2b_envd.py; the tenant builds
 the template through our own SDK, its packages coming from the closure scripts/setup.sh
@@ -194,7 +195,7 @@ report({
     assert result["envs"] == ["\"hi 'there'\"", None]  # envs apply to their run only
 
 
-def test_a_matplotlib_chart_comes_back_as_a_png(
+def test_a_matplotlib_chart_comes_back_as_a_png_and_its_data(
     platform: Platform, sandbox: dict[str, Any]
 ) -> None:
     result = _run(
@@ -202,15 +203,23 @@ def test_a_matplotlib_chart_comes_back_as_a_png(
         sandbox,
         """
 shown = sandbox.run_code(
-    "import matplotlib.pyplot as plt\\nplt.plot([1, 3, 2])\\nplt.title('space')\\nplt.show()")
+    "import matplotlib.pyplot as plt\\nplt.plot([1, 3, 2], label='load')\\nplt.title('space')\\n"
+    "plt.xlabel('Time (s)')\\nplt.show()")
 (chart,) = shown.results
 png = base64.b64decode(chart.png, validate=True)
+data = chart.chart
 report({"formats": sorted(chart.formats()), "main": chart.is_main_result,
-        "head": list(png[:8]), "size": len(png)})
+        "head": list(png[:8]), "size": len(png), "class": type(data).__name__,
+        "title": data.title, "x_unit": data.x_unit, "x_scale": data.x_scale.value,
+        "lines": [(line.label, line.points) for line in data.elements]})
 """,
     )
-    assert "png" in result["formats"] and result["main"] is False
+    assert result["formats"] == ["chart", "png", "text"] and result["main"] is False
     assert bytes(result["head"]) == PNG_MAGIC and result["size"] > 1000
+    # E2B's chart: the SDK decoded it as a LineChart (templates/code-interpreter/server/charts.py).
+    assert (result["class"], result["title"], result["x_unit"]) == ("LineChart", "space", "s")
+    assert result["x_scale"] == "linear"
+    assert result["lines"] == [["load", [[0.0, 1.0], [1.0, 3.0], [2.0, 2.0]]]]
 
 
 def test_a_context_keeps_its_own_state_apart_from_the_default_one(

@@ -1,24 +1,34 @@
 """Egress from a real guest through the node's gateway, into a namespace the test made.
 
-One node and one sandbox serve the whole module (tests/egress_guest.py has the policy
-and the records, tests/egress_world.py the map of the little internet). Every refusal
-is checked twice where it can be: the guest got no answer, and the server it aimed at
+Every test runs on a VM and on a gVisor sandbox (GUESTS): one node and one sandbox
+serve each guest type's run of the module (tests/egress_guest.py has the policy and
+the records, tests/egress_world.py the map of the little internet). Every refusal is
+checked twice where it can be: the guest got no answer, and the server it aimed at
 saw nothing.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
 
-from space.node.api import ExecRequest, InvalidArgument, SandboxSpec, SecretGrant
+from space.node.api import (
+    ExecExited,
+    ExecRequest,
+    ExecStream,
+    InvalidArgument,
+    SandboxSpec,
+    SecretGrant,
+)
 from space.node.core.config import NodeConfig
 from space.node.egress.audit import DEFAULT_BURST, DEFAULT_RATE_PER_S, DROP_DECISION
 
-from ..egress_guest import POLICY, SANDBOX, Guest, booted_guest, output
+from ..egress_guest import GUESTS, POLICY, SANDBOX, Guest, booted_guest, output
 from ..egress_world import OTHER, PRIVATE, UPSTREAM
 from .test_pause_resume import _one
 
@@ -26,13 +36,14 @@ pytestmark = pytest.mark.vm
 
 
 #: The one private address the operator of this module's node lets policies name (the
-#: world's private canary; not the host's end of that link, 10.99.0.1).
+#: world's private canary; not the host's end of that link, HOST_PRIVATE_SIDE).
 LISTED = f"{PRIVATE}/32"
 
 
-@pytest.fixture(scope="module")
-def guest(node_config: NodeConfig) -> Iterator[Guest]:
-    with booted_guest(replace(node_config, egress_operator_ranges=(LISTED,))) as booted:
+@pytest.fixture(scope="module", params=GUESTS)
+def guest(node_config: NodeConfig, request: pytest.FixtureRequest) -> Iterator[Guest]:
+    config = replace(node_config, egress_operator_ranges=(LISTED,))
+    with booted_guest(config, guest=request.param) as booted:
         yield booted
 
 
@@ -123,8 +134,9 @@ def test_negative_a_private_range_the_operator_did_not_list_is_refused_and_nothi
     guest: Guest,
 ) -> None:
     # Probe 7 of issue 17: this policy let a guest fetch from the host's private network.
-    opened: dict[str, object] = {"allow": [{"cidr": "10.99.0.0/30", "ports": [80]}]}
-    with pytest.raises(InvalidArgument, match=r"10\.99\.0\.0/30 is a private range"):
+    cidr = str(ipaddress.ip_network(f"{PRIVATE}/30", strict=False))
+    opened: dict[str, object] = {"allow": [{"cidr": cidr, "ports": [80]}]}
+    with pytest.raises(InvalidArgument, match=re.escape(f"{cidr} is a private range")):
         guest.h.run(guest.node.set_egress(SANDBOX, opened))
     before = len(guest.world.hits_of("private"))
     assert not guest.probe("http", host=PRIVATE, port=80)["ok"]
@@ -164,20 +176,68 @@ def test_a_live_policy_change_takes_effect_within_a_second(guest: Guest) -> None
     assert guest.probe("http", host="allowed.test")["ok"]
 
 
+_FETCH_TLS = "import urllib.request as u; print(u.urlopen('https://tls.allowed.test/').read())"
+
+
+def test_a_policy_opened_on_a_running_sandbox_serves_https_at_once(guest: Guest) -> None:
+    """A VM made without a policy has a closed namespace; opening it installs the CA in
+    the running guest, and TLS through the gateway verifies at once. A gVisor sandbox
+    made without one has no network to open (it runs on gVisor's own stack, so that it
+    can be checkpointed): refused, and it stays closed."""
+    node, run, other = guest.node, guest.h.run, "egress-opened"
+    run(node.create_sandbox(SandboxSpec(sandbox_id=other, guest=guest.type)))
+    try:
+        request = ExecRequest(argv=["python3", "-c", _FETCH_TLS])
+        stream = run(node.exec(other, request))
+        assert run(_exit_code(stream)) != 0  # closed: no DNS, no way out
+        if _opened(guest, other):
+            assert "tls host=tls.allowed.test" in run(output(node, request, other))
+    finally:
+        run(node.delete_sandbox(other))
+
+
+def _opened(guest: Guest, sandbox_id: str) -> bool:
+    """Open POLICY on ``sandbox_id`` (made without one); False if refused, as it is for
+    a gVisor sandbox (it has no network to open), checked to stay closed then."""
+    run = guest.h.run
+    if guest.type != "gvisor":
+        run(guest.node.set_egress(sandbox_id, POLICY))
+        return True
+    with pytest.raises(InvalidArgument, match="made without egress has no network"):
+        run(guest.node.set_egress(sandbox_id, POLICY))
+    request = ExecRequest(argv=["python3", "-c", _FETCH_TLS])
+    assert run(_exit_code(run(guest.node.exec(sandbox_id, request)))) != 0
+    return False
+
+
+async def _exit_code(stream: ExecStream) -> int | None:
+    code = None
+    async for event in stream:
+        if isinstance(event, ExecExited):
+            code = event.exit_code
+    return code
+
+
 @pytest.mark.parametrize("stopped", ["paused", "hibernated"])
 def test_a_policy_opened_while_stopped_serves_https_once_resumed(
     guest: Guest, stopped: str
 ) -> None:
-    """The CA cannot be installed in a paused or hibernated guest; resuming installs it."""
+    """The CA cannot be installed in a paused or hibernated guest; resuming installs it
+    (a gVisor sandbox made without a policy: refused, as running)."""
     node, run, other = guest.node, guest.h.run, f"egress-{stopped}"
-    run(node.create_sandbox(SandboxSpec(sandbox_id=other)))
+    run(node.create_sandbox(SandboxSpec(sandbox_id=other, guest=guest.type)))
     try:
         stop = node.pause_sandbox if stopped == "paused" else node.hibernate_sandbox
         run(stop(other))
+        if guest.type == "gvisor":
+            with pytest.raises(InvalidArgument, match="made without egress has no network"):
+                run(node.set_egress(other, POLICY))
+            run(node.resume_sandbox(other))
+            assert not _opened(guest, other)  # running again, still closed
+            return
         run(node.set_egress(other, POLICY))
         run(node.resume_sandbox(other))
-        fetch = "import urllib.request as u; print(u.urlopen('https://tls.allowed.test/').read())"
-        out = run(output(node, ExecRequest(argv=["python3", "-c", fetch]), other))
+        out = run(output(node, ExecRequest(argv=["python3", "-c", _FETCH_TLS]), other))
         assert "tls host=tls.allowed.test" in out
     finally:
         run(node.delete_sandbox(other))

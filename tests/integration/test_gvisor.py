@@ -1,6 +1,8 @@
 """gVisor sandboxes on a real node (issue 21): runsc, a btrfs clone of the base
-image's tree, the sandbox's own network namespace; create, exec, files, egress denied,
-what is refused so far, and delete leaving nothing behind.
+image's tree, the sandbox's own network namespace; create, exec, files, egress denied
+without a policy (with one: tests/integration/test_egress.py and the red team run on
+gVisor too), what is refused so far, and delete leaving nothing behind (what goes
+through saved memory: test_gvisor_lifecycle.py).
 
 Its node makes no ready state (no QEMU boots here): gVisor sandboxes need none.
 """
@@ -10,13 +12,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
+from space.node.agent import Node
 from space.node.api import (
-    Conflict,
     ExecExited,
     ExecOutput,
     ExecRequest,
@@ -27,12 +30,14 @@ from space.node.api import (
 )
 from space.node.core.config import NodeConfig
 from space.node.network import netns
-from space.node.privileged._gvisor import ROOTFS
-from space.node.vmm.gvisor import ensure_tree, runsc_home
+from space.node.privileged._gvisor import ROOTFS, TREE_ROOT
+from space.node.vmm.gvisor import CHANNEL_SOCKET, runsc_home
+from space.node.vmm.gvisor_tree import ensure_tree
 from tests import logs
 from tests.egress_guest import PROBE, assert_no_answer
 
 from .conftest import NodeHarness, started_node
+from .platform import processes_naming
 
 pytestmark = pytest.mark.vm
 
@@ -100,6 +105,8 @@ def _leftovers(h: NodeHarness, sandbox_id: str) -> list[str]:
     home = runsc_home(run_root)
     bundle = home / "bundles" / sandbox_id
     left = [f"runsc pid {pid}" for pid in _runsc_processes(bundle)]
+    relay = run_root / sandbox_id / CHANNEL_SOCKET
+    left += [f"channel relay pid {pid}" for pid in processes_naming(str(relay))]
     state = home / "state"
     if state.is_dir():
         left += [f"runsc state {p.name}" for p in state.iterdir() if sandbox_id in p.name]
@@ -165,8 +172,9 @@ def test_gvisor_sandbox_exec_files_egress_and_delete(gvisor_node: NodeHarness) -
         assert code == 0 and len(out.split()[0]) == 64
         # The guest's writes land in its own btrfs volume, owned as in the guest.
         volume = h.config.data_dir / "pool" / "sandboxes" / "gv-basic"
-        assert (volume / "home" / "user" / "blob.bin").read_bytes() == data
-        assert (volume / "home" / "user" / "blob.bin").stat().st_uid == 1000
+        guest_root = volume / TREE_ROOT
+        assert (guest_root / "home" / "user" / "blob.bin").read_bytes() == data
+        assert (guest_root / "home" / "user" / "blob.bin").stat().st_uid == 1000
 
         # egress: no policy, no network; the namespace's ruleset drops what leaves.
         probe = PROBE.read_bytes()
@@ -190,12 +198,8 @@ def test_gvisor_sandbox_exec_files_egress_and_delete(gvisor_node: NodeHarness) -
         ).stdout
         assert "hook output priority filter; policy drop;" in rules
 
-        # What goes through saved memory, or egress, is refused before anything changes.
-        with pytest.raises(Conflict, match="does not support it yet"):
-            h.run(h.node.pause_sandbox("gv-basic"))
-        with pytest.raises(Conflict, match="does not support it yet"):
-            h.run(h.node.snapshot_sandbox("gv-basic", "gv-snap"))
-        with pytest.raises(InvalidArgument, match="cannot have egress"):
+        # Made without egress, it has no network to open: refused before anything changes.
+        with pytest.raises(InvalidArgument, match="made without egress has no network"):
             h.run(h.node.set_egress("gv-basic", {"allow": [{"domain": "example.com"}]}))
         assert h.run(h.node.get_sandbox("gv-basic")).state == SandboxState.RUNNING
         out, _, code = _run(h, "gv-basic", ExecRequest(argv=["true"]))
@@ -205,16 +209,45 @@ def test_gvisor_sandbox_exec_files_egress_and_delete(gvisor_node: NodeHarness) -
     assert _leftovers(h, "gv-basic") == []
 
 
+#: The states of the processes whose parent is the sandbox's PID 1 (spaced), one a line.
+_CHILDREN_OF_INIT = (
+    "for f in /proc/[0-9]*/stat; do read -r line < $f 2>/dev/null || continue;"
+    ' set -- ${line##*) }; [ "$2" = 1 ] && echo "$1"; done; true'
+)
+
+
+def test_orphans_are_reaped_by_spaced_as_the_sandbox_s_init(gvisor_node: NodeHarness) -> None:
+    """An agent's ``nohup job &`` from a shell that exits leaves an orphan; PID 1 must
+    wait for it, or a long session fills the sandbox with zombies."""
+    h = gvisor_node
+    h.run(h.node.create_sandbox(SandboxSpec("gv-orphans", guest="gvisor")))
+    try:
+        pids = []
+        for _ in range(3):  # each shell exits at once; its sleep, in a session of its
+            # own (out of reach of the exec's end), goes on as an orphan
+            orphan = "setsid sleep 600 >/dev/null 2>&1 & echo $!"
+            out, _, code = _run(h, "gv-orphans", ExecRequest(cmd=orphan))
+            assert code == 0
+            pids.append(out.strip())
+        out, _, code = _run(h, "gv-orphans", ExecRequest(cmd=_CHILDREN_OF_INIT, user="root"))
+        assert code == 0 and out.split().count("S") == 3, out  # the orphans, sleeping
+        assert _run(h, "gv-orphans", ExecRequest(cmd=f"kill {' '.join(pids)}"))[2] == 0
+        deadline = time.monotonic() + 30
+        while True:
+            out, _, code = _run(h, "gv-orphans", ExecRequest(cmd=_CHILDREN_OF_INIT, user="root"))
+            states = out.split()
+            if not {"S", "Z"} & set(states) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert code == 0 and "Z" not in states and "S" not in states, states
+    finally:
+        h.run(h.node.delete_sandbox("gv-orphans"))
+
+
 def test_gvisor_refusals(gvisor_node: NodeHarness) -> None:
     h = gvisor_node
     with pytest.raises(InvalidArgument, match="guest must be one of"):
         h.run(h.node.create_sandbox(SandboxSpec("gv-bad", guest="firecracker")))
-    with pytest.raises(InvalidArgument, match="cannot have egress"):
-        h.run(
-            h.node.create_sandbox(
-                SandboxSpec("gv-bad", guest="gvisor", egress={"allow": [{"domain": "a.example"}]})
-            )
-        )
     assert _leftovers(h, "gv-bad") == []
 
 
@@ -224,44 +257,43 @@ def test_negative_a_link_in_the_way_of_a_tree_s_unpacking_leads_root_nowhere(
     """The agent's image is unpacked as root by names: a link the agent puts where
     the unpacking happens is refused, and nothing is written through it."""
     h = gvisor_node
-    images = [p for p in h.config.image_cache_dir.iterdir() if (p / "rootfs.img").is_file()]
+    images = [
+        p / "rootfs.img" for p in h.config.image_cache_dir.iterdir() if (p / "rootfs.img").is_file()
+    ]
     trees = h.config.data_dir / "pool" / "gvisor"
+    trees.mkdir(mode=0o700, exist_ok=True)
     victim = tmp_path / "victim"
     victim.mkdir()
     (trees / ".attack.unpacking").symlink_to(victim)
     try:
         with pytest.raises(Unavailable, match="not a directory of root's"):
-            h.run(ensure_tree(h.config.effective_run_dir, images[0], trees / "attack"))
+            h.run(
+                ensure_tree(h.config.effective_run_dir, trees / "attack", images[0], passphrase=b"")
+            )
         assert list(victim.iterdir()) == [] and not (trees / "attack").exists()
     finally:
         (trees / ".attack.unpacking").unlink()
     # A scratch directory the broker left (root's alone) is taken up again.
     (trees / ".again.unpacking").mkdir(mode=0o700)
-    h.run(ensure_tree(h.config.effective_run_dir, images[0], trees / "again"))
+    h.run(ensure_tree(h.config.effective_run_dir, trees / "again", images[0], passphrase=b""))
     try:
-        assert (trees / "again" / "usr" / "bin" / "python3").exists()
+        assert (trees / "again" / TREE_ROOT / "usr" / "bin" / "python3").exists()
         assert not (trees / ".again.unpacking").exists()
     finally:
+        subprocess.run(["btrfs", "property", "set", "-ts", str(trees / "again"), "ro", "false"])
         subprocess.run(["btrfs", "subvolume", "delete", str(trees / "again")], check=True)
 
 
-def test_a_node_restart_stops_its_gvisor_sandboxes_and_keeps_them_in_error(
+def test_a_gvisor_sandbox_no_record_claims_is_stopped_when_the_node_starts(
     gvisor_node: NodeHarness,
 ) -> None:
-    """Its channel was the old node process's socket: the guest cannot be reached again,
-    so it is stopped (no runsc left) and kept, ERROR saying why, until deleted."""
+    """Its runsc and relay outlive the node, so one whose record is gone (lost, or
+    never written) would run for ever: recovery stops it and removes what it had."""
     h = gvisor_node
-    h.run(h.node.create_sandbox(SandboxSpec("gv-restart", guest="gvisor")))
-    try:
-        bundle = runsc_home(h.config.effective_run_dir) / "bundles" / "gv-restart"
-        assert _runsc_processes(bundle)
-        node = h.restart()
-        status = h.run(node.get_sandbox("gv-restart"))
-        assert status.state == SandboxState.ERROR
-        assert status.error is not None and "does not survive" in status.error
-        assert _runsc_processes(bundle) == []
-        volume = h.config.data_dir / "pool" / "sandboxes" / "gv-restart"
-        assert (volume / "usr" / "bin" / "python3").exists()  # its files are kept
-    finally:
-        h.run(h.node.delete_sandbox("gv-restart"))
-    assert _leftovers(h, "gv-restart") == []
+    h.run(h.node.create_sandbox(SandboxSpec("gv-stray", guest="gvisor")))
+    bundle = runsc_home(h.config.effective_run_dir) / "bundles" / "gv-stray"
+    assert _runsc_processes(bundle)
+    h.run(h.node.close())
+    (h.config.data_dir / "sandboxes" / "gv-stray.json").unlink()
+    h.node = h.run(Node.start(h.config))
+    assert _leftovers(h, "gv-stray") == []

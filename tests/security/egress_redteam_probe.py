@@ -290,6 +290,21 @@ def hold(
             sock.close()
 
 
+# --- the gateway's own sockets --------------------------------------------------------
+
+
+def take_listener(protocol: str, port: int, address: str = _GATEWAY) -> str:
+    """Bind a ``protocol`` ("tcp" or "udp") socket to ``address``:``port`` with
+    SO_REUSEADDR and SO_REUSEPORT, as one taking the gateway's traffic would (a gVisor
+    guest's sockets live in the namespace the gateway listens in)."""
+    kind = socket.SOCK_STREAM if protocol == "tcp" else socket.SOCK_DGRAM
+    with socket.socket(socket.AF_INET, kind) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((address, port))
+        return f"bound {protocol} {address}:{port}"
+
+
 # --- raw IP ---------------------------------------------------------------------------
 
 
@@ -308,6 +323,25 @@ def spoofed_syn(address: str, port: int, source: str, count: int = 1) -> str:
             sport = struct.unpack("!H", packet[header : header + 2])[0]
             if socket.inet_ntoa(packet[12:16]) == address and sport == port:
                 return f"TCP flags {packet[header + 13]:#x} from {address}:{port}"
+
+
+def raw_sockets() -> dict[str, str]:
+    """Which raw and packet sockets root in the guest may open: each kind's name ->
+    "opened" or the error that refused it. Nothing is sent on them."""
+    kinds = {
+        "raw-ip": (socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW),
+        "raw-tcp": (socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_TCP),
+        "raw-icmp": (socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP),
+        "packet": (socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003)),
+    }
+    found = {}
+    for name, args in kinds.items():
+        try:
+            socket.socket(*args).close()
+            found[name] = "opened"
+        except OSError as exc:
+            found[name] = f"{type(exc).__name__}: {exc}"
+    return found
 
 
 def _syn_packet(source: str, destination: str, port: int) -> bytes:
@@ -379,7 +413,9 @@ KINDS: dict[str, Callable[..., object]] = {
         tls_fragmented,
         fetch,
         hold,
+        take_listener,
         spoofed_syn,
+        raw_sockets,
     )
 }
 

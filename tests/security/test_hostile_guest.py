@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from space.node.api import ExecRequest, Timeout, Unavailable
+from space.node.api import ExecRequest, ProcessSelector, Timeout, Unavailable
 from space.node.channel import GuestChannel
 from space.protocol import (
     DATA_CHUNK_BYTES,
@@ -52,6 +52,22 @@ async def run_follow(channel: GuestChannel) -> None:
     await asyncio.sleep(0.2)
     async for _ in stream:
         pass
+
+
+async def run_attach_by_pid(channel: GuestChannel) -> None:
+    """An attach that names the process by its pid (E2B's Connect)."""
+    stream = await channel.attach(ProcessSelector(pid=7))
+    await asyncio.sleep(0.2)
+    async for _ in stream:
+        pass
+
+
+def _started_with(**fields: object) -> Callable[[FakeGuest, int], None]:
+    def act(guest: FakeGuest, stream: int) -> None:
+        event = {"event": "started", "pid": 7, "process_id": "p1"} | fields
+        guest.send_json(FrameKind.EVENT, stream, event)
+
+    return act
 
 
 async def run_stat(channel: GuestChannel) -> None:
@@ -155,6 +171,15 @@ CASES = [
     Misbehaviour(
         "a followed exec ending without an exit", run_follow, _background_start_for_a_follow
     ),
+    Misbehaviour(
+        "an attach by pid answered by another pid", run_attach_by_pid, _started_with(pid=8)
+    ),
+    Misbehaviour(
+        "a started event's pty that is no boolean", run_attach_by_pid, _started_with(pty=1)
+    ),
+    Misbehaviour("a followed exec's pty that is no boolean", run_follow, _started_with(pty="yes")),
+    Misbehaviour("an attach by pid's DATA beyond credit", run_attach_by_pid, _beyond_credit),
+    Misbehaviour("an attach by pid's wrong-typed exit_code", run_attach_by_pid, _string_exit_code),
     Misbehaviour(
         "OPEN from the guest",
         run_stat,

@@ -32,6 +32,7 @@ from space.node.api import (
     PermissionDenied,
     PoolInfo,
     ProcessInfo,
+    ProcessSelector,
     SandboxMetrics,
     SandboxSpec,
     SandboxState,
@@ -79,9 +80,12 @@ _SHAPE = ("template", "cpus", "memory_mib", "disk_mib")
 
 
 class FakeExecStream:
-    def __init__(self, pid: int, process_id: str, events: list[ExecEvent | NodeError]) -> None:
+    def __init__(
+        self, pid: int, process_id: str, events: list[ExecEvent | NodeError], pty: bool = False
+    ) -> None:
         self.pid = pid
         self.process_id = process_id
+        self.pty = pty
         self._events = events
         self.closed = False
 
@@ -410,19 +414,34 @@ class FakeNode(
         self._stdio_started(sandbox_id, process_id, request)
         box.processes[process_id] = (info, events)
         silent = request.background and not request.follow
-        stream = FakeExecStream(info.pid, process_id, [] if silent else events)
+        stream = FakeExecStream(info.pid, process_id, [] if silent else events, info.pty)
         self.streams.append(stream)
         return stream
 
-    async def attach(self, sandbox_id: str, process_id: str) -> FakeExecStream:
+    async def attach(self, sandbox_id: str, process: str | ProcessSelector) -> FakeExecStream:
+        """By process id, or (as spaced) the oldest running process with a pid or tag."""
         box = self._box("attach", sandbox_id)
-        if process_id not in box.processes:
-            raise NotFound(f"no process {process_id}", sandbox_id=sandbox_id)
+        if isinstance(process, str):
+            process_id = process if process in box.processes else None
+        else:
+            process_id = next(
+                (
+                    info.process_id
+                    for info, _ in box.processes.values()
+                    if info.running
+                    and (
+                        info.pid == process.pid if process.tag is None else info.tag == process.tag
+                    )
+                ),
+                None,
+            )
+        if process_id is None:
+            raise NotFound(f"no process {process}", sandbox_id=sandbox_id)
         info, events = box.processes[process_id]
         if info.signal is not None:  # killed: its exit is the signal's
             events = [e for e in events if not isinstance(e, ExecExited)]
             events.append(ExecExited(None, info.signal))
-        return FakeExecStream(info.pid, process_id, events)
+        return FakeExecStream(info.pid, process_id, events, info.pty)
 
     async def list_processes(self, sandbox_id: str) -> list[ProcessInfo]:
         return [info for info, _ in self._box("list_processes", sandbox_id).processes.values()]

@@ -24,6 +24,7 @@ from types import ModuleType
 import httpx
 import pytest
 
+from tests.e2b_sdk import run_e2b
 from tests.ports import free_port
 
 SERVER_DIR = Path(__file__).resolve().parents[2] / "templates" / "code-interpreter" / "server"
@@ -32,12 +33,14 @@ GUEST_PYTHON = "/usr/bin/python3"
 MAX_CONTEXTS = 2
 
 
-def _server_module() -> ModuleType:
-    """server.py itself, for its limits (it imports only the stdlib and kernels.py)."""
+def server_module(name: str) -> ModuleType:
+    """A module of the server (``server``, ``charts``) loaded from its file, for its
+    limits; the sibling modules it imports (it imports only the stdlib and those) are
+    dropped from sys.modules again."""
     sys.path.insert(0, str(SERVER_DIR))
     try:
         spec = importlib.util.spec_from_file_location(
-            "code_interpreter_server", SERVER_DIR / "server.py"
+            f"code_interpreter_{name}", SERVER_DIR / f"{name}.py"
         )
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
@@ -45,10 +48,11 @@ def _server_module() -> ModuleType:
         return module
     finally:
         sys.path.remove(str(SERVER_DIR))
-        sys.modules.pop("kernels", None)
+        for sibling in ("kernels", "charts"):
+            sys.modules.pop(sibling, None)
 
 
-LIMITS = _server_module()
+LIMITS = server_module("server")
 
 
 def _children(pid: int) -> set[int]:
@@ -171,3 +175,59 @@ def test_negative_a_context_past_the_limit_is_refused_and_nothing_is_kept(server
 def test_negative_a_cwd_that_is_no_directory_is_refused(server: str) -> None:
     response = httpx.post(f"{server}/contexts", json={"cwd": "/nonexistent/dir"})
     assert response.status_code == 400 and "not a directory" in response.json()["error"]
+
+
+def test_a_figure_comes_back_with_its_png_and_its_chart_as_the_sdk_reads_them(
+    server: str, tmp_path: Path
+) -> None:
+    code = (
+        "import matplotlib.pyplot as plt\n"
+        "plt.bar(['a', 'b'], [1, 2]); plt.title('Sales'); plt.ylabel('Total (USD)')\n"
+        "plt.show()\n"
+    )
+    response = httpx.post(f"{server}/execute", json={"code": code}, timeout=120)
+    assert response.status_code == 200, response.text
+    stream = tmp_path / "stream.ndjson"
+    stream.write_text(response.text)
+    decoded = run_e2b(
+        f"""
+        from e2b_code_interpreter.models import Execution, parse_output
+        execution = Execution()
+        for line in open({str(stream)!r}).read().splitlines():
+            parse_output(execution, line)
+        (result,) = execution.results
+        chart = result.chart
+        report({{
+            "formats": sorted(result.formats()),
+            "class": type(chart).__name__,
+            "title": chart.title,
+            "y_unit": chart.y_unit,
+            "bars": [(bar.label, bar.value) for bar in chart.elements],
+            "error": execution.error is not None,
+        }})
+        """,
+        url="http://127.0.0.1:9",  # no server: the SDK only decodes here
+        api_key="unused",
+    )
+    assert decoded == {
+        "formats": ["chart", "png", "text"],
+        "class": "BarChart",
+        "title": "Sales",
+        "y_unit": "USD",
+        "bars": [["a", 1.0], ["b", 2.0]],
+        "error": False,
+    }
+
+
+def test_negative_a_figure_the_extraction_cannot_read_keeps_its_png_and_raises_nothing(
+    server: str,
+) -> None:
+    code = (
+        "import matplotlib.pyplot as plt\n"
+        "fig, ax = plt.subplots(); ax.plot([1, 2]); ax.get_title = None\n"
+        "plt.show()\n"
+    )
+    events = _execute(server, {"code": code})
+    assert [e for e in events if e["type"] in ("error", "stderr")] == []
+    (result,) = [e for e in events if e["type"] == "result"]
+    assert "png" in result and "chart" not in result

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from space.control import NodeRegistry, create_key, list_keys, revoke_key
+from space.control.keys import VERDICT_TTL_S
 from space.node.api import (
     CapacityInfo,
     Conflict,
@@ -62,13 +63,19 @@ async def test_negative_an_unknown_key_answers_401(tmp_path: Path) -> None:
         assert _error(response)["code"] == "unauthenticated"
 
 
-async def test_negative_a_revoked_key_answers_401(tmp_path: Path) -> None:
+async def test_negative_a_revoked_key_answers_401_once_the_replicas_verdict_ran_out(
+    tmp_path: Path,
+) -> None:
     async with control_app(tmp_path) as h:
         key = create_key(h.settings, "acme")
         ok = await h.client.get("/v1/sandboxes", headers={"X-API-Key": key})
         assert ok.status_code == 200
         (info,) = list_keys(h.settings, "acme")
         revoke_key(h.settings, info.id)
+        h.clock.now += VERDICT_TTL_S - 0.1  # this replica still trusts its verdict
+        trusted = await h.client.get("/v1/sandboxes", headers={"X-API-Key": key})
+        assert trusted.status_code == 200
+        h.clock.now += 0.1  # no longer: the key is looked up again, and refused
         response = await h.client.get("/v1/sandboxes", headers={"X-API-Key": key})
         assert response.status_code == 401
         assert _error(response)["code"] == "unauthenticated"
@@ -307,7 +314,7 @@ async def test_exec_answers_an_ndjson_stream_of_start_output_and_exit(tmp_path: 
         response = await h.client.post(f"/v1/sandboxes/{sid}/exec", json=body, headers=headers)
         assert response.status_code == 200
         events = _events(response)
-        assert events[0] == {"type": "start", "pid": 100, "process_id": "p1"}
+        assert events[0] == {"type": "start", "pid": 100, "process_id": "p1", "pty": False}
         assert events[1] == {"type": "stdout", "data": base64.b64encode(b"hi\n").decode()}
         assert events[2] == {"type": "stderr", "data": base64.b64encode(b"err").decode()}
         assert events[3] == {"type": "exit", "exit_code": 0, "signal": None, "timed_out": False}

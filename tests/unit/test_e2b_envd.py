@@ -202,6 +202,38 @@ async def test_list_signal_input_close_and_resize_find_processes_by_pid_or_tag(
         assert answer.status_code == 404 and answer.json()["code"] == "not_found"
 
 
+async def test_connect_attaches_by_pid_or_tag_in_one_node_call(tmp_path: Path) -> None:
+    async with _envd(tmp_path) as envd:
+        envd.h.node.scripts[f"{BASH} top"] = [ExecOutput("stdout", b"\x1b[H"), ExecExited(0, None)]
+        pty = {"size": {"rows": 24, "cols": 80}}
+        start = {"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "top"]}, "pty": pty}
+        await envd.stream("process.Process/Start", start | {"tag": "term"})
+        expected = [
+            (0, {"event": {"start": {"pid": 100}}}),
+            (0, {"event": {"data": {"pty": _b64(b"\x1b[H")}}}),  # a terminal's output
+            (0, {"event": {"end": {"exitCode": 0, "exited": True, "status": "exit status 0"}}}),
+            (2, {}),
+        ]
+        for selector in ({"pid": 100}, {"tag": "term"}):
+            envd.h.node.calls.clear()
+            assert await envd.stream("process.Process/Connect", {"process": selector}) == expected
+            # The guest finds the process: no listing first (issue 20).
+            assert [c[0] for c in envd.h.node.calls] == ["attach"]
+
+
+async def test_negative_connect_to_no_running_process_is_not_found_and_no_selector_invalid(
+    tmp_path: Path,
+) -> None:
+    async with _envd(tmp_path) as envd:
+        # Out of range or of pattern: no process can have it, as envd says.
+        nobody = ({"pid": 4242}, {"pid": 0}, {"pid": 2**32 - 1}, {"tag": "none"}, {"tag": "a b"})
+        for selector in nobody:
+            events = await envd.stream("process.Process/Connect", {"process": selector})
+            assert [e[1]["error"]["code"] for e in events] == ["not_found"], selector
+        events = await envd.stream("process.Process/Connect", {"process": {}})
+        assert [e[1]["error"]["code"] for e in events] == ["invalid_argument"]
+
+
 async def test_stream_input_writes_each_chunk_after_its_start(tmp_path: Path) -> None:
     async with _envd(tmp_path) as envd:
         start = {"process": {"cmd": "/bin/cat"}, "stdin": True}

@@ -20,6 +20,8 @@ from space.node.api import (
     ExecStream,
     InvalidArgument,
     NotFound,
+    ProcessSelector,
+    PtySize,
     Timeout,
 )
 from space.node.channel import GuestChannel
@@ -170,6 +172,36 @@ def test_background_process_is_listed_attached_and_killed(tmp_path: Path) -> Non
         assert not after.running and after.signal == signal.SIGKILL
         with pytest.raises(NotFound):
             await channel.kill_process("p0000")
+
+    run_with_channel(tmp_path, body)
+
+
+def test_attach_by_pid_or_tag_finds_the_oldest_running_process_in_one_request(
+    tmp_path: Path,
+) -> None:
+    async def body(channel: GuestChannel, guest: Guest) -> None:
+        ended = await channel.exec(ExecRequest(cmd="echo gone", background=True, tag="job"))
+        first = await channel.exec(
+            ExecRequest(cmd="echo one; sleep 30", background=True, tag="job")
+        )
+        second = await channel.exec(
+            ExecRequest(cmd="echo two; sleep 30", background=True, tag="job", pty=PtySize(5, 40))
+        )
+        await asyncio.sleep(0.3)
+        by_tag = await channel.attach(ProcessSelector(tag="job"))  # ended: skipped
+        assert (by_tag.process_id, by_tag.pid, by_tag.pty) == (first.process_id, first.pid, False)
+        by_pid = await channel.attach(ProcessSelector(pid=second.pid))
+        assert (by_pid.process_id, by_pid.pty) == (second.process_id, True)
+        for stream in (first, second):
+            await channel.kill_process(stream.process_id)
+        assert (await collect(by_tag))[0] == b"one\n"
+        assert (await collect(by_pid))[0] == b"two\r\n"  # a terminal's newline
+        for gone in (ProcessSelector(pid=ended.pid), ProcessSelector(tag="job")):
+            with pytest.raises(NotFound):  # ended (or killed) processes are not found
+                await channel.attach(gone)
+        with pytest.raises(InvalidArgument):
+            await channel.attach(ProcessSelector())
+        assert await channel.ping() < 1.0
 
     run_with_channel(tmp_path, body)
 
@@ -391,6 +423,11 @@ def test_negative_a_stopped_spaced_fails_a_waiting_request_after_the_silence_tim
         {"op": "file.remove", "path": "/"},
         {"op": "process.kill", "process_id": "p1", "signal": 99},
         {"op": "exec", "cmd": "true", "follow": True},  # follow without background
+        {"op": "process.attach", "pid": 1, "tag": "t"},  # two selectors
+        {"op": "process.attach"},  # none
+        {"op": "process.attach", "pid": 0},
+        {"op": "process.attach", "pid": 4 * 1024 * 1024 + 1},
+        {"op": "process.attach", "tag": "no spaces"},
         {"op": "no.such.op"},
     ],
     ids=lambda fields: str(sorted(fields.items()))[:60],

@@ -10,6 +10,7 @@ import re
 import socket
 import stat
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from space.guest._errors import OpError
 from space.guest._identity import (
     RNDADDENTROPY,
     RNDRESEEDCRNG,
+    GvisorSystem,
     LinuxSystem,
     RecordingSystem,
     apply_identity,
@@ -300,6 +302,35 @@ def test_stdio_mode_always_gets_the_recording_system(tmp_path: Path) -> None:
 def test_negative_identity_record_without_stdio_is_refused() -> None:
     with pytest.raises(SystemExit):
         _parse(["--identity-record", "/tmp/x"])
+
+
+def test_gvisor_mode_gets_the_gvisor_system_and_needs_stdio_alone() -> None:
+    args = _parse(["--stdio", "--gvisor"])
+    assert isinstance(
+        system_for(args.stdio, args.identity_record, gvisor=args.gvisor), GvisorSystem
+    )
+    for argv in (["--gvisor"], ["--stdio", "--gvisor", "--identity-record", "/tmp/x"]):
+        with pytest.raises(SystemExit):
+            _parse(argv)
+
+
+def test_negative_the_gvisor_system_refuses_to_act_unless_spaced_is_pid_1() -> None:
+    # This test's process is never PID 1: nothing of the host is touched.
+    system = GvisorSystem()
+    changes: list[Callable[[], None]] = [
+        lambda: system.set_hostname("elsewhere"),
+        lambda: system.set_machine_id(MACHINE_ID),
+        lambda: system.set_clock_ns(NOW_NS),
+        lambda: system.add_entropy(ENTROPY),
+    ]
+    for change in changes:
+        with pytest.raises(OpError) as refused:
+            change()
+        assert refused.value.code is ErrorCode.PERMISSION_DENIED
+    # As the init, the clock and the RNG are the host's already: nothing to change.
+    as_init = GvisorSystem(pid=1)
+    as_init.set_clock_ns(NOW_NS)
+    as_init.add_entropy(ENTROPY)
 
 
 def test_negative_the_linux_system_refuses_to_act_outside_a_space_guest() -> None:

@@ -23,8 +23,20 @@ from space.node.core.state import SandboxRecord
 from space.node.core.template import Template
 from space.node.core.validation import check_spec, resolve_guest
 from space.node.privileged import RootBroker
-from space.node.privileged._gvisor import GUEST_PROCESS, OVERHEAD_MIB, oci_config
-from space.node.privileged.requests import LaunchGvisor, MakeGuestTree, encode
+from space.node.privileged._gvisor import (
+    GUEST_PROCESS,
+    OVERHEAD_MIB,
+    RESOLV_CONF,
+    TREE_ROOT,
+    oci_config,
+)
+from space.node.privileged.requests import (
+    CheckpointGvisor,
+    LaunchGvisor,
+    MakeGuestTree,
+    PauseGvisor,
+    encode,
+)
 from space.node.privileged.requests import decode as decode_request
 from space.node.storage.btrfs import TemplateVolume
 from tests.root_broker import netns_name_of, root_broker
@@ -102,14 +114,31 @@ def test_the_container_root_starts_is_spaced_on_kernel_file_systems_only() -> No
     assert isinstance(process, dict) and process["args"] == GUEST_PROCESS
     mounts = config["mounts"]
     assert isinstance(mounts, list)
-    # No bind mount: nothing of the host but the sandbox's own volume is in it.
-    assert {m["type"] for m in mounts} <= {"proc", "sysfs", "tmpfs", "devpts"}
+    # One bind mount, read-only: the resolver file root writes into the bundle (a
+    # relative source is the bundle's); nothing else of the host but its own volume.
+    binds = [m for m in mounts if m["type"] == "bind"]
+    assert binds == [
+        {
+            "destination": "/etc/resolv.conf",
+            "type": "bind",
+            "source": RESOLV_CONF,
+            "options": ["bind", "ro"],
+        }
+    ]
+    assert {m["type"] for m in mounts} - {"bind"} <= {"proc", "sysfs", "tmpfs", "devpts"}
     linux = config["linux"]
     assert isinstance(linux, dict)
     resources = linux["resources"]
     assert resources["memory"]["limit"] == (512 + OVERHEAD_MIB) << 20
     assert resources["cpu"] == {"quota": 200_000, "period": 100_000}
     assert {"type": "network", "path": "/run/netns/sp000000-abcdef"} in linux["namespaces"]
+    closed = oci_config(
+        rootfs="/pool/sandboxes/s", hostname="s", netns=None, cpus=1, memory_mib=256,
+        cgroup="/sp000000-gv-s",
+    )  # fmt: skip
+    closed_mounts = closed["mounts"]
+    assert isinstance(closed_mounts, list)
+    assert all(m["type"] != "bind" for m in closed_mounts)
 
 
 # what the node agent may ask of root
@@ -125,7 +154,7 @@ def broker(tmp_path: Path) -> Iterator[RootBroker]:
 
 def _launch(broker: RootBroker, tmp_path: Path, **changes: object) -> LaunchGvisor:
     volume = tmp_path / "node" / "volume"
-    volume.mkdir(exist_ok=True)
+    (volume / TREE_ROOT).mkdir(parents=True, exist_ok=True)
     fields: dict[str, object] = {
         "name": "gv-1", "volume": str(volume), "netns": netns_name_of(broker),
         "hostname": "gv-1", "memory_mib": 256, "cpus": 1,
@@ -146,6 +175,12 @@ def test_the_gvisor_requests_go_through_the_wire_unchanged() -> None:
     request = LaunchGvisor("n", "/v", None, "h", 256, 1, "/l")
     assert decode_request(encode(3, request)) == (3, request)
     assert decode_request(encode(4, MakeGuestTree(path="/p"))) == (4, MakeGuestTree(path="/p"))
+    for other in (
+        LaunchGvisor("n", "/v", "ns", "h", 256, 1, "/l", restore=True, host_network=True),
+        PauseGvisor(name="n", paused=True),
+        CheckpointGvisor(name="n"),
+    ):
+        assert decode_request(encode(5, other)) == (5, other)
 
 
 def test_negative_root_launches_no_gvisor_sandbox_outside_its_scope(
@@ -166,6 +201,17 @@ def test_negative_root_launches_no_gvisor_sandbox_outside_its_scope(
         _refused(broker, _launch(broker, tmp_path, memory_mib=1 << 30), "within bounds", fd)
         _refused(broker, MakeGuestTree(path="/etc/tree"), "outside this node's", (read_end,))
         _refused(broker, MakeGuestTree(path=str(tmp_path / "node" / "t")), "one descriptor", ())
+        # A restore takes the channel and the state; the host's stack needs a namespace.
+        restore = _launch(broker, tmp_path, restore=True)
+        _refused(broker, restore, "takes a socket and a state", fd)
+        _refused(broker, restore, "takes a pipe or a file", (theirs.fileno(), ours.fileno()))
+        no_netns = _launch(broker, tmp_path, netns=None, host_network=True)
+        _refused(broker, no_netns, "only inside a namespace", fd)
+        # Pause and checkpoint name sandboxes by checked names and save to pipes or files.
+        _refused(broker, PauseGvisor(name="../x", paused=True), "not a VM's name", ())
+        _refused(broker, CheckpointGvisor(name="gv-1"), "one descriptor", ())
+        _refused(broker, CheckpointGvisor(name="gv-1"), "takes a pipe or a file", fd)
+        _refused(broker, CheckpointGvisor(name="../x"), "not a VM's name", (write_end,))
     finally:
         for sock in (ours, theirs):
             sock.close()

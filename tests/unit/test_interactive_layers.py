@@ -37,6 +37,7 @@ def test_the_shared_limits_are_the_guest_protocols_own() -> None:
     assert space.limits.MAX_STDIN_BYTES == space.protocol.MAX_INPUT_BYTES
     assert space.limits.MAX_PTY_SIZE == space.protocol.MAX_PTY_SIZE
     assert space.limits.PROCESS_TAG_PATTERN == space.protocol.TAG_PATTERN
+    assert space.limits.MAX_PROCESS_PID == space.protocol.MAX_PID
 
 
 async def test_remote_node_carries_open_stdin_pty_tag_input_and_resize() -> None:

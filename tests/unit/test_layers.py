@@ -93,6 +93,7 @@ ROOT_ONLY = (
     "space.node.privileged._network",
     "space.node.privileged._jails",
     "space.node.privileged._gateway",
+    "space.node.privileged._gvisor_tree",
     "space.node.privileged.cgroups",
     "space.node.privileged.netns_socket",
 )

@@ -13,6 +13,7 @@ import pytest
 
 from space.control import NodeRegistry
 from space.node.api import (
+    NODE_API_PREFIX,
     CapacityInfo,
     Conflict,
     ExecExited,
@@ -25,6 +26,8 @@ from space.node.api import (
     NotFound,
     PermissionDenied,
     PoolInfo,
+    ProcessSelector,
+    PtySize,
     ResourceExhausted,
     SandboxSpec,
     SandboxState,
@@ -173,6 +176,36 @@ async def test_a_followed_background_exec_crosses_the_wire_and_streams_its_event
         assert events == [ExecOutput("stdout", b"out"), ExecExited(0, None)]
         (info,) = await client.list_processes("sb-1")
         assert info.process_id == stream.process_id and info.tag == "t"
+
+
+async def test_an_attach_by_pid_or_tag_crosses_the_wire_with_the_terminal_flag() -> None:
+    node = FakeNode()
+    async with remote(node) as client:
+        await client.create_sandbox(SandboxSpec("sb-1"))
+        node.scripts["t"] = [ExecOutput("stdout", b"out"), ExecExited(0, None)]
+        request = ExecRequest(cmd="t", background=True, tag="job", pty=PtySize(5, 40))
+        started = await client.exec("sb-1", request)
+        for selector in (ProcessSelector(pid=started.pid), ProcessSelector(tag="job")):
+            attached = await client.attach("sb-1", selector)
+            assert (attached.process_id, attached.pty) == (started.process_id, True)
+            assert [e async for e in attached] == [
+                ExecOutput("stdout", b"out"),
+                ExecExited(0, None),
+            ]
+            await attached.aclose()
+        with pytest.raises(NotFound):
+            await client.attach("sb-1", ProcessSelector(tag="other"))
+    # A request that selects by both (or neither) is refused before the node is asked.
+    transport = httpx.ASGITransport(app=create_node_app(node, TOKEN))
+    async with httpx.AsyncClient(transport=transport, base_url="http://node") as raw:
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        both_or_neither: list[dict[str, str | int]] = [{"pid": 100, "tag": "job"}, {}]
+        for params in both_or_neither:
+            answer = await raw.get(
+                f"{NODE_API_PREFIX}/sandboxes/sb-1/processes/attach", params=params, headers=headers
+            )
+            assert answer.status_code == 422, answer.text
+            assert answer.json()["error"]["code"] == "invalid_argument"
 
 
 async def test_an_error_midway_is_raised_from_the_stream() -> None:

@@ -19,6 +19,7 @@ from space.node.api import (
     MAX_METRICS_SAMPLES,
     METRICS_INTERVAL_S,
     NotFound,
+    SandboxSpec,
     SandboxState,
     Unavailable,
 )
@@ -188,13 +189,15 @@ def test_negative_a_guest_reporting_absurd_metrics_loses_its_channel(
 
 
 class _Record:
-    def __init__(self, state: SandboxState) -> None:
+    def __init__(self, state: SandboxState, guest: str = "qemu", cpus: int = 2) -> None:
         self.state = state
+        self.guest = guest
+        self.spec = SandboxSpec("sb", cpus=cpus)
 
 
 class _Sandbox:
-    def __init__(self, state: SandboxState) -> None:
-        self.record = _Record(state)
+    def __init__(self, state: SandboxState, guest: str = "qemu", cpus: int = 2) -> None:
+        self.record = _Record(state, guest, cpus)
 
 
 class _Registry:
@@ -210,10 +213,11 @@ class _Registry:
 class _Guest:
     def __init__(self) -> None:
         self.asked = 0
+        self.busy = GOOD["cpu_used_pct"]
 
     async def metrics(self) -> Metrics:
         self.asked += 1
-        return Metrics.from_result(GOOD)
+        return Metrics.from_result({**GOOD, "cpu_used_pct": self.busy})
 
 
 def _keeper() -> tuple[MetricsKeeper, _Registry, _Guest, list[float]]:
@@ -241,6 +245,32 @@ def test_the_node_samples_a_running_sandbox_at_most_every_interval_and_keeps_a_b
             samples = await keeper.sandbox_metrics("sb", channel)
         assert len(samples) == MAX_METRICS_SAMPLES and samples[-1].timestamp == now[0]
         assert all(a.timestamp < b.timestamp for a, b in itertools.pairwise(samples))
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "guest, cpus, busy, want",
+    [
+        ("qemu", 2, 12.5, (2, 12.5)),  # its own CPUs: as the guest says
+        ("gvisor", 1, 12.5, (1, 25.0)),  # the host's 2 seen, its 1 reported
+        ("gvisor", 2, 12.5, (2, 12.5)),
+        ("gvisor", 1, 75.0, (1, 100.0)),  # bounded: a burst the quota had not caught
+    ],
+)
+def test_a_gvisor_sandbox_s_cpu_figures_are_of_its_spec_s_cpus(
+    guest: str, cpus: int, busy: float, want: tuple[int, float]
+) -> None:
+    async def main() -> None:
+        keeper, registry, guest_stub, _ = _keeper()
+        registry.sandboxes["sb"] = _Sandbox(SandboxState.RUNNING, guest, cpus)
+        guest_stub.busy = busy
+
+        async def channel(sandbox_id: str) -> GuestChannel:
+            return cast(GuestChannel, guest_stub)
+
+        (sample,) = await keeper.sandbox_metrics("sb", channel)
+        assert (sample.cpu_count, sample.cpu_used_pct) == want
 
     asyncio.run(main())
 

@@ -7,8 +7,10 @@ Needs root (a loop-mounted btrfs pool); fails loudly without it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
+import struct
 import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -131,18 +133,80 @@ def test_an_incremental_stream_carries_only_what_differs_from_the_parent(
         pytest.param(lambda s: s + s[17:], id="two-subvolumes"),
     ],
 )
+@pytest.mark.parametrize("by", ["agent", "broker"])
 def test_negative_a_bad_or_cut_stream_is_refused_and_leaves_nothing(
-    pool: BtrfsPool, runner: asyncio.Runner, cut: object
+    pool: BtrfsPool, runner: asyncio.Runner, cut: object, by: str
 ) -> None:
     source = _subvolume(pool, "source", {"disk": os.urandom(2 * _MIB)})
     stream = runner.run(_sent(pool, source))
     bad = cut(stream)  # type: ignore[operator]
     staging = _staging(pool)
     with pytest.raises(InvalidArgument):
+        if by == "agent":
+            runner.run(
+                receive_stream(pool.broker, pool.root, staging, _chunks(bad), max_bytes=_MIB * 8)
+            )
+        else:
+            runner.run(_broker_receive(pool, staging, bad, _MIB * 8))
+    assert list(staging.iterdir()) == []
+
+
+def test_negative_a_stream_that_loses_its_framing_is_refused_naming_where(
+    pool: BtrfsPool, runner: asyncio.Runner
+) -> None:
+    source = _subvolume(pool, "source", {"disk": os.urandom(_MIB)})
+    stream = runner.run(_sent(pool, source))
+    first, command = struct.unpack_from("<IH", stream, 17)  # after the 17-byte header
+    at = 17 + 10 + first
+    bad = stream[:at] + struct.pack("<IHI", 0x94D5_DAAD, 7, 0) + stream[at:]
+    where = (
+        f"a stream command 7 of {0x94D5_DAAD} bytes (header {bad[at : at + 10].hex()}"
+        f" at byte {at}, command 2; the one before: {command}, of {first} bytes)"
+    )
+    # The agent reads it before the broker does: refused as it read it.
+    staging = _staging(pool)
+    with pytest.raises(InvalidArgument) as refused:
         runner.run(
             receive_stream(pool.broker, pool.root, staging, _chunks(bad), max_bytes=_MIB * 8)
         )
+    assert refused.value.message == where
     assert list(staging.iterdir()) == []
+    # An agent that does not (a hostile one) meets the broker's own check.
+    with pytest.raises(InvalidArgument) as refused:
+        runner.run(_broker_receive(pool, staging, bad, _MIB * 8))
+    assert refused.value.message == f"receive_subvolume: {where}"
+    assert list(staging.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "command", [pytest.param(0, id="unspecified"), pytest.param(27, id="past-the-last")]
+)
+def test_negative_a_command_no_send_stream_has_is_refused_by_the_broker(
+    pool: BtrfsPool, runner: asyncio.Runner, command: int
+) -> None:
+    source = _subvolume(pool, "source", {"disk": os.urandom(_MIB)})
+    stream = runner.run(_sent(pool, source))
+    first = struct.unpack_from("<I", stream, 17)[0]
+    at = 17 + 10 + first
+    bad = stream[:at] + struct.pack("<IHI", 0, command, 0) + stream[at:]
+    staging = _staging(pool)
+    with pytest.raises(InvalidArgument, match=f"a stream command {command} of 0 bytes"):
+        runner.run(_broker_receive(pool, staging, bad, _MIB * 8))
+    assert list(staging.iterdir()) == []
+
+
+async def _broker_receive(pool: BtrfsPool, directory: Path, data: bytes, max_bytes: int) -> None:
+    """Hand ``data`` to the broker's receive as a hostile agent would: unchecked."""
+    read_end, write_end = os.pipe()
+    request = ReceiveSubvolume(pool=str(pool.root), directory=str(directory), max_bytes=max_bytes)
+    receiving = asyncio.ensure_future(pool.broker.call(request, fds=(read_end,), give=True))
+
+    def write() -> None:
+        with contextlib.suppress(BrokenPipeError), open(write_end, "wb") as pipe:
+            pipe.write(data)
+
+    await asyncio.to_thread(write)
+    await receiving
 
 
 def test_negative_a_stream_one_byte_over_its_limit_is_refused_and_leaves_nothing(

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.anyio
 
 
 class _Stream:
-    pid, process_id = 1, "p1"
+    pid, process_id, pty = 1, "p1", False
 
     def __init__(self, events: list[ExecEvent]) -> None:
         self._events = events

@@ -81,6 +81,9 @@ async def test_the_pool_fills_to_its_minimum_and_serves_hits_then_refills() -> N
     assert vm is not None and cast(Any, vm).name == "vm0"
     info = pool.info()
     assert (info.hits, info.misses) == (1, 0)
+    await asyncio.sleep(0.05)
+    assert len(maker.made) == 1  # no refill while the hit is handed over
+    pool.refill()
     await _settle(pool, 1)  # demand of 1 in the window: target 1
     await pool.close()
     assert maker.destroyed == ["vm1"] and pool.info().size == 0

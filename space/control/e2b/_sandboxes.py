@@ -57,13 +57,13 @@ MAX_PAGE = 100
 async def _e2b_sandbox(sandbox_id: str, tenant: Tenant, ctx: Context) -> SandboxRecord:
     """The tenant's sandbox in a state E2B shows; 404 otherwise (another tenant's id
     is exactly a missing one)."""
-    record = await ctx.db.run(lambda s: repo.find_sandbox(s, tenant, sandbox_id))
+    record = await ctx.db.read(lambda s: repo.find_sandbox(s, tenant, sandbox_id))
     if record is None:
         raise E2BError(404, f"sandbox {sandbox_id!r} not found")
     if e2b_state(record) is None:
         why = scrub(record.error or "")  # a node's words, without its internal names
         raise E2BError(404, f"sandbox {sandbox_id!r} is {record.state}: {why}")
-    return record
+    return ctx.activity.latest(record)
 
 
 E2BSandbox = Annotated[SandboxRecord, Depends(_e2b_sandbox)]
@@ -187,7 +187,8 @@ async def list_sandboxes(
         kept = [r for r in kept if _beyond((r.created_at, r.id), cursor, order == "desc")]
     page = kept[:limit]
     headers = {"x-next-token": _token(page[-1])} if len(kept) > limit else None
-    return JSONResponse([listed_sandbox(r) for r in page], headers=headers)
+    shown = [listed_sandbox(ctx.activity.latest(r)) for r in page]
+    return JSONResponse(shown, headers=headers)
 
 
 @router.get("/sandboxes")
@@ -197,7 +198,8 @@ async def list_running_sandboxes(
     """E2B's first list: the running sandboxes, all at once."""
     wanted = _metadata_filter(metadata)
     records = await ctx.db.run(lambda s: repo.list_sandboxes(s, tenant))
-    return [listed_sandbox(r) for r in records if _matches(r, {"running"}, wanted, None, None)]
+    running = [r for r in records if _matches(r, {"running"}, wanted, None, None)]
+    return [listed_sandbox(ctx.activity.latest(r)) for r in running]
 
 
 @router.get("/sandboxes/{sandbox_id}")

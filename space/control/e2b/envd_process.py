@@ -9,7 +9,8 @@ processes are found by pid or tag, so signalling one that has ended answers not_
 (the SDK's ``kill`` then returns False).
 
 - Start: exec (background and follow, ``open_stdin`` for ``stdin``, ``pty``, ``tag``).
-- Connect: attach. List: processes, running only. SendInput, StreamInput: write_stdin.
+- Connect: attach by pid or tag (the guest finds the process, one request). List:
+  processes, running only. SendInput, StreamInput: write_stdin.
 - CloseStdin: write_stdin(eof). SendSignal: kill_process. Update: resize_pty.
 """
 
@@ -26,11 +27,21 @@ from space.control.e2b.connect import Code, ConnectError, Fields, b64
 from space.limits import (
     ENV,
     MAX_COMMAND_TIMEOUT_S,
+    MAX_PROCESS_PID,
     MAX_PTY_SIZE,
     MAX_STDIN_BYTES,
     PROCESS_TAG_PATTERN,
 )
-from space.node.api import ExecExited, ExecRequest, ExecStream, NodeService, ProcessInfo, PtySize
+from space.node.api import (
+    ExecExited,
+    ExecRequest,
+    ExecStream,
+    NodeService,
+    NotFound,
+    ProcessInfo,
+    ProcessSelector,
+    PtySize,
+)
 
 __all__ = ["KILL_WAIT_S", "ProcessService"]
 
@@ -108,9 +119,14 @@ class ProcessService:
         )
 
     async def connect(self, fields: Fields) -> AsyncIterator[dict[str, Any]]:
-        info = await self._select(fields)
-        stream = await self.node.attach(self.sandbox_id, info.process_id)
-        async for message in _events(stream, pty=info.pty):
+        # The guest finds the running process by pid or tag and follows it in the same
+        # request (one round trip, not list then attach: issue 20).
+        pid, tag = _selector(fields)
+        try:
+            stream = await self.node.attach(self.sandbox_id, ProcessSelector(pid=pid, tag=tag))
+        except NotFound:
+            raise ConnectError(Code.NOT_FOUND, _not_found(pid, tag)) from None
+        async for message in _events(stream, pty=stream.pty):
             yield message
 
     async def list(self, fields: Fields) -> dict[str, Any]:
@@ -182,19 +198,33 @@ class ProcessService:
 
     async def _select(self, fields: Fields) -> ProcessInfo:
         """The running process ``process`` (a ProcessSelector: pid or tag) names."""
-        selector = fields.sub("process")
-        chosen = None if selector is None else selector.oneof("pid", "tag")
-        if selector is None or chosen is None:
-            raise ConnectError(Code.INVALID_ARGUMENT, "process must give a pid or a tag")
-        if chosen[0] == "pid":
-            pid, tag = selector.integer("pid"), None
-        else:
-            pid, tag = None, selector.string("tag", max_chars=64)
+        pid, tag = _selector(fields)
         for info in await self.node.list_processes(self.sandbox_id):
             if info.running and (info.pid == pid if tag is None else info.tag == tag):
                 return info
-        what = f"pid {pid}" if tag is None else f"tag {tag!r}"
-        raise ConnectError(Code.NOT_FOUND, f"process with {what} not found")
+        raise ConnectError(Code.NOT_FOUND, _not_found(pid, tag))
+
+
+def _selector(fields: Fields) -> tuple[int | None, str | None]:
+    """(pid, tag) of the ProcessSelector ``process``: exactly one is set."""
+    selector = fields.sub("process")
+    chosen = None if selector is None else selector.oneof("pid", "tag")
+    if selector is None or chosen is None:
+        raise ConnectError(Code.INVALID_ARGUMENT, "process must give a pid or a tag")
+    if chosen[0] == "pid":
+        pid = selector.integer("pid")
+        if not 1 <= pid <= MAX_PROCESS_PID:  # no process has it: as envd, not found
+            raise ConnectError(Code.NOT_FOUND, _not_found(pid, None))
+        return pid, None
+    tag = selector.string("tag", max_chars=64)
+    if not _TAG_RE.fullmatch(tag):  # no process can have it (Start refuses it)
+        raise ConnectError(Code.NOT_FOUND, _not_found(None, tag))
+    return None, tag
+
+
+def _not_found(pid: int | None, tag: str | None) -> str:
+    what = f"pid {pid}" if tag is None else f"tag {tag!r}"
+    return f"process with {what} not found"
 
 
 def _pty_size(fields: Fields) -> PtySize | None:

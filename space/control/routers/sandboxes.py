@@ -38,7 +38,7 @@ IdempotencyKey = Annotated[
 
 
 def _out(ctx: ControlContext, record: SandboxRecord) -> SandboxOut:
-    return SandboxOut.of(record, ports.ports_out(ctx, record))
+    return SandboxOut.of(ctx.activity.latest(record), ports.ports_out(ctx, record))
 
 
 @router.post("", status_code=201)
@@ -55,13 +55,13 @@ async def create_sandbox(
 
 @router.get("")
 async def list_sandboxes(tenant: Tenant, ctx: Context) -> dict[str, list[SandboxOut]]:
-    records = await ctx.db.run(lambda s: repo.list_sandboxes(s, tenant))
+    records = await ctx.db.read(lambda s: repo.list_sandboxes(s, tenant))
     return {"sandboxes": [_out(ctx, record) for record in records]}
 
 
 @router.get("/{sandbox_id}")
 async def get_sandbox(sandbox_id: str, tenant: Tenant, ctx: Context) -> SandboxOut:
-    record = await ctx.db.run(lambda s: repo.find_sandbox(s, tenant, sandbox_id))
+    record = await ctx.db.read(lambda s: repo.find_sandbox(s, tenant, sandbox_id))
     if record is None:
         raise ApiError("not_found", f"no sandbox {sandbox_id!r}", sandbox_id=sandbox_id)
     return _out(ctx, record)

@@ -7,9 +7,9 @@ records, never ORM objects, so nothing touches the database outside its transact
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import delete, func, or_, select, update
+from sqlalchemy import Table, bindparam, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from space.control.store.dialects import upsert
@@ -41,6 +41,7 @@ __all__ = [
     "set_status",
     "set_timeouts",
     "touch",
+    "touch_many",
 ]
 
 RUNNING = "running"
@@ -248,6 +249,24 @@ def touch(session: Session, sandbox_id: str, now: float) -> None:
         )
         .values(last_active_at=now)
     )
+
+
+def touch_many(session: Session, marks: dict[str, float]) -> None:
+    """``touch`` each sandbox of ``marks`` (id → time of its activity), in one batch."""
+    if not marks:
+        return
+    # Core, not the ORM: one executemany of the statement (the ORM's bulk update by
+    # primary key allows no further condition).
+    table = cast(Table, SandboxRow.__table__)
+    statement = (
+        update(table)
+        .where(
+            table.c.id == bindparam("sandbox_id"),
+            or_(table.c.last_active_at.is_(None), table.c.last_active_at < bindparam("at")),
+        )
+        .values(last_active_at=bindparam("at"))
+    )
+    session.execute(statement, [{"sandbox_id": k, "at": at} for k, at in marks.items()])
 
 
 def set_timeouts(

@@ -256,11 +256,23 @@ class Archives:
         return document
 
     async def _receive(self, bundle: Bundle, staging: Path, max_bytes: int) -> Received:
+        """Receive the bundle's volume. A refused stream is read on to its end, which
+        checks it against the manifest: ChecksumMismatch if what came is not what was
+        stored (the read went wrong), else the refusal, saying that the read was not
+        to blame (nor the sender, when this node found it well-framed: the pipe)."""
         pool = self._registry.pool
         async with contextlib.aclosing(bundle.part("volume")) as chunks:
-            return await receive_stream(
-                pool.broker, pool.root, staging, chunks, max_bytes=max_bytes
-            )
+            try:
+                return await receive_stream(
+                    pool.broker, pool.root, staging, chunks, max_bytes=max_bytes
+                )
+            except InvalidArgument as refused:
+                async for _ in chunks:
+                    pass
+                raise InvalidArgument(
+                    f"{refused.message} (bundle {bundle.manifest.bundle}: what was read"
+                    " matches its manifest)"
+                ) from None
 
     async def _frozen(self, volume: Path, sandbox_id: str) -> Path:
         """A read-only snapshot of ``volume`` to stream from, in the pool's exports."""

@@ -34,7 +34,7 @@ from space.node.api import (
     check_grants,
     host_addresses,
 )
-from space.node.core.sandbox import LiveSandbox, has_nic
+from space.node.core.sandbox import LiveSandbox
 from space.node.egress.audit import AuditLog
 from space.node.network import ca, netns
 from space.node.network.gateway_client import GatewayProcess
@@ -81,9 +81,10 @@ class SandboxNetwork:
 
     async def apply(self, sandbox: LiveSandbox) -> None:
         """Tell the gateway and nftables the sandbox's policy (a VM without a NIC has no
-        namespace: nothing to do). Opening goes gateway first, closing nftables first,
-        so the guest never reaches a gateway that does not know its policy."""
-        if not has_nic(sandbox.volume):
+        namespace: nothing to do; a gVisor sandbox's namespace is governed as a VM's).
+        Opening goes gateway first, closing nftables first, so the guest never reaches
+        a gateway that does not know its policy."""
+        if not sandbox.has_network:
             return
         name = netns.netns_name(sandbox.config.run_dir)
         policy = parse_policy(sandbox.record.spec.egress, sandbox.sandbox_id, self.bounds)
@@ -102,7 +103,7 @@ class SandboxNetwork:
         the CA in its guest then; it is installed now (a no-op once it is there). The
         sandbox runs either way, so a failure is logged, not raised."""
         policy = parse_policy(sandbox.record.spec.egress, sandbox.sandbox_id, self.bounds)
-        if policy.closed or not has_nic(sandbox.volume):
+        if policy.closed or not sandbox.has_network:
             return
         try:
             await self._trust(sandbox, ca.ensure_ca(self._ca_dir, sandbox.sandbox_id))
@@ -183,9 +184,11 @@ class Egress:
         canonical = parsed.to_json()
         async with self._registry.lock(sandbox_id):
             sandbox = self._registry.get(sandbox_id)
-            if sandbox.record.guest != "qemu" and not parsed.closed:
+            if sandbox.record.guest == "gvisor" and not parsed.closed and not sandbox.has_network:
                 raise InvalidArgument(
-                    f"a {sandbox.record.guest} sandbox cannot have egress so far",
+                    "a gvisor sandbox made without egress has no network to open (one made "
+                    "with an egress policy has, and cannot be hibernated, snapshotted or "
+                    "forked)",
                     sandbox_id=sandbox_id,
                 )
             spec = replace(sandbox.record.spec, egress=canonical)

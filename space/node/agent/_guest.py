@@ -21,6 +21,7 @@ from space.node.api import (
     FileStat,
     PortTunnel,
     ProcessInfo,
+    ProcessSelector,
     PtySize,
     SandboxState,
     Unavailable,
@@ -47,8 +48,8 @@ class GuestOps:
         request = replace(request, env=env, cwd=request.cwd or record.workdir)
         return await (await self.channel(sandbox_id)).exec(request)
 
-    async def attach(self, sandbox_id: str, process_id: str) -> ExecStream:
-        return await (await self.channel(sandbox_id)).attach(process_id)
+    async def attach(self, sandbox_id: str, process: str | ProcessSelector) -> ExecStream:
+        return await (await self.channel(sandbox_id)).attach(process)
 
     async def list_processes(self, sandbox_id: str) -> list[ProcessInfo]:
         return await (await self.channel(sandbox_id)).list_processes()

@@ -7,10 +7,10 @@ Private to space.node.agent.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from typing import TYPE_CHECKING
 
-from space.node.agent._pool import POOL_PREFIX
 from space.node.api import (
     ExecExited,
     ExecOutput,
@@ -31,13 +31,17 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HIDDEN_PREFIXES",
+    "POOL_PREFIX",
     "boot_hidden",
     "channel_of",
     "is_hidden",
+    "pool_vm_id",
     "start_command",
     "wait_ready",
 ]
 
+#: The ids of warm pools' sandboxes (space.node.agent._pool).
+POOL_PREFIX = "pool-"
 #: Ids of the node's own VMs: pool VMs (space.node.agent._pool), build VMs, ready-state VMs.
 HIDDEN_PREFIXES = (POOL_PREFIX, "build-", "ready-")
 #: How long a start command must keep running before its template counts as ready.
@@ -79,6 +83,10 @@ while True:
         sys.exit(1)
     time.sleep(interval_s)
 """
+
+
+def pool_vm_id() -> str:
+    return POOL_PREFIX + secrets.token_hex(8)
 
 
 def is_hidden(sandbox_id: str) -> bool:

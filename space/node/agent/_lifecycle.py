@@ -15,6 +15,10 @@ woken from, so nothing is written anywhere while it runs. Saving the VM's state
   the devices only): the same, with the RAM mapped private from the ready state's own
   file, so every sandbox of the template shares its clean pages in the page cache.
 
+A gVisor sandbox (issue 21) goes the same ways: its "VM" pauses with ``runsc pause``,
+saves with ``runsc checkpoint`` (sealed into ``vmstate`` in its volume, which is its
+root directory) and starts from that state with ``runsc restore``, which also runs it.
+
 Each function records a ``Pending`` operation before its first step a crash could
 interrupt; space.node.agent._recovery finishes or undoes it on the next start.
 """
@@ -154,6 +158,9 @@ class Lifecycle:
         the record says RUNNING with a pending identity before that moment, and a later
         failure (no hello) leaves the VM running for a retry to settle.
         """
+        if sandbox.record.guest == "gvisor":
+            await self._restore_gvisor(sandbox, fresh=fresh)
+            return
         prior = sandbox.record.state
         vm = await sandbox.launch(
             qemu_binary=self.config.qemu_binary,
@@ -169,6 +176,19 @@ class Lifecycle:
             await asyncio.shield(sandbox.teardown())
             raise
         await vm.resume()
+        sandbox.watch(self.on_vm_exit, self.config.console_max_bytes)
+        await sandbox.connect(hello_timeout_s=self.config.boot_timeout_s)
+        await self.settle_identity(sandbox)
+
+    async def _restore_gvisor(self, sandbox: LiveSandbox, *, fresh: bool) -> None:
+        """``start_from_memory`` for a gVisor sandbox: ``runsc restore`` loads and runs
+        in one step, on a new channel to the same spaced. A failure leaves nothing
+        running, and the record and volume as they were."""
+        prior = sandbox.record.state
+        await sandbox.restore_gvisor(
+            run_root=self.config.effective_run_dir, state=sandbox.state_file
+        )
+        self.save(sandbox, SandboxState.RUNNING, pending=Pending("identity", prior, fresh=fresh))
         sandbox.watch(self.on_vm_exit, self.config.console_max_bytes)
         await sandbox.connect(hello_timeout_s=self.config.boot_timeout_s)
         await self.settle_identity(sandbox)
@@ -221,6 +241,7 @@ class Lifecycle:
                 memory_mib=spec.memory_mib,
                 disk_mib=spec.disk_mib,
                 memory_bytes=await asyncio.to_thread(memory_bytes, path),
+                guest=sandbox.record.guest,
             )
             self.snapshots.save(info)
             sandbox.record = replace(sandbox.record, head_snapshot=snapshot_id)

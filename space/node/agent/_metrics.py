@@ -4,7 +4,8 @@ A sample is taken when someone asks (``Node.sandbox_metrics``) and the last one 
 older than METRICS_INTERVAL_S; the node never samples on its own, so an idle sandbox
 nobody watches costs nothing. The samples live in memory with the LiveSandbox (gone
 with it, and after a node restart): a sandbox that is paused, hibernated or stopped
-answers what was kept and is never woken for it.
+answers what was kept and is never woken for it. A gVisor sandbox's CPU figures are
+of its spec's CPUs, not the host's it sees (see ``sandbox_metrics``).
 """
 
 from __future__ import annotations
@@ -51,11 +52,18 @@ class MetricsKeeper:
         fresh = samples and now - samples[-1].timestamp < METRICS_INTERVAL_S
         if sandbox.record.state == SandboxState.RUNNING and not fresh:
             sample = await (await channel(sandbox_id)).metrics()
+            cpu_count, cpu_used_pct = sample.cpu_count, sample.cpu_used_pct
+            if sandbox.record.guest == "gvisor":
+                # gVisor shows the host's CPUs and their busy share; its cgroup's quota
+                # holds it to the spec's: report those, and the share of them it used.
+                cpus = sandbox.record.spec.cpus
+                cpu_used_pct = round(min(100.0, cpu_used_pct * cpu_count / cpus), 2)
+                cpu_count = cpus
             samples.append(
                 SandboxMetrics(
                     timestamp=self._clock(),
-                    cpu_count=sample.cpu_count,
-                    cpu_used_pct=sample.cpu_used_pct,
+                    cpu_count=cpu_count,
+                    cpu_used_pct=cpu_used_pct,
                     mem_used=sample.mem_used,
                     mem_total=sample.mem_total,
                     disk_used=sample.disk_used,

@@ -58,7 +58,7 @@ from space.node.api import (
     SnapshotInfo,
 )
 from space.node.core.capacity import Claim, volume_limit_mib
-from space.node.core.sandbox import check_not_held, not_allowed
+from space.node.core.sandbox import check_memory_ops, check_not_held, not_allowed
 from space.node.core.state import SandboxRecord
 from space.node.core.validation import check_id
 from space.node.storage.btrfs import BtrfsPool, snapshot_subvolume
@@ -144,6 +144,7 @@ class Moves:
         registry = self._registry
         async with registry.lock(sandbox_id):
             sandbox = registry.get(sandbox_id)
+            check_memory_ops("move", sandbox)
             if sandbox.record.state != SandboxState.HIBERNATED or sandbox.record.pending:
                 raise not_allowed("move", sandbox)
             check_not_held("export", sandbox)

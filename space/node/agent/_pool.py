@@ -1,4 +1,8 @@
-"""Warm pools: per template, VMs already woken from its ready state, paused, waiting.
+"""Warm pools: per template, VMs already woken from its ready state, paused, waiting;
+or, where the node's default guest type (``auto``) is gVisor, gVisor sandboxes of its
+tree already started, their start command run and ready check passed, running: idle,
+a gVisor sandbox costs no CPU (an idle VM under TCG burns one), and a hit then needs
+no ``runsc resume`` (25-80 ms of a pool hit's 80-360 ms, measured on a loaded host).
 
 A pool VM is a sandbox of the template's ready shape, named ``pool-<hex>``, that never
 held tenant data: a clone of the ready state, woken with its own identity, warmed with
@@ -12,10 +16,15 @@ number of creates of the template in the last ``window_s`` seconds, clamped to
 ``min_size..max_size``. Pool VMs are not kept across node restarts (recovery removes
 them and the pool fills again).
 
+A gVisor pool serves creates of the template's shape without egress (its sandboxes run
+on gVisor's own network stack; one made with egress runs on the host's, in its
+namespace). Its hand-over is the same, but for ``runsc resume``: none is needed.
+
 A refill is admitted like a create of the template's shape (space.node.agent._admission):
 on a node short of memory or pool space the pool stops refilling, and waits, rather than
 push the node past its reserve. A waiting pool VM holds its memory (MemAvailable shows
-it) but, paused, cannot grow, so it is no part of the committed memory; a hit is a
+it) but, paused, cannot grow (a gVisor one, idle, stays within its cgroup's limit), so
+it is no part of the committed memory; a hit is a
 create, admitted as one, and pool VMs are not sandboxes for the operator's cap.
 """
 
@@ -24,36 +33,35 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import os
-import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from space.node.agent._gvisor_trees import boot_gvisor
+from space.node.agent._hidden import pool_vm_id
 from space.node.api import ExecRequest, InsufficientCapacity, NodeError, PoolInfo, SandboxState
 from space.node.core.capacity import Claim
 from space.node.core.sandbox import LiveSandbox
 from space.node.core.state import Pending, SandboxRecord
 from space.node.core.template import Template
+from space.node.core.validation import auto_guest
+from space.node.vmm.qemu import QemuVM
 
 if TYPE_CHECKING:
     from space.node.agent._registry import Registry
 
-__all__ = ["POOL_PREFIX", "Pools", "WarmPool", "hand_over", "make_pool_vm", "pool_vm_id"]
+__all__ = ["Pools", "WarmPool", "hand_over", "make_pool_vm"]
 
 log = logging.getLogger(__name__)
 
-POOL_PREFIX = "pool-"
 #: After a failed refill, wait this long before the next try (a broken template must not
 #: spin the node).
 _RETRY_S = 5.0
-
-
-def pool_vm_id() -> str:
-    return POOL_PREFIX + secrets.token_hex(8)
 
 
 class WarmPool:
@@ -67,12 +75,15 @@ class WarmPool:
         destroy: Callable[[LiveSandbox], Awaitable[Any]],
         min_size: int,
         max_size: int,
+        guest: str = "qemu",
         window_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0 <= min_size <= max_size:
             raise ValueError(f"want 0 <= min_size <= max_size, got {min_size}, {max_size}")
         self.template = template
+        #: The guest type of its sandboxes: a create of another type is no hit.
+        self.guest = guest
         self.min_size, self.max_size, self.window_s = min_size, max_size, window_s
         self._make, self._destroy, self._clock = make, destroy, clock
         self._ready: collections.deque[LiveSandbox] = collections.deque()
@@ -108,17 +119,24 @@ class WarmPool:
         self._wanted.set()
 
     def take(self) -> LiveSandbox | None:
-        """A paused pool VM for a create, or None (a miss); counts demand either way."""
+        """A waiting pool VM for a create, or None (a miss); counts demand either way.
+        A miss wakes the refill at once; after a hit, call ``refill`` once the VM is
+        handed over: a refill's boot would take the CPU the hand-over needs (on two
+        cores, it doubled a gVisor hit's identity call)."""
         self._demand.append(self._clock())
-        self._wanted.set()
         while self._ready:
             vm = self._ready.popleft()
-            if vm.vm_alive and vm.record.state == SandboxState.PAUSED:
+            if vm.vm_alive and vm.record.state in (SandboxState.PAUSED, SandboxState.RUNNING):
                 self._hits += 1
                 return vm
             self._discard(vm)
         self._misses += 1
+        self.refill()
         return None
+
+    def refill(self) -> None:
+        """Wake the refill (after a hit's hand-over, or a miss)."""
+        self._wanted.set()
 
     async def close(self) -> None:
         """Stop refilling and delete every pool VM."""
@@ -166,14 +184,23 @@ class Pools:
         self.by_digest: dict[str, WarmPool] = {}
 
     def start(self, template: Template) -> None:
-        """Start ``template``'s pool if pools are on and it has a ready state and none yet."""
-        config = self._registry.config
-        if config.warm_pool_max <= 0 or template.ready is None or template.digest in self.by_digest:
+        """Start ``template``'s pool if pools are on and it has none yet: of the node's
+        default guest type, which for QEMU needs the template's ready state."""
+        registry = self._registry
+        config = registry.config
+        if config.warm_pool_max <= 0 or template.digest in self.by_digest:
+            return
+        guest = auto_guest(kvm=registry.accelerator == "kvm", without_kvm=config.guest_without_kvm)
+        if not (
+            (guest == "gvisor" and guest in registry.guest_types)
+            or (guest == "qemu" and template.ready is not None)
+        ):
             return
         warm = WarmPool(
             f"{template.name}:{template.tag}" if template.tag else template.name,
-            make=lambda: make_pool_vm(self._registry, template),
+            make=functools.partial(make_pool_vm, registry, template, guest),
             destroy=self._registry.destroy,
+            guest=guest,
             min_size=config.warm_pool_min,
             max_size=config.warm_pool_max,
         )
@@ -184,19 +211,32 @@ class Pools:
         """Make ``sandbox`` from a ready state: a pool VM handed over if one waits, else
         a clone of the ready state woken. On failure the caller destroys ``sandbox``."""
         registry = self._registry
-        warm = self.by_digest.get(sandbox.record.template_digest)
-        pooled = warm.take() if warm is not None else None
-        if pooled is None:
+        if not await self._take(sandbox, "qemu"):
             async with registry.starts:
                 await registry.life.create_from_image(sandbox, ready)
-            return
+
+    async def take_gvisor(self, sandbox: LiveSandbox, template: Template) -> bool:
+        """Make the gVisor ``sandbox`` (without egress) a pool sandbox handed over, if
+        one waits and it has the template's shape; whether it did. On failure the
+        caller destroys ``sandbox``."""
+        return template.shape.fits(sandbox.record.spec) and await self._take(sandbox, "gvisor")
+
+    async def _take(self, sandbox: LiveSandbox, guest: str) -> bool:
+        warm = self.by_digest.get(sandbox.record.template_digest)
+        pooled = warm.take() if warm is not None and warm.guest == guest else None
+        if pooled is None:
+            return False
+        assert warm is not None
         try:
-            await hand_over(registry, pooled, sandbox)
+            await hand_over(self._registry, pooled, sandbox)
         except BaseException:  # the caller destroys the sandbox, VM included
             with contextlib.suppress(NodeError):
-                await registry.pool.delete_sandbox_volume(pooled.record.volume)
-            registry.store.remove(pooled.sandbox_id)
+                await self._registry.pool.delete_sandbox_volume(pooled.record.volume)
+            self._registry.store.remove(pooled.sandbox_id)
             raise
+        finally:
+            warm.refill()
+        return True
 
     async def drop(self, digest: str) -> None:
         """Close the pool of the template of ``digest`` (its VMs are deleted), if any."""
@@ -214,12 +254,12 @@ class Pools:
         self.by_digest.clear()
 
 
-async def make_pool_vm(node: Registry, template: Template) -> LiveSandbox:
-    """A paused, warmed VM of ``template``'s ready state, not listed among sandboxes.
-
-    Raises InsufficientCapacity (nothing made) if the node has no room for it.
-    """
-    assert template.ready is not None
+async def make_pool_vm(node: Registry, template: Template, guest: str = "qemu") -> LiveSandbox:
+    """A warmed pool sandbox of ``template``, not listed among sandboxes: a VM woken
+    from its ready state, paused; or (``guest`` gvisor) a gVisor sandbox of its tree
+    and shape, started as a create without egress starts one (its start command run,
+    its ready check passed), running. Raises InsufficientCapacity (nothing made) if
+    the node has no room for it."""
     sid = pool_vm_id()
     record = SandboxRecord(
         spec=replace(template.ready_spec, sandbox_id=sid),
@@ -227,25 +267,40 @@ async def make_pool_vm(node: Registry, template: Template) -> LiveSandbox:
         created_at=time.time(),
         template_digest=template.digest,
         run_dir=str(node.life.config.effective_run_dir / sid),
+        guest=guest,
     )
     vm = node.live(record)
     with node.admission.claim({sid: Claim.node_vm(record.spec.memory_mib, record.spec.disk_mib)}):
         try:
-            await node.life.create_from_image(vm, template.ready)
-            assert vm.channel is not None
-            stream = await vm.channel.exec(ExecRequest(argv=["true"]))
-            async for _ in stream:
-                pass
-            await vm.pause()
-            node.life.save(vm, SandboxState.PAUSED)
+            if guest == "gvisor":
+                await boot_gvisor(node, vm, template, networked=False)
+                # spaced's first identity call in a gVisor sandbox takes ~20 ms, a later
+                # one ~7: the first is paid here, not by the hit (a VM's wake from its
+                # ready state had one).
+                await node.life.apply_identity(vm, fresh=True)
+                await _warm(vm)
+            else:
+                assert template.ready is not None
+                await node.life.create_from_image(vm, template.ready)
+                await _warm(vm)
+                await vm.pause()
+                node.life.save(vm, SandboxState.PAUSED)
         except BaseException:
             await asyncio.shield(node.destroy(vm))
             raise
     return vm
 
 
+async def _warm(vm: LiveSandbox) -> None:
+    """One ``true``: the paths a hit takes are then warm (translated, under TCG)."""
+    assert vm.channel is not None
+    stream = await vm.channel.exec(ExecRequest(argv=["true"]))
+    async for _ in stream:
+        pass
+
+
 async def hand_over(node: Registry, pooled: LiveSandbox, sandbox: LiveSandbox) -> None:
-    """Make the paused pool VM ``pooled`` the new sandbox ``sandbox``; RUNNING after.
+    """Make the waiting pool VM ``pooled`` the new sandbox ``sandbox``; RUNNING after.
 
     The pool VM's record goes first (a crash then leaves a stray VM and volume,
     removed at the next start). Nothing QEMU has open moves: the sandbox's record names
@@ -268,11 +323,12 @@ async def hand_over(node: Registry, pooled: LiveSandbox, sandbox: LiveSandbox) -
     sandbox.config = replace(
         pooled.config, sandbox_id=sandbox.sandbox_id, console_log=sandbox.config.console_log
     )
-    assert sandbox.vm is not None
-    sandbox.vm.config = sandbox.config
-    pending = Pending("identity", SandboxState.PAUSED, fresh=True)
-    life.save(sandbox, SandboxState.RUNNING, pending=pending)
-    await sandbox.resume()
+    if isinstance(sandbox.vm, QemuVM):  # runsc keeps what it has: its bundle names the volume
+        sandbox.vm.config = sandbox.config
+    waited = pooled.record.state
+    life.save(sandbox, SandboxState.RUNNING, pending=Pending("identity", waited, fresh=True))
+    if waited == SandboxState.PAUSED:
+        await sandbox.resume()
     sandbox.watch(life.on_vm_exit, life.config.console_max_bytes)
     if channel is None or channel.closed:
         await sandbox.connect(hello_timeout_s=life.config.boot_timeout_s)

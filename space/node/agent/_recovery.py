@@ -1,14 +1,16 @@
 """What a starting node does with what the previous node process left behind.
 
-Every persisted sandbox is re-adopted (its QEMU outlives the node agent), finished or
-undone: an operation recorded as ``pending`` was interrupted, and the VM's own run state
-says how far it got. Snapshot subvolumes without a record were never published and go;
-so do volumes, console logs and QEMUs no record claims. Every remaining volume gets its
-quota limit (again: one made before the pool had quotas has none). Run by ``Node.start``.
+Every persisted sandbox is re-adopted (its QEMU, or its runsc and channel relay, outlive
+the node agent), finished or undone: an operation recorded as ``pending`` was
+interrupted, and the VM's own run state says how far it got. Snapshot subvolumes
+without a record were never published and go; so do volumes, console logs, QEMUs and
+gVisor sandboxes no record claims. Every remaining volume gets its quota limit (again:
+one made before the pool had quotas has none). Run by ``Node.start``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
@@ -22,9 +24,8 @@ from space.node.api import NodeError, SandboxState, Unavailable
 from space.node.core.capacity import volume_limit_mib
 from space.node.core.sandbox import LiveSandbox, kill_strays
 from space.node.core.state import SandboxRecord
-from space.node.vmm.gvisor import stop_by_name
+from space.node.vmm.gvisor import GvisorGuest, gvisor_names, stop_by_name
 from space.node.vmm.jail import jail_for
-from space.node.vmm.qemu import QemuVM
 
 __all__ = ["recover"]
 
@@ -42,6 +43,9 @@ async def recover(node: Registry, say: Say) -> None:
     records, bad = life.store.load_all()
     expected = {Path(r.run_dir).name: r.vmm_pid for r in records if not is_hidden(r.sandbox_id)}
     await kill_strays(life.config.effective_run_dir, expected, say)
+    for name in sorted(await asyncio.to_thread(gvisor_names, node.run_root) - set(expected)):
+        say(f"stopping stray gvisor sandbox {name}")
+        await stop_by_name(node.run_root, name)
     await jail_for(life.config.effective_run_dir).sweep()
     for path in bad:
         say(f"removing unreadable state file {path.name}")
@@ -83,8 +87,10 @@ async def _recover_one(node: Registry, record: SandboxRecord, say: Say) -> None:
     sandbox = node.live(record)
     if is_hidden(record.sandbox_id):
         await node.destroy(sandbox)  # the node's own VM: a stray, killed already; remade as needed
-    elif record.guest == "gvisor":
-        await _recover_gvisor(node, sandbox, say)
+    elif record.guest == "gvisor" and record.state == SandboxState.CREATING:
+        # Its start command or ready check may not have run: it is not what was asked.
+        say(f"sandbox {sid}: its creation was interrupted; removing it")
+        await node.destroy(sandbox)
     elif pending is not None and pending.op == "fork":
         say(f"sandbox {sid}: its creation was interrupted; removing it")
         await node.destroy(sandbox)
@@ -111,25 +117,9 @@ async def _recover_one(node: Registry, record: SandboxRecord, say: Say) -> None:
         await _adopt(node, sandbox, record.vmm_pid, say)
 
 
-async def _recover_gvisor(node: Registry, sandbox: LiveSandbox, say: Say) -> None:
-    """A gVisor sandbox's channel was this node process's socket: nothing can talk to
-    its guest any more (issue 21 has no reconnectable transport yet). It is stopped
-    and kept in ERROR, its files in its volume, until deleted; one still creating is
-    removed."""
-    await stop_by_name(node.run_root, Path(sandbox.record.run_dir).name)
-    if sandbox.record.state == SandboxState.CREATING:
-        say(f"sandbox {sandbox.sandbox_id}: its creation was interrupted; removing it")
-        await node.destroy(sandbox)
-        return
-    error = "the node restarted: a gvisor sandbox does not survive that yet"
-    node.store.save(sandbox.mark(SandboxState.ERROR, error=error))
-    node.sandboxes[sandbox.sandbox_id] = sandbox
-    say(f"sandbox {sandbox.sandbox_id}: {error}")
-
-
 async def _adopt(node: Registry, sandbox: LiveSandbox, pid: int, say: Say) -> None:
     try:
-        sandbox.vm = await QemuVM.adopt(sandbox.config, pid)
+        await sandbox.reattach(node.run_root, pid)
     except NodeError as exc:
         say(f"sandbox {sandbox.sandbox_id}: cannot re-adopt ({exc}); cleaning up")
         await node.destroy(sandbox)
@@ -148,9 +138,15 @@ async def _settle_adopted(node: Registry, sandbox: LiveSandbox, say: Say) -> Non
         say(f"sandbox {sandbox.sandbox_id}: undoing an interrupted {pending.op}")
         await life.thaw(sandbox, pending.prior)
         return
+    if pending is None and isinstance(sandbox.vm, GvisorGuest):
+        # runsc tells no run state: the record's is made true (both are idempotent).
+        paused = record.state == SandboxState.PAUSED
+        await (sandbox.pause() if paused else sandbox.resume())
     if await sandbox.vm_is_paused() and (pending is None or pending.op != "identity"):
         life.save(sandbox, SandboxState.PAUSED)
-        say(f"sandbox {sandbox.sandbox_id}: re-adopted qemu pid {record.vmm_pid} (paused)")
+        say(
+            f"sandbox {sandbox.sandbox_id}: re-adopted {record.guest} pid {record.vmm_pid} (paused)"
+        )
         return
     if pending is not None and pending.op == "identity":
         with contextlib.suppress(NodeError):
@@ -158,7 +154,7 @@ async def _settle_adopted(node: Registry, sandbox: LiveSandbox, say: Say) -> Non
     await sandbox.connect(hello_timeout_s=life.config.boot_timeout_s)
     await life.settle_identity(sandbox)
     life.save(sandbox, SandboxState.RUNNING)
-    say(f"sandbox {sandbox.sandbox_id}: re-adopted qemu pid {record.vmm_pid} (running)")
+    say(f"sandbox {sandbox.sandbox_id}: re-adopted {record.guest} pid {record.vmm_pid} (running)")
 
 
 def _finish_snapshot(node: Registry, sandbox: LiveSandbox) -> None:
@@ -188,7 +184,7 @@ async def _redo_restore(node: Registry, sandbox: LiveSandbox, say: Say) -> None:
     assert pending is not None and pending.snapshot_id is not None
     if sandbox.record.vmm_pid is not None:
         with contextlib.suppress(NodeError):
-            sandbox.vm = await QemuVM.adopt(sandbox.config, sandbox.record.vmm_pid)
+            await sandbox.reattach(node.run_root, sandbox.record.vmm_pid)
     node.sandboxes[sandbox.sandbox_id] = sandbox
     snapshot = life.snapshots.get(pending.snapshot_id)
     if snapshot is None:

@@ -15,6 +15,7 @@ import time
 from dataclasses import replace
 
 from space.node.agent._egress import parse_policy
+from space.node.agent._gvisor_trees import boot_gvisor
 from space.node.agent._hidden import start_command
 from space.node.agent._pool import Pools
 from space.node.agent._registry import Registry
@@ -45,7 +46,6 @@ from space.node.core.validation import (
     check_spec,
     resolve_guest,
 )
-from space.node.vmm.gvisor import ensure_tree
 
 __all__ = ["Sandboxes"]
 
@@ -72,16 +72,19 @@ class Sandboxes:
         """
         registry = self._registry
         template = check_spec(spec, registry.catalog.resolve)
-        policy = parse_policy(spec.egress, spec.sandbox_id, registry.config.egress_bounds)
+        # A policy out of bounds is refused before anything starts.
+        parse_policy(spec.egress, spec.sandbox_id, registry.config.egress_bounds)
         guest = resolve_guest(
             spec,
             kvm=registry.accelerator == "kvm",
             without_kvm=registry.config.guest_without_kvm,
             offered=registry.guest_types,
         )
-        if guest == "gvisor":
-            self._check_gvisor(spec, template, has_egress=not policy.closed)
         snapshot = self._snapshots.compatible(spec) if spec.from_snapshot else None
+        if snapshot is not None:
+            if spec.guest == "auto":
+                guest = snapshot.guest  # the only type that can run it
+            check_compatible(spec, snapshot, guest)
         lock = registry.lock(spec.sandbox_id)
         async with lock:
             existing = registry.sandboxes.get(spec.sandbox_id)
@@ -108,20 +111,6 @@ class Sandboxes:
                     raise error from exc
             return sandbox.record.status()
 
-    def _check_gvisor(self, spec: SandboxSpec, template: Template, *, has_egress: bool) -> None:
-        """What a gVisor sandbox cannot be yet (issue 21): one from a snapshot, with
-        allowed egress (its namespace stays closed), or of a template other than the
-        base (built templates' disks are encrypted images a guest wrote)."""
-        refusal = None
-        if spec.from_snapshot is not None:
-            refusal = "cannot start from a snapshot"
-        elif has_egress:
-            refusal = "cannot have egress (its network stays closed)"
-        elif template.digest != self._registry.catalog.base.digest:
-            refusal = "runs the base template only"
-        if refusal is not None:
-            raise InvalidArgument(f"a gvisor sandbox {refusal} so far", sandbox_id=spec.sandbox_id)
-
     def _register(
         self, spec: SandboxSpec, template: Template, lock: asyncio.Lock, guest: str
     ) -> LiveSandbox:
@@ -146,9 +135,8 @@ class Sandboxes:
         """Run a registered sandbox: from a snapshot, its template's ready state (a warm
         pool VM if one waits) or a boot."""
         registry = self._registry
-        if sandbox.record.guest == "gvisor":
-            async with registry.starts:
-                await self._boot_gvisor(sandbox, template)
+        if sandbox.record.guest == "gvisor" and snapshot is None:
+            await self._boot_gvisor(sandbox, template)
         elif snapshot is not None:
             image = registry.pool.snapshot_path(snapshot.snapshot_id)
             async with registry.starts:
@@ -178,23 +166,18 @@ class Sandboxes:
         sandbox.watch(self._registry.on_vm_exit, config.console_max_bytes)
 
     async def _boot_gvisor(self, sandbox: LiveSandbox, template: Template) -> None:
-        """Start a gVisor sandbox on a clone of its template's directory tree (made
-        once per template, from its plain image); RUNNING once spaced said hello."""
+        """A gVisor sandbox: a warm pool's handed over if one waits and fits (the
+        template's shape, no egress: a pool's have gVisor's own network stack), else
+        one booted on the template's tree (space.node.agent._gvisor_trees)."""
         registry = self._registry
-        config = registry.config
-        self._store.save(sandbox.record)  # CREATING, before anything exists to clean up
-        tree = registry.pool.root / "gvisor" / template.digest
-        async with registry.lock(f"gvisor-tree/{template.digest}"):
-            await ensure_tree(registry.run_root, config.image_cache_dir / template.digest, tree)
-        await sandbox.launch_gvisor(tree=tree, run_root=registry.run_root)
-        await registry.pool.limit(
-            sandbox.volume, volume_limit_mib(sandbox.record.spec.disk_mib, 0) << 20
+        policy = parse_policy(
+            sandbox.record.spec.egress, sandbox.sandbox_id, registry.config.egress_bounds
         )
-        self._store.save(sandbox.mark(SandboxState.CREATING))  # now with the pid
-        channel = await sandbox.connect(hello_timeout_s=config.boot_timeout_s)
-        await start_command(channel, template, check=False)
-        self._store.save(sandbox.mark(SandboxState.RUNNING))
-        sandbox.watch(registry.on_vm_exit, config.console_max_bytes)
+        if policy.closed and await self._pools.take_gvisor(sandbox, template):
+            return
+        async with registry.starts:
+            await boot_gvisor(registry, sandbox, template, networked=not policy.closed)
+        sandbox.watch(registry.on_vm_exit, registry.config.console_max_bytes)
 
     async def delete_sandbox(self, sandbox_id: str) -> None:
         """Stop the VM and remove volume, sockets and state; idempotent (unknown ids too)."""
@@ -295,7 +278,7 @@ class Sandboxes:
         async with registry.lock(sandbox_id), registry.lock(f"snapshot/{snapshot_id}"):
             sandbox = registry.get(sandbox_id)
             snapshot = self._snapshots.find(snapshot_id)
-            check_compatible(sandbox.record.spec, snapshot)
+            check_compatible(sandbox.record.spec, snapshot, sandbox.record.guest)
             check_memory_ops("restore", sandbox)
             if sandbox.record.state == SandboxState.CREATING:
                 raise not_allowed("restore", sandbox)

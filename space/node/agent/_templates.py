@@ -15,6 +15,7 @@ from dataclasses import replace
 from space.node.agent._builder import Planned, build_layers
 from space.node.agent._builds import Builds
 from space.node.agent._catalog import Build
+from space.node.agent._gvisor_trees import drop_tree
 from space.node.agent._pool import Pools
 from space.node.agent._ready import ensure_ready
 from space.node.agent._registry import Registry
@@ -53,8 +54,9 @@ class Templates:
         return [template.info() for template in self.catalog.tagged()]
 
     async def delete_template(self, ref: str) -> None:
-        """Untag ``ref``; a build no tag names any more loses its pool, ready state and
-        subvolume. Sandboxes made from it keep running (their volumes are their own)."""
+        """Untag ``ref``; a build no tag names any more loses its pool, ready state,
+        gVisor tree and subvolume. Sandboxes made from it keep running (their volumes
+        are their own)."""
         for orphan in self.catalog.remove(ref):
             await self._drop_build(orphan)
 
@@ -94,7 +96,10 @@ class Templates:
         return template
 
     async def _make_ready(self, template: Template) -> Template:
-        """Give ``template`` its ready state (made once per build) and its warm pool."""
+        """Give ``template`` its ready state (made once per build) and its warm pool
+        (a gVisor pool, where that is the node's default guest type, needs no ready
+        state: it starts first, whatever becomes of the ready state)."""
+        self._pools.start(template)
         if not self._registry.config.ready_state:
             return template
         path = await ensure_ready(self._registry, template)
@@ -140,6 +145,7 @@ class Templates:
     async def _drop_build(self, template: Template) -> None:
         await self._pools.drop(template.digest)
         self.catalog.set_ready(template.digest, None)
+        await drop_tree(self._registry, template.digest)
         await self._delete_build_files(template.volume)
 
     async def _delete_build_files(self, volume: TemplateVolume) -> None:

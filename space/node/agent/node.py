@@ -29,6 +29,7 @@ from space.node.agent._archives import Archives
 from space.node.agent._catalog import Catalog
 from space.node.agent._egress import Egress, SandboxNetwork
 from space.node.agent._guest import GuestOps
+from space.node.agent._gvisor_trees import remove_stale_trees
 from space.node.agent._metrics import MetricsKeeper
 from space.node.agent._moves import Moves
 from space.node.agent._pool import Pools
@@ -51,6 +52,7 @@ from space.node.api import (
     NodeInfo,
     PortTunnel,
     ProcessInfo,
+    ProcessSelector,
     PtySize,
     SandboxMetrics,
     SandboxSpec,
@@ -200,6 +202,7 @@ class Node:
         await self.moves.sweep()
         await registry.network.at_start(registry.sandboxes.values(), say)
         await self.templates.remove_untagged(say)
+        await remove_stale_trees(registry, say)
         for built in registry.catalog.builds():
             await self.templates.ready_at_start(built, say)
 
@@ -301,8 +304,8 @@ class Node:
     async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecStream:
         return await self.guest.exec(sandbox_id, request)
 
-    async def attach(self, sandbox_id: str, process_id: str) -> ExecStream:
-        return await self.guest.attach(sandbox_id, process_id)
+    async def attach(self, sandbox_id: str, process: str | ProcessSelector) -> ExecStream:
+        return await self.guest.attach(sandbox_id, process)
 
     async def list_processes(self, sandbox_id: str) -> list[ProcessInfo]:
         return await self.guest.list_processes(sandbox_id)

@@ -14,6 +14,8 @@ from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from space.node.api.errors import InvalidArgument
+
 __all__ = [
     "EGRESS_DECISIONS",
     "GUEST_CHOICES",
@@ -147,6 +149,9 @@ class SnapshotInfo:
     memory_bytes: int
     #: Disk bytes only this snapshot holds (freed by deleting it); None if not measured.
     exclusive_bytes: int | None = None
+    #: The guest type of the sandbox it was taken of: only a sandbox of that type can
+    #: run it (a QEMU memory image means nothing to runsc, and the other way round).
+    guest: str = "qemu"
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +186,21 @@ class ExecRequest:
     #: as ``attach`` would, in the same guest request (one round trip, not exec then
     #: attach); closing it detaches, the process runs on (issue 20, E2B's Start).
     follow: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessSelector:
+    """A running background process named by its pid or its tag, not its process id
+    (E2B's ProcessSelector): ``attach`` finds and follows it in one guest request
+    (issue 20, E2B's Connect). Exactly one of the two; an ended process is not found;
+    of several running with one tag, the oldest is chosen."""
+
+    pid: int | None = None
+    tag: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.pid is None) == (self.tag is None):
+            raise InvalidArgument("select a process by pid or by tag, not both or neither")
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,7 +285,8 @@ class SecretGrant:
 
 
 class ExecStream(Protocol):
-    """A started process: ``pid`` and ``process_id`` are known, output follows.
+    """A started process: ``pid``, ``process_id`` and whether it runs on a terminal
+    (``pty``: its output is all "stdout") are known, output follows.
 
     Iterating yields ExecOutput events as produced and ends after one ExecExited (a
     background exec yields nothing, unless it ``follow``s). ``aclose`` abandons the
@@ -274,6 +295,7 @@ class ExecStream(Protocol):
 
     pid: int
     process_id: str
+    pty: bool
 
     def __aiter__(self) -> AsyncIterator[ExecEvent]: ...
 
@@ -745,7 +767,7 @@ class NodeService(Protocol):
 
     async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecStream: ...
 
-    async def attach(self, sandbox_id: str, process_id: str) -> ExecStream: ...
+    async def attach(self, sandbox_id: str, process: str | ProcessSelector) -> ExecStream: ...
 
     async def list_processes(self, sandbox_id: str) -> list[ProcessInfo]: ...
 

@@ -305,7 +305,8 @@ async def ndjson_lines(
     killed, a background one keeps running.
     """
     try:
-        yield _line({"type": "start", "pid": stream.pid, "process_id": stream.process_id})
+        start = {"type": "start", "pid": stream.pid, "process_id": stream.process_id}
+        yield _line(start | {"pty": stream.pty})
         async for event in stream:
             yield event_line(event)
     except NodeError as exc:

@@ -20,6 +20,7 @@ __all__ = [
     "parse_exited",
     "parse_process",
     "parse_started",
+    "parse_started_event",
     "parse_stat",
     "require_bool",
     "require_int",
@@ -103,6 +104,14 @@ def expect_event(message: dict[str, object], name: str) -> None:
 def parse_started(message: dict[str, object]) -> tuple[int, str]:
     """(pid, process_id) of an EVENT started or a background exec's RESULT."""
     return _required_int(message, "pid", 1), _required_str(message, "process_id", 64)
+
+
+def parse_started_event(message: dict[str, object]) -> tuple[int, str, bool]:
+    """(pid, process_id, pty) of an EVENT started; ``pty`` absent (a spaced from before
+    it was sent: a sandbox restored from an older snapshot) is False."""
+    pid, process_id = parse_started(message)
+    pty = False if message.get("pty") is None else require_bool(message, "pty")
+    return pid, process_id, pty
 
 
 def parse_exited(message: dict[str, object]) -> ExecExited:

@@ -130,9 +130,12 @@ class ChannelExecStream:
         next_item: Callable[[], Awaitable[object]],
         abandon: Callable[[], Awaitable[None]],
         silent: bool,
+        *,
+        pty: bool = False,
     ) -> None:
         self.pid = pid
         self.process_id = process_id
+        self.pty = pty
         self._next_item = next_item
         self._abandon = abandon
         #: A background exec's stream, which carries no events (its RESULT came already).

@@ -35,6 +35,7 @@ from space.node.api import (
     InvalidArgument,
     NodeError,
     ProcessInfo,
+    ProcessSelector,
     PtySize,
     Timeout,
     Unavailable,
@@ -184,35 +185,57 @@ class GuestChannel(ChannelCore):
         silent = request.background and not request.follow
         return await self._start_process(message, silent, request.stdin)
 
-    async def attach(self, process_id: str) -> ExecStream:
-        """Follow a background process: its buffered output (last 1 MiB), then live."""
-        return await self._start_process(
-            {"op": "process.attach", "process_id": process_id}, False, None
-        )
+    async def attach(self, process: str | ProcessSelector) -> ExecStream:
+        """Follow a background process: its buffered output (last 1 MiB), then live.
+
+        ``process`` is its process id, or a ProcessSelector for the running one with a
+        pid or a tag, found by the guest in the same request (E2B's Connect, issue 20).
+        Raises InvalidArgument for a pid out of range or a tag outside the pattern (the
+        guest checks them), NotFound when no such (running) process is there, and as
+        ``exec`` otherwise.
+        """
+        message: dict[str, object] = {"op": "process.attach"}
+        if isinstance(process, str):
+            message["process_id"] = process
+        elif process.pid is not None:  # ProcessSelector names exactly one
+            message["pid"] = process.pid
+        else:
+            message["tag"] = process.tag
+        expect_pid = None if isinstance(process, str) else process.pid
+        return await self._start_process(message, False, None, expect_pid=expect_pid)
 
     async def _start_process(
-        self, message: dict[str, object], silent: bool, stdin: bytes | None
+        self,
+        message: dict[str, object],
+        silent: bool,
+        stdin: bytes | None,
+        *,
+        expect_pid: int | None = None,
     ) -> ExecStream:
         """``silent``: a background exec's stream, which ends with its start (RESULT
-        pid and process id, no DATA); otherwise output follows, then ExecExited."""
+        pid and process id, no DATA); otherwise output follows, then ExecExited.
+        ``expect_pid``: the started event must name this pid (an attach by pid)."""
         parse_result: ResultParser = (
             (lambda m: parse.parse_started(m)) if silent else parse.parse_exited
         )
 
         def started(event: dict[str, object]) -> object:
             parse.expect_event(event, "started")
-            return parse.parse_started(event)
+            fields = parse.parse_started_event(event)
+            if expect_pid is not None and fields[0] != expect_pid:
+                raise ProtocolError(f"asked for pid {expect_pid}, the guest started {fields[0]}")
+            return fields
 
         stream = await self._open_stream(
             message, parse_result, started, max_events=1, accepts_data=not silent
         )
 
-        async def start() -> tuple[int, str]:
+        async def start() -> tuple[int, str, bool]:
             started = await self._next_item(stream)
             assert isinstance(started, tuple)
-            return int(started[0]), str(started[1])
+            return int(started[0]), str(started[1]), bool(started[2])
 
-        pid, process_id = await self._call(stream, start)
+        pid, process_id, pty = await self._call(stream, start)
         feeder = None
         if stdin is not None:  # fed alongside the output, so a pipe-full stdin cannot stall us
             feeder = asyncio.get_running_loop().create_task(self._feed_stdin(stream, stdin))
@@ -228,6 +251,7 @@ class GuestChannel(ChannelCore):
             lambda: self._call(stream, lambda: self._next_item(stream)),
             abandon,
             silent,
+            pty=pty,
         )
 
     async def _feed_stdin(self, stream: GuestStream, stdin: bytes) -> None:

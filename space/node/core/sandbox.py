@@ -3,9 +3,10 @@
 For the node agent (space.node.agent), which owns the lifecycle and the locking; this
 module knows how to bring a sandbox's guest up, reconnect to it and take it apart.
 The guest is a QEMU VM (QemuVM) or a gVisor sandbox (GvisorGuest, issue 21): both
-start, give a guest channel, are watched and stop alike; what goes through saved
-memory (pause, hibernate, snapshots, fork, moves) is QEMU's only so far, and
-``check_memory_ops`` refuses it for the others before anything is recorded.
+start, give a guest channel, are watched, pause, save their state into the volume and
+stop alike (a gVisor sandbox by runsc pause and checkpoint, and it starts again from
+that state by runsc restore); moves are QEMU's only so far, and ``check_memory_ops``
+refuses them for gVisor before anything is recorded.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from space.node.vmm.gvisor import clone_tree as gvisor_clone
 from space.node.vmm.qemu import QemuVM, VmConfig, console_tail, trim_console
 
 __all__ = [
+    "GVISOR_CHECKPOINT_OPS",
+    "GVISOR_MEMORY_OPS",
     "MEMORY_FILE",
     "NIC_MARKER",
     "STATE_FILE",
@@ -57,6 +60,10 @@ _CONSOLE_CHECK_S = 5.0
 #: QEMU run states in which the vCPUs are stopped but ``cont`` runs them again.
 _STOPPED_STATES = frozenset({"paused", "postmigrate", "prelaunch", "finish-migrate"})
 _CONSOLE_TAIL_BYTES = 2048
+#: What a gVisor sandbox does through saved memory: runsc pause, checkpoint, restore.
+GVISOR_MEMORY_OPS = frozenset({"pause", "resume", "hibernate", "snapshot", "restore", "fork"})
+#: Those of them that go through ``runsc checkpoint`` (pause and resume freeze it).
+GVISOR_CHECKPOINT_OPS = GVISOR_MEMORY_OPS - {"pause", "resume"}
 
 
 def hostname_for(sandbox_id: str) -> str:
@@ -163,6 +170,12 @@ class LiveSandbox:
         return self.volume / STATE_FILE
 
     @property
+    def has_network(self) -> bool:
+        """Whether the sandbox has a network its egress policy governs (NIC_MARKER): a
+        VM with a NIC, a gVisor sandbox made with egress (on the host's stack)."""
+        return has_nic(self.volume)
+
+    @property
     def vm_alive(self) -> bool:
         return self.vm is not None and self.vm.alive
 
@@ -195,28 +208,50 @@ class LiveSandbox:
         self.vm = await QemuVM.launch(config, qemu_binary=qemu_binary)
         return self.vm
 
-    async def launch_gvisor(self, *, tree: Path, run_root: Path) -> GvisorGuest:
+    async def launch_gvisor(self, *, tree: Path, run_root: Path, networked: bool) -> GvisorGuest:
         """Start this sandbox as a gVisor sandbox: its volume a fresh clone of the
         template's directory ``tree``, in its own network namespace (made here, closed
-        until the egress policy opens it), as QEMU's ``launch`` does for a VM."""
-        record = self.record
+        until the egress policy opens it), as QEMU's ``launch`` does for a VM.
+
+        ``networked`` (made with an egress policy that allows something): on the host's
+        network stack in that namespace, for good (NIC_MARKER), which runsc cannot
+        checkpoint (check_memory_ops); otherwise on gVisor's own, loopback only."""
         await gvisor_clone(run_root, tree, self.volume)
-        netns_name = self.config.netns.name if self.config.netns is not None else None
-        if netns_name is not None:
-            await netns.create(self.config.run_dir.parent, netns_name)
-        self.vm = await GvisorGuest.launch(
-            GvisorConfig(
-                name=Path(record.run_dir).name,
-                run_root=run_root,
-                volume=self.volume,
-                netns=netns_name,
-                hostname=hostname_for(record.sandbox_id),
-                cpus=record.spec.cpus,
-                memory_mib=record.spec.memory_mib,
-                log=self.config.console_log,
-            )
-        )
+        if networked:
+            await asyncio.to_thread((self.volume / NIC_MARKER).touch)
+        return await self.restore_gvisor(run_root=run_root, state=None)
+
+    async def restore_gvisor(self, *, run_root: Path, state: Path | None) -> GvisorGuest:
+        """Start this gVisor sandbox on its volume as it is, from the checkpoint
+        ``state`` (in its volume) if given: running, on a new channel."""
+        config = self._gvisor_config(run_root)
+        if config.netns is not None:
+            await netns.create(self.config.run_dir.parent, config.netns)
+        self.vm = await GvisorGuest.launch(config, state=state)
         return self.vm
+
+    async def reattach(self, run_root: Path, pid: int) -> None:
+        """Take over this sandbox's running guest, VMM ``pid`` (a restarted node's).
+        Raises NodeError (Unavailable) if it is gone."""
+        if self.record.guest == "gvisor":
+            self.vm = await GvisorGuest.adopt(self._gvisor_config(run_root), pid)
+        else:
+            self.vm = await QemuVM.adopt(self.config, pid)
+
+    def _gvisor_config(self, run_root: Path) -> GvisorConfig:
+        record, keys = self.record, self.config.keys
+        return GvisorConfig(
+            name=Path(record.run_dir).name,
+            run_root=run_root,
+            volume=self.volume,
+            netns=self.config.netns.name if self.config.netns is not None else None,
+            hostname=hostname_for(record.sandbox_id),
+            cpus=record.spec.cpus,
+            memory_mib=record.spec.memory_mib,
+            log=self.config.console_log,
+            state_key=keys.state_key if keys is not None else None,
+            host_network=has_nic(self.volume),
+        )
 
     async def save_state(self) -> int:
         """Pause the VM and save its state into the volume, which becomes a complete
@@ -230,6 +265,8 @@ class LiveSandbox:
         vm = self._running_vm()
         await vm.pause()
         size = await vm.save_state(self.state_file)
+        if isinstance(vm, GvisorGuest):
+            return size
         if not vm.config.memory_shared:
             (self.volume / MEMORY_FILE).unlink(missing_ok=True)
         return size
@@ -285,7 +322,8 @@ class LiveSandbox:
             log.error("sandbox %s: killing its VM failed: %s", self.sandbox_id, exc)
 
     async def pause(self) -> None:
-        """Stop the vCPUs; returns once QEMU confirmed. Unavailable if it cannot."""
+        """Stop the vCPUs (a gVisor sandbox's tasks); returns once QEMU (runsc)
+        confirmed. Unavailable if it cannot."""
         await self._running_vm().pause()
 
     async def resume(self) -> None:
@@ -295,21 +333,20 @@ class LiveSandbox:
     async def vm_is_paused(self) -> bool:
         """Whether QEMU's vCPUs are stopped, by QMP ``query-status``.
 
-        Without a working QMP connection the persisted record is believed instead.
+        Without a working QMP connection, or for a gVisor sandbox, the persisted
+        record is believed instead.
         """
         try:
-            return await self._running_vm().query_status() in _STOPPED_STATES
+            vm = self._running_vm()
+            if isinstance(vm, QemuVM):
+                return await vm.query_status() in _STOPPED_STATES
         except Unavailable:
-            return self.record.state == SandboxState.PAUSED
+            pass
+        return self.record.state == SandboxState.PAUSED
 
-    def _running_vm(self) -> QemuVM:
+    def _running_vm(self) -> QemuVM | GvisorGuest:
         if self.vm is None or not self.vm.alive:
             raise Unavailable("the sandbox's VM is not running", sandbox_id=self.sandbox_id)
-        if not isinstance(self.vm, QemuVM):
-            raise Conflict(
-                f"a {self.record.guest} sandbox has no VM to pause, resume or save",
-                sandbox_id=self.sandbox_id,
-            )
         return self.vm
 
     def watch(self, on_exit: Callable[[LiveSandbox], None], console_max_bytes: int) -> None:
@@ -337,7 +374,7 @@ class LiveSandbox:
             await vm.stop()
 
     async def disconnect(self) -> None:
-        """Stop watching and drop channel and QMP; QEMU keeps running."""
+        """Stop watching and drop channel and QMP; QEMU (runsc) keeps running."""
         await self.unwatch()
         if self.vm is not None:
             await self.vm.detach()
@@ -424,13 +461,23 @@ async def settled(transition: Awaitable[T]) -> T:
 def check_memory_ops(operation: str, sandbox: LiveSandbox) -> None:
     """Raise Conflict if ``operation`` goes through saved memory (pause, resume,
     hibernate, snapshot, restore, fork, a move) and the sandbox's guest type has no
-    such path yet (gvisor, issue 21); checked before anything is recorded."""
-    if sandbox.record.guest != "qemu":
+    such path: a gVisor sandbox does all but moves (issue 21: its volume is a clone of
+    a tree no other node holds under that name); checked before anything is recorded."""
+    guest = sandbox.record.guest
+    if guest == "gvisor" and operation in GVISOR_CHECKPOINT_OPS and has_nic(sandbox.volume):
         raise Conflict(
-            f"cannot {operation} sandbox {sandbox.sandbox_id}: "
-            f"a {sandbox.record.guest} sandbox does not support it yet",
+            f"cannot {operation} sandbox {sandbox.sandbox_id}: a gvisor sandbox made with "
+            "egress runs on the host's network stack, which runsc cannot checkpoint "
+            "(make it without egress to hibernate, snapshot or fork it)",
             sandbox_id=sandbox.sandbox_id,
         )
+    if guest == "qemu" or (guest == "gvisor" and operation in GVISOR_MEMORY_OPS):
+        return
+    raise Conflict(
+        f"cannot {operation} sandbox {sandbox.sandbox_id}: "
+        f"a {guest} sandbox does not support it yet",
+        sandbox_id=sandbox.sandbox_id,
+    )
 
 
 def check_not_held(operation: str, sandbox: LiveSandbox) -> None:

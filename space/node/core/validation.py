@@ -15,6 +15,7 @@ from space.node.core.template import Template
 
 __all__ = [
     "MAX_FORK_CHILDREN",
+    "auto_guest",
     "check_compatible",
     "check_id",
     "check_spec",
@@ -59,6 +60,11 @@ def check_spec(spec: SandboxSpec, resolve: Callable[[str], Template]) -> Templat
     return template
 
 
+def auto_guest(*, kvm: bool, without_kvm: str) -> str:
+    """The guest type ``auto`` stands for on a node (and its warm pools' type)."""
+    return "qemu" if kvm else without_kvm
+
+
 def resolve_guest(spec: SandboxSpec, *, kvm: bool, without_kvm: str, offered: Sequence[str]) -> str:
     """The guest type a sandbox of ``spec`` runs on this node: its own choice, or for
     ``auto`` QEMU where KVM works and ``without_kvm`` (NodeConfig.guest_without_kvm)
@@ -66,7 +72,7 @@ def resolve_guest(spec: SandboxSpec, *, kvm: bool, without_kvm: str, offered: Se
     """
     choice = spec.guest
     if choice == "auto":
-        choice = "qemu" if kvm else without_kvm
+        choice = auto_guest(kvm=kvm, without_kvm=without_kvm)
     if choice not in offered:
         raise InvalidArgument(
             f"guest {choice} is not offered by this node (it offers {', '.join(offered)})",
@@ -91,8 +97,14 @@ def _check_disk(spec: SandboxSpec, template: Template) -> None:
         )
 
 
-def check_compatible(spec: SandboxSpec, snapshot: SnapshotInfo) -> None:
-    """A sandbox of ``spec`` can run ``snapshot``'s memory: same template and resources."""
+def check_compatible(spec: SandboxSpec, snapshot: SnapshotInfo, guest: str | None = None) -> None:
+    """A sandbox of ``spec`` (of the guest type ``guest``, when known) can run
+    ``snapshot``'s memory: same template, resources and guest type."""
+    if guest is not None and guest != snapshot.guest:
+        raise InvalidArgument(
+            f"snapshot {snapshot.snapshot_id} is of a {snapshot.guest} sandbox, not {guest}",
+            sandbox_id=spec.sandbox_id,
+        )
     for name in ("template", "cpus", "memory_mib", "disk_mib"):
         ours, theirs = getattr(spec, name), getattr(snapshot, name)
         if ours != theirs:

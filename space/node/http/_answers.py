@@ -203,6 +203,7 @@ class RemoteExecStream:
         self._lines = lines
         self.pid = int(start["pid"])
         self.process_id = str(start["process_id"])
+        self.pty = start.get("pty") is True
 
     async def __aiter__(self) -> AsyncIterator[ExecEvent]:
         async for line in self._lines:

@@ -31,6 +31,7 @@ from space.node.api import (
     NodeInfo,
     NodeService,
     ProcessInfo,
+    ProcessSelector,
     PtySize,
     SandboxMetrics,
     SandboxSpec,
@@ -272,9 +273,14 @@ class RemoteNode(NodeService):
         body = encode_exec_request(request)
         return await self._stream(sandbox_id, "POST", f"/sandboxes/{sandbox_id}/exec", json=body)
 
-    async def attach(self, sandbox_id: str, process_id: str) -> RemoteExecStream:
-        url = f"/sandboxes/{sandbox_id}/processes/{process_id}/attach"
-        return await self._stream(sandbox_id, "GET", url)
+    async def attach(self, sandbox_id: str, process: str | ProcessSelector) -> RemoteExecStream:
+        if isinstance(process, str):
+            url = f"/sandboxes/{sandbox_id}/processes/{process}/attach"
+            return await self._stream(sandbox_id, "GET", url)
+        params: dict[str, str | int] = {} if process.pid is None else {"pid": process.pid}
+        params |= {} if process.tag is None else {"tag": process.tag}
+        url = f"/sandboxes/{sandbox_id}/processes/attach"
+        return await self._stream(sandbox_id, "GET", url, params=params)
 
     async def list_processes(self, sandbox_id: str) -> list[ProcessInfo]:
         body = await self._json("GET", f"/sandboxes/{sandbox_id}/processes", sandbox_id)

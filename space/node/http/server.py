@@ -3,7 +3,9 @@
 ``create_node_app(node, token)`` serves every NodeService method; space.node.http.client's
 ``RemoteNode`` is its client, so a control plane on another host holds that node like a
 local one. Bodies are JSON (dataclasses of space.node.api.interface, bytes as base64),
-exec/attach answer NDJSON (``start`` line, then events, as docs/api.md), file contents
+exec/attach answer NDJSON (``start`` line, then events, as docs/api.md; ``GET
+/sandboxes/{id}/processes/attach?pid=|tag=`` attaches to the running process with that
+pid or tag in one guest request, issue 20), file contents
 travel as raw bytes (a read's FileStat in the ``X-Space-File-Stat`` header). ``/info``
 answers NodeInfo, the node's warm pools included. Snapshots live under ``/snapshots``
 (node-wide: a snapshot outlives its sandbox); taking, restoring and forking are POSTs on
@@ -66,6 +68,7 @@ from space.node.api import (
     InvalidArgument,
     NodeService,
     PermissionDenied,
+    ProcessSelector,
     SandboxSpec,
     TemplateTicket,
     build_lines,
@@ -234,6 +237,15 @@ async def _processes(node: Node, sandbox_id: str) -> Any:
 @_router.get("/sandboxes/{sandbox_id}/metrics")
 async def _metrics(node: Node, sandbox_id: str) -> Any:
     return {"samples": [encode(sample) for sample in await node.sandbox_metrics(sandbox_id)]}
+
+
+@_router.get("/sandboxes/{sandbox_id}/processes/attach")
+async def _attach_selected(
+    node: Node, sandbox_id: str, pid: int | None = None, tag: str | None = None
+) -> StreamingResponse:
+    """Attach to the running process with ``?pid=`` or ``?tag=`` (one guest request)."""
+    stream = await node.attach(sandbox_id, ProcessSelector(pid=pid, tag=tag))
+    return StreamingResponse(ndjson_lines(stream), media_type=NDJSON)
 
 
 @_router.get("/sandboxes/{sandbox_id}/processes/{process_id}/attach")

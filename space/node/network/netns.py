@@ -1,12 +1,15 @@
 """A sandbox's own network namespace: a tap for its VM, nftables, and nothing else.
 
-Every sandbox VM's QEMU runs inside a namespace that holds only ``lo`` and ``tap0``.
-There is no veth, no route and no address of the host in it, so the guest has no
-path to the host's services, other sandboxes, the control plane or metadata addresses:
-the only sockets it can reach are the egress gateway's, bound *inside* the namespace
-(space.node.egress). nftables in the namespace sends every TCP connection and DNS query
-of the guest to those sockets and drops everything else; while the sandbox has no
-egress policy it drops (resets) everything, DNS included. Namespaces are made and
+Every sandbox VM's QEMU runs inside a namespace that holds only ``lo`` and ``tap0``;
+a gVisor sandbox runs in one of the same shape, its guest's sockets the namespace's
+own (runsc ``--network=host``), so its traffic starts in the namespace instead of
+arriving on the tap. There is no veth and no address of the host in it (its one route
+points at the tap), so the guest has no path to the host's services, other sandboxes,
+the control plane or metadata addresses: the only sockets it can reach are the egress
+gateway's, bound *inside* the namespace (space.node.egress). nftables in the namespace
+sends every TCP connection and DNS query of the guest to those sockets (from the tap
+or from the namespace itself alike) and drops everything else; while the sandbox has
+no egress policy it drops (resets) everything, DNS included. Namespaces are made and
 changed by the node's root broker (space.node.privileged); this module names them,
 writes their ruleset and asks.
 
@@ -65,6 +68,9 @@ GATEWAY_MAC = "52:54:00:00:00:01"
 #: The gateway's transparent TCP listener inside each namespace.
 PROXY_PORT = 15001
 DNS_PORT = 53
+#: A gVisor guest's loopback: the namespace's own, the one destination of its own that
+#: does not go to the gateway.
+LOOPBACK_NET = "127.0.0.0/8"
 #: What the guest's init reads to configure its NIC (space.guest._network).
 KERNEL_ARG = f"space.net={GUEST_ADDRESS}/{PREFIX_LEN},{GATEWAY_ADDRESS}"
 
@@ -121,11 +127,32 @@ async def set_open(run_root: Path, name: str, is_open: bool) -> None:
 
 
 def ruleset(is_open: bool) -> str:
-    """The namespace's nftables ruleset (inet: IPv4 and IPv6 alike)."""
+    """The namespace's nftables ruleset (inet: IPv4 and IPv6 alike).
+
+    One ruleset for both guest types. A VM's packets arrive on the tap: the prerouting
+    chain sends them to the gateway and the input chain admits only those. A gVisor
+    guest's sockets are the namespace's own, so its packets are locally originated: the
+    output hooks do the same for them (a nat chain sends TCP and DNS to the gateway,
+    the filter chain lets through only what goes there, its own loopback and replies).
+    Nothing else in a VM's namespace originates traffic but the gateway's replies:
+    only new connections are rejected there (a fast refusal for a gVisor guest); a
+    reply conntrack finds invalid (out of window, under load) is dropped, as it always
+    was, never answered with a reset that would cut the guest's connection.
+    """
     redirect = (
         f'iifname "{TAP}" meta l4proto {{ tcp, udp }} th dport {DNS_PORT} '
         f"redirect to :{DNS_PORT}\n"
         f'    iifname "{TAP}" meta l4proto tcp redirect to :{PROXY_PORT}'
+        if is_open
+        else ""
+    )
+    # The guest's own loopback stays its own; everything else of TCP and DNS (its
+    # "NIC" address, the gateway's, included) goes to the gateway, as a VM's does.
+    own_dnat = (
+        f"ip daddr != {LOOPBACK_NET} meta l4proto {{ tcp, udp }} th dport {DNS_PORT} "
+        f"dnat ip to {GATEWAY_ADDRESS}:{DNS_PORT}\n"
+        f"    ip daddr != {LOOPBACK_NET} meta l4proto tcp "
+        f"dnat ip to {GATEWAY_ADDRESS}:{PROXY_PORT}"
         if is_open
         else ""
     )
@@ -136,6 +163,14 @@ def ruleset(is_open: bool) -> str:
         if is_open
         else ""
     )
+    # By destination, not "oif": the output hooks see the device a packet was routed
+    # to before the nat chain turned it to the gateway's (local) address.
+    own_accept = (
+        f"ip daddr {GATEWAY_ADDRESS} tcp dport {{ {DNS_PORT}, {PROXY_PORT} }} accept\n"
+        f"    ip daddr {GATEWAY_ADDRESS} udp dport {DNS_PORT} accept"
+        if is_open
+        else ""
+    )
     return f"""\
 table inet {_TABLE}
 delete table inet {_TABLE}
@@ -143,6 +178,10 @@ table inet {_TABLE} {{
   chain prerouting {{
     type nat hook prerouting priority dstnat; policy accept;
     {redirect}
+  }}
+  chain output_nat {{
+    type nat hook output priority -100; policy accept;
+    {own_dnat}
   }}
   chain input {{
     type filter hook input priority filter; policy drop;
@@ -156,8 +195,12 @@ table inet {_TABLE} {{
   }}
   chain output {{
     type filter hook output priority filter; policy drop;
-    oif "lo" accept
     ct state established,related accept
+    ip daddr {LOOPBACK_NET} accept
+    ip6 daddr ::1 accept
+    {own_accept}
+    ct state new meta l4proto tcp reject with tcp reset
+    ct state new reject with icmpx admin-prohibited
   }}
 }}
 """

@@ -1,5 +1,6 @@
-"""gVisor sandboxes as root: a template's directory tree, each sandbox's copy-on-write
-clone of it, and ``runsc`` starting and removing its sandbox (issue 21).
+"""gVisor sandboxes as root: each sandbox's copy-on-write clone of its template's
+directory tree (made by space.node.privileged._gvisor_tree), and ``runsc`` starting
+and removing its sandbox (issue 21).
 
 The node agent names what; everything a container gets is decided here, from bounded
 fields only: the root filesystem (a subvolume of the pool), the process (spaced on
@@ -10,12 +11,23 @@ What was measured on these hosts, and why each runsc flag:
 
 - ``--platform=ptrace``: the KVM platform spins under this host's PVM; systrap (newer
   builds only) spawns a process in 17.6 ms against ptrace's 7.7 ms here.
-- ``--network=host`` inside the sandbox's own namespace: ``--network=sandbox`` is
-  refused by Debian's runsc on this kernel ("cannot run with network enabled in root
-  network namespace": its root-namespace test looks for a sysctl every namespace has
-  now). With ``host``, the guest's sockets are the host kernel's in that namespace,
-  so the namespace's nftables ruleset (default deny: the output chain drops) governs
-  them; its one route is the /30 to the gateway address.
+- ``--network=none`` inside the sandbox's own namespace, unless the agent asks for
+  the host's stack (``host_network``: a sandbox made with an egress policy that allows
+  something): gVisor's own netstack with loopback only (spaced reaches the guest's
+  servers there). runsc cannot checkpoint a sandbox on the host's stack ("checkpoint
+  not supported when using hostinet": its sockets are the host kernel's), so
+  hibernate, snapshots and fork need ``none``. ``--network=sandbox`` is refused by
+  Debian's runsc on this kernel ("cannot run with network enabled in root network
+  namespace": its root-namespace test looks for a sysctl every namespace has now).
+  With ``host``, the guest's sockets are the host kernel's in that namespace, so the
+  namespace's nftables ruleset governs them: its output hooks send TCP and DNS to the
+  gateway and reject the rest (space.node.network.netns), as its input hooks do for a
+  VM's packets from the tap.
+- A network namespace's guest gets ``/etc/resolv.conf`` naming the gateway (the
+  text a VM's init writes from ``space.net=``), a read-only bind mount of a file in
+  its root-only bundle: nothing in its volume is written by root, and the gateway
+  answers DNS sent to any address anyway. Raw sockets stay refused (runsc's default
+  without ``--net-raw``).
 - ``--overlay2=none``: the guest writes into its volume (copy-on-write on btrfs,
   limited by its quota group), not into an overlay in memory or a hidden filestore.
 """
@@ -26,22 +38,26 @@ import asyncio
 import contextlib
 import json
 import os
-import stat
+from ipaddress import IPv4Address
 from pathlib import Path
 
 from space.node.api import InvalidArgument, Unavailable
 from space.node.core.run import run
-from space.node.network.netns import netns_path
+from space.node.network.netns import GATEWAY_ADDRESS, netns_path
+from space.node.privileged._gvisor_state import release_images
 from space.node.privileged.pinned import Pinned
+from space.protocol import resolv_conf_text
 
 __all__ = [
     "GUEST_PROCESS",
     "OVERHEAD_MIB",
+    "RESOLV_CONF",
     "ROOTFS",
+    "TREE_ROOT",
     "clone_tree",
     "launch",
-    "make_tree",
     "oci_config",
+    "pause",
     "release_home",
     "remove",
     "runsc_argv",
@@ -50,8 +66,9 @@ __all__ = [
 #: The runsc every node uses: the Debian package's, on root's PATH.
 RUNSC = "runsc"
 #: The guest's init: the same spaced as in a VM, speaking on stdin/stdout (the socket
-#: the agent handed over), from the package the image build installed.
-GUEST_PROCESS = ["/usr/bin/python3", "-B", "-m", "space.guest", "--stdio"]
+#: the agent handed over), from the package the image build installed; ``--gvisor``:
+#: a fresh identity after a restore renames the sandbox (space.guest._identity).
+GUEST_PROCESS = ["/usr/bin/python3", "-B", "-m", "space.guest", "--stdio", "--gvisor"]
 _GUEST_ENV = [
     "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     "LANG=C.UTF-8",
@@ -83,98 +100,11 @@ _MOUNTS = [
 _RUN_TIMEOUT_S = 60.0
 #: The sandbox's root in its bundle: the volume bind-mounted there (``launch``).
 ROOTFS = "rootfs"
+#: The guest's root directory in a tree and in each sandbox volume cloned from it.
+TREE_ROOT = "rootfs"
+#: The guest's resolver file in its bundle (see the module docstring).
+RESOLV_CONF = "resolv.conf"
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
-
-
-async def make_tree(image_fd: int, parent: Pinned) -> None:
-    """Unpack the ext4 image open as ``image_fd`` into the subvolume ``parent.name``
-    of the directory ``parent`` holds; a no-op if it exists. What exists is complete:
-    a tree is unpacked elsewhere and renamed into place once checked.
-
-    ``debugfs rdump`` reads the image without mounting it and, run as root, keeps
-    every file's owner and mode. It writes by path names, and the image is the agent's,
-    so it unpacks inside a directory of root's alone (0700): the agent can put no link
-    in the way of those writes, in a directory of its own or in a world-writable one
-    of the image (its /tmp) alike.
-    """
-    assert parent.name is not None
-    if await asyncio.to_thread(_exists, parent):
-        return
-    scratch, leftover = await asyncio.to_thread(_root_scratch, parent)
-    staging = Path(f"/proc/{os.getpid()}/fd/{scratch}") / "tree"
-    try:
-        if leftover:  # an unpack cut short (the broker stopped): start again
-            await run("btrfs", "subvolume", "delete", str(staging), check=False)
-        await run("btrfs", "subvolume", "create", str(staging))
-        try:
-            out = await run(
-                "debugfs", "-R", f"rdump / {staging}", f"/proc/{os.getpid()}/fd/{image_fd}",
-                timeout_s=300.0,
-            )  # fmt: skip
-            await asyncio.to_thread(_publish, scratch, parent, out)
-        except BaseException:
-            await run("btrfs", "subvolume", "delete", str(staging), check=False)
-            raise
-    finally:
-        await asyncio.to_thread(_drop_scratch, scratch, parent)
-
-
-def _exists(parent: Pinned) -> bool:
-    assert parent.name is not None
-    try:
-        os.stat(parent.name, dir_fd=parent.fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    return True
-
-
-def _scratch_name(parent: Pinned) -> str:
-    return f".{parent.name}.unpacking"
-
-
-def _root_scratch(parent: Pinned) -> tuple[int, bool]:
-    """A directory of root's alone beside the tree to be, held open, and whether it
-    was there already (only root makes one that is root's: a leftover of ours)."""
-    name = _scratch_name(parent)
-    leftover = False
-    try:
-        os.mkdir(name, 0o700, dir_fd=parent.fd)
-    except FileExistsError:
-        leftover = True
-    try:
-        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(name, flags, dir_fd=parent.fd)
-    except OSError as exc:  # a link or a file of the agent's in its place
-        raise Unavailable(f"{name} in {parent.text} is not a directory of root's") from exc
-    held = os.fstat(fd)
-    if held.st_uid != 0 or stat.S_IMODE(held.st_mode) != 0o700:
-        os.close(fd)
-        raise Unavailable(f"{name} in {parent.text} is not a directory of root's alone")
-    return fd, leftover
-
-
-def _publish(scratch: int, parent: Pinned, debugfs_out: str) -> None:
-    """Check an unpacked tree and move it to its final name."""
-    assert parent.name is not None
-    if "rdump:" in debugfs_out or not os.path.exists(
-        f"/proc/self/fd/{scratch}/tree/usr/bin/python3"
-    ):
-        raise Unavailable(f"unpacking the guest image failed: {debugfs_out[-500:]}")
-    os.chmod("tree", 0o755, dir_fd=scratch)
-    os.rename("tree", parent.name, src_dir_fd=scratch, dst_dir_fd=parent.fd)
-
-
-def _drop_scratch(scratch: int, parent: Pinned) -> None:
-    """Remove the (then empty) scratch directory, if it is still the one made."""
-    try:
-        made = os.fstat(scratch)
-        there = os.stat(_scratch_name(parent), dir_fd=parent.fd, follow_symlinks=False)
-        if (made.st_dev, made.st_ino) == (there.st_dev, there.st_ino):
-            os.rmdir(_scratch_name(parent), dir_fd=parent.fd)
-    except OSError:
-        pass  # gone, moved or not empty: the agent's doing, and nothing of root's is in it
-    finally:
-        os.close(scratch)
 
 
 async def clone_tree(tree: Pinned, volume: Pinned) -> None:
@@ -195,8 +125,17 @@ def oci_config(
     namespaces: list[dict[str, str]] = [
         {"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"},
     ]  # fmt: skip
+    mounts = list(_MOUNTS)
     if netns is not None:
         namespaces.append({"type": "network", "path": str(netns_path(netns))})
+        mounts.append(
+            {
+                "destination": "/etc/resolv.conf",
+                "type": "bind",
+                "source": RESOLV_CONF,
+                "options": ["bind", "ro"],
+            }
+        )
     caps = list(_CAPABILITIES)
     return {
         "ociVersion": "1.0.2",
@@ -210,7 +149,7 @@ def oci_config(
         },
         "root": {"path": rootfs, "readonly": False},
         "hostname": hostname,
-        "mounts": _MOUNTS,
+        "mounts": mounts,
         "linux": {
             "namespaces": namespaces,
             "cgroupsPath": cgroup,
@@ -243,11 +182,17 @@ async def launch(
     channel_fd: int,
     log: Pinned,
     owner: tuple[int, int],
+    image: Path | None = None,
+    host_network: bool = False,
 ) -> int:
     """Start the sandbox ``name`` (``config``: ``oci_config``'s, its root ``ROOTFS``)
     on the held volume ``rootfs`` with ``channel_fd`` as its init's stdin and stdout;
     returns the pid of its runsc sandbox process, which lives as long as the sandbox.
-    ``home`` holds runsc's state and bundles.
+    ``home`` holds runsc's state and bundles. With ``image`` (a directory holding a
+    checkpoint, space.node.privileged._gvisor_state) the sandbox is restored from it
+    instead of booted: runsc hands the restored init the stdio it is given now, so
+    ``channel_fd`` is a new channel to the same spaced. ``host_network``: the host's
+    stack in the config's namespace (see the module docstring).
 
     runsc's processes look the root up by name in mount namespaces of their own, where
     the broker's descriptors are not, and the volume is in the agent's pool: a name
@@ -261,11 +206,12 @@ async def launch(
     cgroup = str(config["linux"]["cgroupsPath"])  # type: ignore[index]
     try:
         bundle = home / "bundles" / name
-        networked = await asyncio.to_thread(_write_bundle, bundle, config)
+        await asyncio.to_thread(_write_bundle, bundle, config)
         await run("mount", "--no-canonicalize", "--bind", str(rootfs.path), str(bundle / ROOTFS))
+        start = ["run"] if image is None else ["restore", f"--image-path={image}"]
         argv = [
-            *runsc_argv(home / "state", networked=networked),
-            "run", "--detach", "--pid-file", str(bundle / "pid"), "--bundle", str(bundle), name,
+            *runsc_argv(home / "state", networked=host_network),
+            *start, "--detach", "--pid-file", str(bundle / "pid"), "--bundle", str(bundle), name,
         ]  # fmt: skip
         proc = None
         try:
@@ -275,7 +221,7 @@ async def launch(
             async with asyncio.timeout(_RUN_TIMEOUT_S):
                 code = await proc.wait()
             if code != 0:
-                raise Unavailable(f"runsc run exited with {code}: {_tail(log.path)}")
+                raise Unavailable(f"runsc {start[0]} exited with {code}: {_tail(log.path)}")
             return int(await asyncio.to_thread((bundle / "pid").read_text))
         except BaseException:
             if proc is not None and proc.returncode is None:
@@ -296,15 +242,17 @@ def _open_log(log: Pinned, owner: tuple[int, int]) -> int:
     return fd
 
 
-def _write_bundle(bundle: Path, config: dict[str, object]) -> bool:
-    """Write the bundle; whether the sandbox has a network namespace."""
+def _write_bundle(bundle: Path, config: dict[str, object]) -> None:
     bundle.mkdir(mode=0o700, parents=True, exist_ok=True)
     (bundle / ROOTFS).mkdir(mode=0o700, exist_ok=True)
     (bundle / "config.json").write_text(json.dumps(config))
     (bundle / "pid").unlink(missing_ok=True)
     linux = config["linux"]
     assert isinstance(linux, dict)
-    return any(ns.get("type") == "network" for ns in linux["namespaces"])
+    if any(ns.get("type") == "network" for ns in linux["namespaces"]):
+        resolver = resolv_conf_text(IPv4Address(GATEWAY_ADDRESS))
+        (bundle / RESOLV_CONF).write_text(resolver)
+        (bundle / RESOLV_CONF).chmod(0o644)
 
 
 async def remove(name: str, *, home: Path, cgroup: str) -> None:
@@ -339,8 +287,22 @@ def _remove_rest(bundle: Path, cgroup: str) -> None:
             group.rmdir()
 
 
+async def pause(name: str, *, home: Path, paused: bool) -> None:
+    """``runsc pause`` (``paused``) or ``runsc resume`` the sandbox ``name``: its
+    tasks stop or go on, its memory and its channel stay; idempotent."""
+    runsc = runsc_argv(home / "state", networked=False)
+    try:
+        await run(*runsc, "pause" if paused else "resume", name)
+    except Unavailable:
+        # runsc refuses to pause a paused sandbox (or resume a running one): idempotent.
+        state = json.loads(await run(*runsc, "state", name)).get("status")
+        if state != ("paused" if paused else "running"):
+            raise
+
+
 def release_home(home: Path) -> None:
     """Remove runsc's directories once no sandbox uses them (the node stops)."""
+    release_images(home)
     for directory in (home / "bundles", home / "state", home):
         with contextlib.suppress(OSError):
             directory.rmdir()

@@ -1,5 +1,5 @@
-"""Each sandbox's network namespace, made and changed as root: its tap, its nftables
-ruleset, and the egress gateway's listeners inside it. Names, addresses and the
+"""Each sandbox's network namespace, made and changed as root: its tap, its route, its
+nftables ruleset, and the egress gateway's listeners inside it. Names, addresses and the
 ruleset itself are space.node.network.netns's."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from space.node.network.netns import (
     DNS_PORT,
     GATEWAY_ADDRESS,
     GATEWAY_MAC,
+    GUEST_ADDRESS,
     PREFIX_LEN,
     PROXY_PORT,
     TAP,
@@ -41,6 +42,10 @@ async def create(name: str) -> None:
             ("link", "set", TAP, "address", GATEWAY_MAC),
             ("addr", "add", f"{GATEWAY_ADDRESS}/{PREFIX_LEN}", "dev", TAP),
             ("link", "set", TAP, "up"),
+            # A gVisor guest's sockets are the namespace's own: without a route they
+            # fail (ENETUNREACH) before nftables could send them to the gateway. In a
+            # VM's namespace nothing local uses it (its output chain rejects all else).
+            ("route", "add", "default", "via", GUEST_ADDRESS, "dev", TAP),
         ):
             await run("ip", "-n", name, *command)
         await _in_netns(name, "sysctl", "-q", "-w", f"net.ipv6.conf.{TAP}.disable_ipv6=1")

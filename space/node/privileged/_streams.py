@@ -29,22 +29,12 @@ from dataclasses import dataclass
 
 from space.node.api import InvalidArgument, Unavailable
 from space.node.core.environment import python_environment
+from space.node.core.send_stream import SendStreamFraming
 from space.node.privileged import _storage
 from space.node.privileged.pinned import Pinned, reopen
 
-__all__ = ["STREAM_MAGIC", "Received", "adopt_received", "receive_subvolume", "send_subvolume"]
+__all__ = ["Received", "adopt_received", "receive_subvolume", "send_subvolume"]
 
-#: The send stream's header: the magic and a little-endian u32 version (1 or 2).
-STREAM_MAGIC = b"btrfs-stream\0"
-_HEADER = struct.Struct("<13sI")
-#: struct btrfs_cmd_header: le32 length of the payload, le16 command, le32 crc.
-_COMMAND = struct.Struct("<IHI")
-#: Commands of btrfs/send.h: a stream opens one subvolume (or snapshot of a parent)
-#: and ends with END.
-_CMD_SUBVOL, _CMD_SNAPSHOT, _CMD_END = 1, 2, 21
-#: The longest command payload a v1/v2 stream holds (data writes are at most 64 KiB
-#: in v1; v2's encoded writes up to 128 KiB plus their attributes).
-_MAX_COMMAND_BYTES = 1 << 20
 _CHUNK_BYTES = 1 << 20
 #: A stream that stops flowing for this long is cut (the sender died or stalled).
 IDLE_TIMEOUT_S = 60.0
@@ -149,17 +139,14 @@ class Received:
 
 
 class _StreamCheck:
-    """Follows a send stream's framing as it passes: header, one subvolume, END last."""
+    """A stream's framing (SendStreamFraming), its length within ``max_bytes`` and its
+    SHA-256, as it passes."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.total = 0
         self.hash = hashlib.sha256()
-        self._pending = b""  # bytes of a header not complete yet
-        self._skip = 0  # payload bytes of the current command still to pass
-        self._header_done = False
-        self._subvolumes = 0
-        self.ended = False
+        self.framing = SendStreamFraming()
 
     def feed(self, data: bytes) -> None:
         """Account for ``data``; raises InvalidArgument at the first byte that is wrong."""
@@ -167,42 +154,7 @@ class _StreamCheck:
         if self.total > self.max_bytes:
             raise InvalidArgument(f"the stream is over its limit of {self.max_bytes} bytes")
         self.hash.update(data)
-        view = memoryview(data)
-        while view:
-            if self._skip:
-                step = min(self._skip, len(view))
-                self._skip -= step
-                view = view[step:]
-                continue
-            if self.ended:
-                raise InvalidArgument("bytes after the stream's end command")
-            want = (_HEADER if not self._header_done else _COMMAND).size - len(self._pending)
-            self._pending += bytes(view[:want])
-            view = view[want:]
-            if len(self._pending) == (_HEADER if not self._header_done else _COMMAND).size:
-                self._take_header()
-
-    def _take_header(self) -> None:
-        raw, self._pending = self._pending, b""
-        if not self._header_done:
-            magic, version = _HEADER.unpack(raw)
-            if magic != STREAM_MAGIC or version not in (1, 2):
-                raise InvalidArgument("not a btrfs send stream")
-            self._header_done = True
-            return
-        length, command, _crc = _COMMAND.unpack(raw)
-        if length > _MAX_COMMAND_BYTES:
-            raise InvalidArgument(f"a stream command of {length} bytes")
-        if command in (_CMD_SUBVOL, _CMD_SNAPSHOT):
-            self._subvolumes += 1
-        if self._subvolumes != 1:
-            raise InvalidArgument("a stream holds exactly one subvolume, opened first")
-        self.ended = command == _CMD_END
-        self._skip = length
-
-    def finish(self) -> None:
-        if not self.ended or self._skip or self._pending:
-            raise InvalidArgument(f"the stream stops after {self.total} bytes, before its end")
+        self.framing.feed(data)
 
 
 def receive_subvolume(pool: Pinned, directory: Pinned, source: int, max_bytes: int) -> Received:
@@ -295,7 +247,7 @@ def _pump(source: int, proc: subprocess.Popen[bytes], check: _StreamCheck) -> No
                 break
             check.feed(data)
             proc.stdin.write(data)
-        check.finish()
+        check.framing.finish()
         proc.stdin.close()
         proc.wait(_FINISH_TIMEOUT_S)
     except (BrokenPipeError, subprocess.TimeoutExpired) as exc:

@@ -59,7 +59,11 @@ def _bind(netns: Path, kind: int, address: tuple[str, int]) -> socket.socket | B
 def _make(kind: int, address: tuple[str, int]) -> socket.socket:
     sock = socket.socket(socket.AF_INET, kind)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if kind == socket.SOCK_STREAM:
+            # Not on UDP: there it lets any socket of the namespace that sets it too
+            # (a gVisor guest's are the namespace's own) bind the same address and
+            # take the gateway's DNS datagrams.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
         if kind == socket.SOCK_STREAM:
             sock.listen(128)

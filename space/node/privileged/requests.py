@@ -10,7 +10,8 @@ The set, by concern: the pool (mount, quotas, limits, sizes, subvolume deletion,
 and receive streams of subvolumes), each
 sandbox's network namespace (make, remove, open or close egress, the gateway's
 listeners), VMM jails (launch, release, sweep, signal), gVisor sandboxes (their
-template trees and clones, launch, stop) and the egress gateway (start, stop).
+template trees and clones, launch or restore, pause, checkpoint, stop) and the egress
+gateway (start, stop).
 Answers are ``{"id", "ok": true, "value"}`` or ``{"id", "ok": false, "error": {"kind",
 "message"}}``, ``kind`` a NodeError leaf's name, with descriptors (a listener pair)
 on the answer's line.
@@ -31,6 +32,7 @@ __all__ = [
     "AdoptPool",
     "AdoptReceived",
     "BindListeners",
+    "CheckpointGvisor",
     "CloneGuestTree",
     "CreateNetns",
     "DeleteNetns",
@@ -42,6 +44,7 @@ __all__ = [
     "LimitSubvolume",
     "MakeGuestTree",
     "MountPool",
+    "PauseGvisor",
     "ReceiveSubvolume",
     "ReferencedBytes",
     "ReleaseVm",
@@ -295,6 +298,12 @@ class MakeGuestTree(Request):
     path: str
 
 
+def unpacking_name(tree: str) -> str:
+    """The name of root's scratch directory beside the tree named ``tree`` while it is
+    unpacked (``MakeGuestTree``); one an unpacking cut short leaves behind."""
+    return f".{tree}.unpacking"
+
+
 @dataclass(frozen=True, slots=True)
 class CloneGuestTree(Request):
     """Make the subvolume ``volume`` (absent) a writable snapshot of the tree ``tree``."""
@@ -308,7 +317,9 @@ class CloneGuestTree(Request):
 class LaunchGvisor(Request):
     """Start the gVisor sandbox ``name`` on the root filesystem ``volume``, its init's
     stdin and stdout the socket on the request's line, in ``netns`` (None: no network
-    at all); runsc's output goes to ``log``. The value is its runsc sandbox's pid."""
+    at all); runsc's output goes to ``log``. With ``restore`` it is restored from the
+    saved state streamed on the line's second descriptor (a pipe or a file) instead of
+    booted. The value is its runsc sandbox's pid."""
 
     op: ClassVar[str] = "launch_gvisor"
     name: str
@@ -318,6 +329,29 @@ class LaunchGvisor(Request):
     memory_mib: int
     cpus: int
     log: str
+    restore: bool = False
+    #: The host's network stack in ``netns`` (runsc ``--network=host``) instead of
+    #: gVisor's own with loopback only; such a sandbox cannot be checkpointed.
+    host_network: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PauseGvisor(Request):
+    """Pause (``paused``) or resume the gVisor sandbox ``name``'s tasks."""
+
+    op: ClassVar[str] = "pause_gvisor"
+    name: str
+    paused: bool
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointGvisor(Request):
+    """Save the gVisor sandbox ``name``'s state into the descriptor on the request's
+    line (a pipe or a file); the sandbox stays as it was (running or paused). The
+    value is the state's size in bytes."""
+
+    op: ClassVar[str] = "checkpoint_gvisor"
+    name: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,7 +394,8 @@ _REQUESTS: dict[str, type[Request]] = {
         ExclusiveBytes, DeleteSubvolume, SendSubvolume, ReceiveSubvolume, AdoptReceived,
         CreateNetns, DeleteNetns, SetEgress,
         BindListeners, LaunchVm, ReleaseVm, SweepVms, SignalVm, StartGateway, StopGateways,
-        MakeGuestTree, CloneGuestTree, LaunchGvisor, StopGvisor,
+        MakeGuestTree, CloneGuestTree, LaunchGvisor, PauseGvisor, CheckpointGvisor,
+        StopGvisor,
     )
 }  # fmt: skip
 

@@ -26,7 +26,15 @@ from pathlib import Path
 from space.node.api import InvalidArgument, NodeError
 from space.node.network.fd_lines import FdLineReader, close_fds, write_line
 from space.node.network.netns import node_prefix
-from space.node.privileged import _gateway, _gvisor, _network, _storage, _streams
+from space.node.privileged import (
+    _gateway,
+    _gvisor,
+    _gvisor_state,
+    _gvisor_tree,
+    _network,
+    _storage,
+    _streams,
+)
 from space.node.privileged._jails import Jails, signal_vm
 from space.node.privileged.pinned import Pinned, pin, pin_parent, reopen
 from space.node.privileged.requests import (
@@ -34,6 +42,7 @@ from space.node.privileged.requests import (
     AdoptPool,
     AdoptReceived,
     BindListeners,
+    CheckpointGvisor,
     CloneGuestTree,
     CreateNetns,
     DeleteNetns,
@@ -45,6 +54,7 @@ from space.node.privileged.requests import (
     LimitSubvolume,
     MakeGuestTree,
     MountPool,
+    PauseGvisor,
     ReceiveSubvolume,
     ReferencedBytes,
     ReleaseVm,
@@ -113,6 +123,9 @@ class Broker:
             CloneGuestTree: lambda r: _gvisor.clone_tree(
                 self.path(r.tree, below=True), self.path(r.volume, below=True, parent=True)
             ),
+            PauseGvisor: lambda r: _gvisor.pause(
+                self.vm_name(r.name), home=self._gvisor_home(), paused=r.paused
+            ),
             StopGvisor: lambda r: _gvisor.remove(
                 self.vm_name(r.name), home=self._gvisor_home(), cgroup=self._gvisor_cgroup(r.name)
             ),
@@ -129,14 +142,19 @@ class Broker:
                 if len(fds) != 1:
                     raise InvalidArgument(f"{request.op} takes one pipe")
                 return await self._stream(request, fds[0]), []
-            if isinstance(request, MakeGuestTree | LaunchGvisor):
+            if isinstance(request, LaunchGvisor):
+                if len(fds) != 1 + request.restore:
+                    wanted = "a socket and a state" if request.restore else "one descriptor"
+                    raise InvalidArgument(f"{request.op} takes {wanted}")
+                return await self._launch_gvisor(request, *fds), []
+            if isinstance(request, MakeGuestTree | CheckpointGvisor):
                 if len(fds) != 1:
                     raise InvalidArgument(f"{request.op} takes one descriptor")
-                if isinstance(request, MakeGuestTree):
-                    target = self.path(request.path, below=True, parent=True)
-                    await _gvisor.make_tree(fds[0], target)
-                    return None, []
-                return await self._launch_gvisor(request, fds[0]), []
+                if isinstance(request, CheckpointGvisor):
+                    return await self._checkpoint_gvisor(request, fds[0]), []
+                target = self.path(request.path, below=True, parent=True)
+                await _gvisor_tree.make_tree(fds[0], target, self.scope.owner)
+                return None, []
             if isinstance(request, SignalVm):
                 if len(fds) != 1:
                     raise InvalidArgument("signal_vm takes one pidfd")
@@ -276,15 +294,28 @@ class Broker:
         named with the node's prefix."""
         return f"/{self._netns_prefix}gv-{self.vm_name(name)}"
 
-    async def _launch_gvisor(self, request: LaunchGvisor, channel_fd: int) -> int:
+    async def _checkpoint_gvisor(self, request: CheckpointGvisor, out_fd: int) -> int:
+        home = self._gvisor_home()
+        runsc = _gvisor.runsc_argv(home / "state", networked=False)
+        return await _gvisor_state.checkpoint(
+            self.vm_name(request.name), runsc=runsc, home=home, out_fd=out_fd
+        )
+
+    async def _launch_gvisor(
+        self, request: LaunchGvisor, channel_fd: int, state_fd: int | None = None
+    ) -> int:
         if not stat.S_ISSOCK(os.fstat(channel_fd).st_mode):
             raise InvalidArgument("launch_gvisor takes a socket")
         if not (0 < request.cpus <= _MAX_CPUS and 0 < request.memory_mib <= _MAX_MEMORY_MIB):
             raise InvalidArgument("a gVisor sandbox has CPUs and memory within bounds")
         if not _HOSTNAME_RE.match(request.hostname):
             raise InvalidArgument(f"{request.hostname!r} is not a host name")
+        if request.host_network and request.netns is None:
+            raise InvalidArgument("the host's network stack only inside a namespace of the node")
         name = self.vm_name(request.name)
-        volume = self.path(request.volume, below=True)
+        # The guest's root in the volume, held with no link on the way: the volume's top
+        # is the agent's, which could otherwise swap the name for a link to "/".
+        volume = self.path(str(Path(request.volume) / _gvisor.TREE_ROOT), below=True)
         config = _gvisor.oci_config(
             rootfs=_gvisor.ROOTFS,
             hostname=request.hostname,
@@ -293,15 +324,29 @@ class Broker:
             memory_mib=request.memory_mib,
             cgroup=self._gvisor_cgroup(name),
         )
-        return await _gvisor.launch(
-            name,
-            home=self._gvisor_home(),
-            config=config,
-            rootfs=volume,
-            channel_fd=channel_fd,
-            log=self.path(request.log, below=True, parent=True),
-            owner=self.scope.owner,
-        )
+        log = self.path(request.log, below=True, parent=True)
+        home = self._gvisor_home()
+        image = None
+        if state_fd is not None:
+            # A checkpoint holds the guest's memory and gVisor's own state: bounded by
+            # what the sandbox's cgroup lets it hold.
+            limit = (request.memory_mib + 2 * _gvisor.OVERHEAD_MIB) << 20
+            image = await _gvisor_state.stage_image(home, name, state_fd, limit)
+        try:
+            return await _gvisor.launch(
+                name,
+                home=home,
+                config=config,
+                rootfs=volume,
+                channel_fd=channel_fd,
+                log=log,
+                owner=self.scope.owner,
+                image=image,
+                host_network=request.host_network,
+            )
+        finally:
+            if image is not None:
+                await _gvisor_state.release_image(image)
 
     async def _release_vm(self, request: ReleaseVm) -> None:
         await asyncio.to_thread(self.jails.cgroups.remove, self.vm_name(request.name))
@@ -353,7 +398,7 @@ class Broker:
 
 async def serve(broker: Broker, sock: socket.socket) -> None:
     """Answer requests on ``sock`` until its peer closes it."""
-    reader = FdLineReader(sock, max_line_bytes=MAX_LINE_BYTES, max_fds=1)
+    reader = FdLineReader(sock, max_line_bytes=MAX_LINE_BYTES, max_fds=2)
     write_lock = asyncio.Lock()
     slots = asyncio.Semaphore(_MAX_IN_FLIGHT)
     async with asyncio.TaskGroup() as tasks:

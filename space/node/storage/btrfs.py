@@ -54,6 +54,7 @@ from space.node.privileged.requests import (
     ReferencedBytes,
     Request,
     UnmountPool,
+    unpacking_name,
 )
 from space.node.storage.disks import encrypt_image, grow_disk
 
@@ -68,6 +69,9 @@ __all__ = [
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _DIGEST_RE = re.compile(r"^[A-Za-z0-9]{1,128}$")
 _COMPLETE_MARK = ".complete"
+#: gVisor trees (issue 21): ``<pool>/gvisor/<digest>``, and while one is unpacked,
+#: root's scratch directory beside it (requests.unpacking_name).
+_TREES = "gvisor"
 _TEMPLATE_FILES = ("kernel", "initrd", "rootfs.img")
 
 
@@ -75,6 +79,12 @@ def _check_name(kind: str, name: str) -> str:
     if not _NAME_RE.match(name) or ".." in name:
         raise InvalidArgument(f"invalid {kind} {name!r}: want [A-Za-z0-9_.-], at most 63")
     return name
+
+
+def _unpacking_of(name: str) -> str | None:
+    """The digest whose unpacking scratch directory ``name`` is, or None."""
+    digest = name[1:].partition(".")[0]
+    return digest if _DIGEST_RE.match(digest) and unpacking_name(digest) == name else None
 
 
 def _check_digest(digest: str) -> str:
@@ -446,6 +456,41 @@ class BtrfsPool:
         if incoming not in (path.parent, path.parent.parent) and path.parent != exports:
             raise InvalidArgument(f"{path} is not a move's")
         await self._delete_subvolume(path)
+
+    # gVisor trees (issue 21)
+
+    def tree_path(self, digest: str) -> Path:
+        """Where the directory tree of template ``digest`` is, for gVisor sandboxes
+        (made by root: space.node.vmm.gvisor_tree)."""
+        return self.root / _TREES / _check_digest(digest)
+
+    def tree_digests(self) -> list[str]:
+        """The digests whose tree is made, and those whose unpacking was cut short."""
+        try:
+            names = os.listdir(self.root / _TREES)
+        except FileNotFoundError:
+            return []
+        found = {n for n in names if _DIGEST_RE.match(n)}
+        found |= {d for d in map(_unpacking_of, names) if d is not None}
+        return sorted(found)
+
+    async def delete_tree(self, digest: str) -> None:
+        """Delete the tree of template ``digest``, and what an unpacking of it cut
+        short left (root's scratch directory); idempotent. Sandboxes cloned from it
+        keep their volumes."""
+        tree = self.tree_path(digest)
+        if await asyncio.to_thread(os.path.lexists, tree):
+            await self._delete_subvolume(tree)
+        await self.delete_unpacking(digest)
+
+    async def delete_unpacking(self, digest: str) -> None:
+        """Delete what an unpacking of the tree of ``digest`` cut short left (root's
+        scratch directory and the partial tree in it); idempotent."""
+        scratch = self.tree_path(digest).with_name(unpacking_name(digest))
+        if await asyncio.to_thread(os.path.lexists, scratch):
+            await self._delete_subvolume(scratch / "tree")
+            with contextlib.suppress(OSError):  # root's, emptied; the next unpack takes it up
+                await asyncio.to_thread(os.rmdir, scratch)
 
     async def _delete_subvolume(self, path: Path) -> None:
         await self._ask(DeleteSubvolume(path=str(path)))

@@ -28,7 +28,14 @@ from typing import Literal
 from space.node.api import InvalidArgument, Unavailable
 from space.node.core.run import run
 
-__all__ = ["DiskFormat", "disk_bytes", "disk_format", "encrypt_image", "grow_disk"]
+__all__ = [
+    "DiskFormat",
+    "decrypted_copy",
+    "disk_bytes",
+    "disk_format",
+    "encrypt_image",
+    "grow_disk",
+]
 
 DiskFormat = Literal["raw", "luks"]
 
@@ -93,6 +100,75 @@ async def encrypt_image(source: Path, dest: Path, passphrase: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(dest)  # never a half-written disk
         raise
+
+
+async def decrypted_copy(image: Path, directory: Path, passphrase: bytes) -> int:
+    """The plaintext of the LUKS image ``image``, in a file of ``directory`` that has no
+    name, open (read and write; the caller closes it, which frees it). A file without
+    a name is readable only through this process's descriptor and is gone with it,
+    also after a crash, where a named copy would stay behind.
+
+    Only what the image holds is decrypted: its holes (free space, see
+    ``encrypt_image``) decrypt to noise, which would cost the whole disk's size in
+    writes, so they stay holes here and read as zeros (smaller ones are decrypted, so
+    qemu-img is given at most ``_MAX_SOURCES`` pieces). Raises Unavailable (qemu-img
+    failed, or no room).
+    """
+    offset = await asyncio.to_thread(_payload_offset, image)
+    pieces = await asyncio.to_thread(_pieces, image, offset)
+    key = "key-secret=disk-key"
+    name = str(image).replace(",", ",,")  # a comma ends an option
+    sources = [
+        f"driver=raw,offset={start},size={length},file.driver=luks,file.{key},"
+        f"file.file.driver=file,file.file.filename={name}"
+        if data
+        else f"driver=null-co,size={length},read-zeroes=on"
+        for start, length, data in pieces
+    ]
+    fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, sum(length for _, length, _ in pieces))
+        await run(
+            "qemu-img", "convert", "-q", "-U", "-n", "--target-is-zero",
+            "--object", "secret,id=disk-key,file=/dev/stdin,format=raw",
+            "--image-opts", *sources, "-O", "raw", f"/proc/self/fd/{fd}",
+            stdin=passphrase.decode(), timeout_s=600.0, pass_fds=(fd,),
+        )  # fmt: skip
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+#: The most pieces a decrypted copy is made of (each a source qemu-img opens).
+_MAX_SOURCES = 256
+
+
+def _pieces(image: Path, offset: int) -> list[tuple[int, int, bool]]:
+    """The payload of ``image`` as (start, length, holds data) pieces, in order, where
+    holes of less than 1 MiB (or a 128th of the disk) count as data."""
+    with open(image, "rb") as f:
+        end = os.fstat(f.fileno()).st_size
+        min_hole = max(1 << 20, (end - offset) // (_MAX_SOURCES // 2))
+        pieces: list[tuple[int, int, bool]] = []
+        position = offset
+        while position < end:
+            try:
+                data = os.lseek(f.fileno(), position, os.SEEK_DATA)
+            except OSError:  # ENXIO: only a hole is left
+                data = end
+            start = position  # a small hole is decrypted with the data after it
+            if data > position and (data - position >= min_hole or data == end):
+                pieces.append((position - offset, data - position, False))
+                start = data
+            if data >= end:
+                break
+            hole = min(os.lseek(f.fileno(), data, os.SEEK_HOLE), end)
+            if pieces and pieces[-1][2]:  # the data before a small hole: one piece
+                start = pieces.pop()[0] + offset
+            pieces.append((start - offset, hole - start, True))
+            position = hole
+    return pieces
 
 
 async def grow_disk(image: Path, disk_mib: int) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from space.node.api import InvalidArgument, Unavailable
+from space.node.core.send_stream import SendStreamFraming
 from space.node.privileged import RootBroker
 from space.node.privileged.requests import AdoptReceived, ReceiveSubvolume, SendSubvolume
 
@@ -126,10 +127,15 @@ async def send_stream(broker: RootBroker, path: Path, parent: Path | None) -> As
     transport, _ = await loop.connect_read_pipe(
         lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(read_end, "rb", buffering=0)
     )
+    # Followed here too, so that a stream that lost its framing is never stored or
+    # shipped, and the refusal says where it went wrong.
+    framing = SendStreamFraming()
     try:
         while chunk := await reader.read(STREAM_CHUNK_BYTES):
+            _follow(framing, chunk, path)
             yield chunk
         await sending
+        _follow(framing, None, path)
     finally:
         transport.close()
         if not sending.done():
@@ -137,6 +143,17 @@ async def send_stream(broker: RootBroker, path: Path, parent: Path | None) -> As
                 await sending
         elif not sending.cancelled():
             sending.exception()  # retrieved: raised above when it mattered
+
+
+def _follow(framing: SendStreamFraming, chunk: bytes | None, path: Path) -> None:
+    """Feed ``chunk`` (None: the end) to ``framing``; Unavailable where it is lost."""
+    try:
+        if chunk is None:
+            framing.finish()
+        else:
+            framing.feed(chunk)
+    except InvalidArgument as exc:
+        raise Unavailable(f"the send stream of {path} lost its framing: {exc.message}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,23 +182,40 @@ async def receive_stream(
     read_end, write_end = _pipe()
     request = ReceiveSubvolume(pool=str(pool_root), directory=str(directory), max_bytes=max_bytes)
     receiving = asyncio.ensure_future(broker.call(request, fds=(read_end,), give=True))
+    # The event loop writes the pipe, never a thread: a thread left writing by a
+    # cancelled await would write the rest of its chunk into whatever took the
+    # descriptor's number once it was closed (another stream's pipe).
+    try:
+        writer = await _pipe_writer(write_end)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await receiving
+        raise
+    # Followed here too: a stream that lost its framing is refused as this node read
+    # it, and a refusal of one read well-framed here went wrong in the pipe.
+    framing = SendStreamFraming()
     try:
         async for chunk in chunks:
             if receiving.done():
                 break  # refused already: its error says why
-            await asyncio.to_thread(_write_all, write_end, chunk)
-    except BrokenPipeError:
+            framing.feed(chunk)
+            writer.write(chunk)
+            await writer.drain()
+    except (BrokenPipeError, ConnectionResetError):
         pass  # the broker stopped reading: its answer says why
     except BaseException:
-        os.close(write_end)
-        write_end = -1
+        writer.transport.abort()
         with contextlib.suppress(Exception):
             await receiving
         raise
     finally:
-        if write_end >= 0:
-            os.close(write_end)
-    value = await receiving
+        writer.close()  # after what is buffered: the broker reads its end
+    try:
+        value = await receiving
+    except InvalidArgument as refused:
+        raise InvalidArgument(
+            f"{refused.message} (this node wrote it {framing.parsed} bytes, well-framed)"
+        ) from None
     if not isinstance(value, dict):
         raise Unavailable(f"the root broker answered {value!r} to a receive")
     name, size, digest = value.get("name"), value.get("stream_bytes"), value.get("sha256")
@@ -190,10 +224,17 @@ async def receive_stream(
     return Received(directory / name, size, digest)
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
+async def _pipe_writer(write_end: int) -> asyncio.StreamWriter:
+    """A writer of the pipe's end ``write_end``, which it owns (closes) from here on."""
+    loop = asyncio.get_running_loop()
+    pipe = os.fdopen(write_end, "wb", buffering=0)
+    try:
+        protocol = asyncio.StreamReaderProtocol(asyncio.StreamReader())
+        transport, _ = await loop.connect_write_pipe(lambda: protocol, pipe)
+    except BaseException:
+        pipe.close()
+        raise
+    return asyncio.StreamWriter(transport, protocol, None, loop)
 
 
 async def adopt_received(broker: RootBroker, path: Path, *, writable: bool) -> None:

@@ -213,7 +213,8 @@ async def state_writer(
 ) -> AsyncIterator[StateWriter]:
     """A writer of ``path`` (created or truncated, mode 0600): sealed under ``key``, or
     plain without one. Raises Unavailable if the file cannot be opened or written."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+    # Never through a link: a gVisor sandbox's volume is its guest's root directory.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
     with _opened(path, flags, sandbox_id) as fd:
         writer = StateWriter(fd, sandbox_id) if key is None else _SealingWriter(fd, sandbox_id, key)
     try:
@@ -330,7 +331,7 @@ async def state_reader(
     also means a plaintext file put in a volume is loaded. Raises Unavailable for a
     sealed state without a key, or a file that cannot be opened.
     """
-    with _opened(path, os.O_RDONLY | os.O_CLOEXEC, sandbox_id) as fd:
+    with _opened(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, sandbox_id) as fd:
         reader = _reader_for(fd, key, sandbox_id)
     try:
         yield reader

@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import charts
+
 if TYPE_CHECKING:
     import jupyter_client
 
@@ -34,6 +36,12 @@ KERNEL_START_TIMEOUT_S = 600.0
 _POLL_S = 0.5
 #: Output queued for a slow HTTP client before the worker waits for it to read.
 _MAX_QUEUED_EVENTS = 256
+#: What every kernel runs first, and again after a restart: the chart formatter
+#: (charts.py), loaded by path so the user's namespace and sys.path stay untouched.
+_KERNEL_SETUP = (
+    f"__import__('runpy').run_path({os.path.abspath(charts.__file__)!r},"
+    " run_name='space_charts')['register'](get_ipython())"
+)
 
 Event = dict[str, Any]
 
@@ -49,6 +57,7 @@ _MIME_FIELDS = {
     "text/latex": "latex",
     "application/json": "json",
     "application/javascript": "javascript",
+    charts.MIME: "chart",  # a matplotlib figure's data (charts.py)
 }
 
 _BASE64_FIELDS = ("png", "jpeg")
@@ -213,7 +222,8 @@ class Context:
         import jupyter_client
 
         manager = jupyter_client.KernelManager(kernel_name="python3")
-        manager.start_kernel(cwd=self.cwd, env=self._kernel_env)
+        setup = [f"--IPKernelApp.exec_lines={_KERNEL_SETUP}"]
+        manager.start_kernel(cwd=self.cwd, env=self._kernel_env, extra_arguments=setup)
         try:
             return manager, self._connect(manager)
         except Exception:

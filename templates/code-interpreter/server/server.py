@@ -18,7 +18,8 @@ Only Python contexts exist (one Jupyter kernel each, kernels.py). The default co
 kernel starts with the server, so a sandbox restored from the template's ready state
 has it running or on its way. Runs in the guest as the sandbox's user:
 ``python3 server.py [--host 0.0.0.0] [--port 49999] [--cwd ~] [--max-contexts 16]``;
-``--warm-up`` starts a kernel, imports matplotlib once (its font cache) and exits 0.
+``--warm-up`` starts a kernel, imports matplotlib once (its font cache), checks that a
+figure comes back as a PNG with its chart (charts.py) and exits 0.
 """
 
 from __future__ import annotations
@@ -352,8 +353,9 @@ def warm_up(cwd: str) -> int:
         context.shutdown()
     errors = [event for event in seen if event["type"] == "error"]
     images = [event for event in seen if event["type"] == "result" and "png" in event]
-    print(f"warm-up: {len(images)} image(s), errors: {errors}", flush=True)
-    return 0 if images and not errors else 1
+    charts = [event for event in images if event.get("chart", {}).get("type") == "line"]
+    print(f"warm-up: {len(images)} image(s), {len(charts)} chart(s), errors: {errors}", flush=True)
+    return 0 if images and charts and not errors else 1
 
 
 def main(argv: list[str] | None = None) -> int:
