@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import socket
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import pytest
 from space.node.api import InvalidArgument, NodeError
 from space.node.network import netns
 from space.node.privileged import RootBroker
+from space.node.privileged._network import readable_directory
 from space.node.privileged._jails import share, share_held
 from space.node.privileged.pinned import pin, pin_parent
 from space.node.privileged.requests import (
@@ -223,6 +225,22 @@ def test_the_broker_makes_a_namespace_and_hands_its_listeners_to_the_node(
         (netns.GATEWAY_ADDRESS, netns.DNS_PORT),
     ]
     assert not netns.exists(name)
+
+
+def test_the_namespaces_directory_is_one_the_node_agent_may_list(tmp_path: Path) -> None:
+    """/run/netns made, or found made, under a root server's umask (077) is opened to
+    0755 before a namespace goes in: the agent, unprivileged, lists its own there."""
+    made, found = tmp_path / "made", tmp_path / "found"
+    found.mkdir(0o700)
+    old = os.umask(0o077)
+    try:
+        for directory in (made, found):
+            readable_directory(directory)
+            assert stat.S_IMODE(directory.stat().st_mode) == 0o755
+    finally:
+        os.umask(old)
+    readable_directory(found)  # idempotent
+    assert stat.S_IMODE(found.stat().st_mode) == 0o755
 
 
 def test_a_broker_that_died_is_started_again_and_runs_with_the_minimal_environment(

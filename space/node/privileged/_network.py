@@ -5,8 +5,11 @@ ruleset itself are space.node.network.netns's."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
+import stat
+from pathlib import Path
 
 from space.node.api import Unavailable
 from space.node.core.run import run
@@ -15,6 +18,7 @@ from space.node.network.netns import (
     GATEWAY_ADDRESS,
     GATEWAY_MAC,
     GUEST_ADDRESS,
+    NETNS_DIR,
     PREFIX_LEN,
     PROXY_PORT,
     TAP,
@@ -24,7 +28,17 @@ from space.node.network.netns import (
 )
 from space.node.privileged.netns_socket import bind_in_netns
 
-__all__ = ["bind_listeners", "create", "delete", "set_open"]
+__all__ = ["bind_listeners", "create", "delete", "readable_directory", "set_open"]
+
+
+def readable_directory(path: Path) -> None:
+    """Make ``path`` a directory anyone may list (0755), as iproute2 means /run/netns
+    to be: made by the first ``ip netns add`` under a root server's umask (077) it
+    would be root's alone, and the node agent lists its namespaces there."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o755)
+    if stat.S_IMODE(os.stat(path).st_mode) & 0o555 != 0o555:
+        os.chmod(path, 0o755)
 
 
 async def create(name: str) -> None:
@@ -34,6 +48,7 @@ async def create(name: str) -> None:
     """
     if exists(name):
         return
+    readable_directory(NETNS_DIR)
     await run("ip", "netns", "add", name)
     try:
         for command in (
