@@ -20,8 +20,8 @@ import pytest
 from space.node.api import InvalidArgument, NodeError
 from space.node.network import netns
 from space.node.privileged import RootBroker
-from space.node.privileged._network import readable_directory
 from space.node.privileged._jails import share, share_held
+from space.node.privileged._network import readable_directory
 from space.node.privileged.pinned import pin, pin_parent
 from space.node.privileged.requests import (
     MAX_LINE_BYTES,
