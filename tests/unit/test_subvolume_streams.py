@@ -10,14 +10,20 @@ import asyncio
 import contextlib
 import hashlib
 import os
+import signal
 import struct
 import subprocess
+import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
 from space.node.api import InvalidArgument
+from space.node.core.send_stream import SendStreamFraming
+from space.node.privileged._streams import send_subvolume
+from space.node.privileged.pinned import pin
 from space.node.privileged.requests import ReceiveSubvolume, SendSubvolume
 from space.node.storage.btrfs import BtrfsPool, snapshot_subvolume
 from space.node.storage.streams import (
@@ -207,6 +213,51 @@ async def _broker_receive(pool: BtrfsPool, directory: Path, data: bytes, max_byt
 
     await asyncio.to_thread(write)
     await receiving
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["eintr", "sa-restart"])
+def test_a_send_signalled_while_it_waits_is_one_whole_stream(
+    pool: BtrfsPool, restart: bool
+) -> None:
+    """A signal that lands on the thread in the send ioctl while the pipe is full ended
+    the send (EINTR: a cut stream) or, for a handler that restarts system calls (as
+    asyncio's signal handlers do), began it again from its first byte into the same
+    pipe: two streams in one (seen in the many-hosts test, whose broker's children end
+    and signal it all the time). The broker blocks signals in that thread."""
+    source = _subvolume(pool, "source", {"disk": os.urandom(8 * _MIB)})
+    read_end, write_end = os.pipe()
+    failure: list[BaseException] = []
+
+    def send() -> None:
+        held = pin(str(source))
+        try:
+            send_subvolume(held, None, write_end)
+        except BaseException as exc:
+            failure.append(exc)
+        finally:
+            os.close(write_end)
+            held.close()
+
+    previous = signal.signal(signal.SIGUSR1, lambda *_: None)
+    signal.siginterrupt(signal.SIGUSR1, not restart)
+    try:
+        sender = threading.Thread(target=send)
+        sender.start()
+        stream = bytearray()
+        while chunk := os.read(read_end, 65536):
+            stream += chunk
+            if sender.is_alive() and sender.ident is not None:
+                signal.pthread_kill(sender.ident, signal.SIGUSR1)
+            time.sleep(0.001)  # the pipe fills: the ioctl waits in its write
+        sender.join()
+    finally:
+        os.close(read_end)
+        signal.signal(signal.SIGUSR1, previous)
+    assert failure == []
+    assert stream.count(b"btrfs-stream\0") == 1
+    framing = SendStreamFraming()
+    framing.feed(stream)
+    framing.finish()
 
 
 def test_negative_a_stream_one_byte_over_its_limit_is_refused_and_leaves_nothing(

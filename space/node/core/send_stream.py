@@ -44,7 +44,7 @@ class SendStreamFraming:
         self._commands = 0
         self._last = (0, 0)  # the previous command: (number, payload bytes)
 
-    def feed(self, data: bytes | memoryview) -> None:
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data)
         while view:
             if self._skip:

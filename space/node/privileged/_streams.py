@@ -20,6 +20,7 @@ import fcntl
 import hashlib
 import os
 import select
+import signal
 import stat
 import struct
 import subprocess
@@ -121,7 +122,15 @@ def send_subvolume(subvolume: Pinned, parent: Pinned | None, out: int) -> None:
             args.parent_root, args.clone_sources_count = root, 1
             args.clone_sources = ctypes.cast(sources, ctypes.POINTER(ctypes.c_uint64))
         os.set_blocking(out, True)
-        fcntl.ioctl(source, _IOC_SEND, args)
+        # A signal landing on this thread while the pipe is full ends the send in its
+        # write: EINTR, a cut stream, or, for a handler that restarts system calls (as
+        # asyncio's do), a send begun again from its first byte into the same pipe,
+        # two streams in one. Blocked here, signals go to the broker's other threads.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        try:
+            fcntl.ioctl(source, _IOC_SEND, args)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     except OSError as exc:
         raise Unavailable(f"btrfs send of {subvolume.text} failed: {exc}") from exc
     finally:
