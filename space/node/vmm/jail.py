@@ -62,7 +62,7 @@ JAIL_SECRETS = Path("/secrets")
 _PR_SET_CHILD_SUBREAPER = 36
 _JAILS: dict[Path, Jail] = {}
 #: Releases in flight (a VMM's exit is seen in a reader callback, not a coroutine).
-_RELEASES: set[asyncio.Task[object]] = set()
+_RELEASES: set[asyncio.Task[None]] = set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +79,10 @@ class Jail:
 
     def __init__(self, run_root: Path) -> None:
         self.run_root = run_root
+        #: Each VM's release still in flight, by name: a VM of the same name (a sandbox
+        #: resumed after its hibernation) waits for it, or the late release would
+        #: remove the new VM's cgroup before its VMM joins it.
+        self._releasing: dict[str, asyncio.Task[None]] = {}
 
     async def spawn(
         self,
@@ -116,6 +120,9 @@ class Jail:
             pid_file=str(pid_file),
             secrets={k: v.decode("ascii") for k, v in (secrets or {}).items()},
         )
+        releasing = self._releasing.get(name)
+        if releasing is not None:
+            await asyncio.wait({releasing})  # a release never raises
         pid = await broker_for(self.run_root).call(request)
         assert isinstance(pid, int)
         return pid
@@ -131,7 +138,14 @@ class Jail:
         node that closed meanwhile leaves, its next start sweeps). Never raises."""
         task = asyncio.get_running_loop().create_task(self._release(name))
         _RELEASES.add(task)
-        task.add_done_callback(_RELEASES.discard)
+        self._releasing[name] = task
+
+        def done(finished: asyncio.Task[None]) -> None:
+            _RELEASES.discard(finished)
+            if self._releasing.get(name) is finished:
+                del self._releasing[name]
+
+        task.add_done_callback(done)
 
     async def _release(self, name: str) -> None:
         with contextlib.suppress(NodeError):
