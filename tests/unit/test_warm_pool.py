@@ -150,3 +150,38 @@ async def test_a_node_short_of_capacity_stops_the_refill_quietly_until_room_retu
 def test_negative_sizes_out_of_order_are_refused() -> None:
     with pytest.raises(ValueError, match="min_size"):
         _pool(_Maker(), FakeClock(), low=3, high=2)
+
+
+async def test_close_waits_for_a_vm_being_made_and_deletes_it_never_cutting_it_short() -> None:
+    """A make cancelled in the middle of its VMM's launch could leave that VMM running,
+    known to no node: close lets it finish, then deletes it with the others."""
+    maker, clock = _Maker(), FakeClock()
+    booting, may_finish = asyncio.Event(), asyncio.Event()
+    cancelled: list[bool] = []
+
+    async def slow_make() -> LiveSandbox:
+        if len(maker.made) == 1:  # the second: a refill after a hit
+            booting.set()
+            try:
+                await may_finish.wait()
+            except asyncio.CancelledError:
+                cancelled.append(True)
+                raise
+        return await maker.make()
+
+    pool = WarmPool(
+        "base", make=slow_make, destroy=maker.destroy, min_size=1, max_size=1, clock=clock
+    )
+    pool.start()
+    await _settle(pool, 1)
+    assert pool.take() is not None
+    pool.refill()
+    await booting.wait()
+    closing = asyncio.create_task(pool.close())
+    await asyncio.sleep(0.05)
+    assert not closing.done()  # waits for the make
+    may_finish.set()
+    await closing
+    assert cancelled == []
+    assert [vm.name for vm in maker.made] == ["vm0", "vm1"]
+    assert maker.destroyed == ["vm1"]  # vm0 was handed out

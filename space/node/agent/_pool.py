@@ -62,6 +62,10 @@ log = logging.getLogger(__name__)
 #: After a failed refill, wait this long before the next try (a broken template must not
 #: spin the node).
 _RETRY_S = 5.0
+#: How long ``close`` waits for a pool VM being made before it cancels the making: a
+#: make cancelled in the middle of its VMM's launch could leave that VMM running, known
+#: to no node (a node restarted right after a hit, whose refill was booting).
+_CLOSE_WAIT_S = 120.0
 
 
 class WarmPool:
@@ -90,6 +94,7 @@ class WarmPool:
         self._demand: collections.deque[float] = collections.deque()
         self._hits = self._misses = 0
         self._wanted = asyncio.Event()
+        self._closing = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._discarding: set[asyncio.Future[None]] = set()
 
@@ -113,6 +118,7 @@ class WarmPool:
         )
 
     def start(self) -> None:
+        self._closing.clear()
         self._task = asyncio.get_running_loop().create_task(
             self._fill(), name=f"pool-{self.template}"
         )
@@ -139,33 +145,46 @@ class WarmPool:
         self._wanted.set()
 
     async def close(self) -> None:
-        """Stop refilling and delete every pool VM."""
+        """Stop refilling and delete every pool VM, one being made included (waited for,
+        up to _CLOSE_WAIT_S, rather than cut short)."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            self._closing.set()
+            self._wanted.set()
+            try:
+                async with asyncio.timeout(_CLOSE_WAIT_S):
+                    await asyncio.shield(self._task)
+            except TimeoutError:
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
             self._task = None
         while self._ready:
             await self._destroy(self._ready.popleft())
 
     async def _fill(self) -> None:
-        while True:
+        while not self._closing.is_set():
             # Also wake once a window has passed: demand that stopped lowers the target.
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.window_s):
                     await self._wanted.wait()
             self._wanted.clear()
-            while len(self._ready) < self.target:
+            while len(self._ready) < self.target and not self._closing.is_set():
                 try:
                     self._ready.append(await self._make())
                 except InsufficientCapacity as exc:  # expected on a full node: no alarm
                     log.info("pool %s: not refilling: %s", self.template, exc)
-                    await asyncio.sleep(_RETRY_S)
+                    await self._pause()
                 except NodeError as exc:
                     log.warning("pool %s: making a VM failed: %s", self.template, exc)
-                    await asyncio.sleep(_RETRY_S)
-            while len(self._ready) > self.target:
+                    await self._pause()
+            while len(self._ready) > self.target and not self._closing.is_set():
                 await self._destroy(self._ready.pop())
+
+    async def _pause(self) -> None:
+        """_RETRY_S before the next try, or less if the pool closes."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_RETRY_S):
+                await self._closing.wait()
 
     def _discard(self, vm: LiveSandbox) -> None:
         """Drop a pool VM that died while waiting (its removal runs in the background)."""
