@@ -283,3 +283,22 @@ def test_a_file_handed_to_a_jail_stays_in_the_agents_group_and_a_link_gets_nothi
         share(tmp_path / "link", uid, group)
     passwd = os.stat("/etc/passwd")
     assert (passwd.st_uid, passwd.st_gid, passwd.st_mode & 0o777) == (0, 0, 0o644)
+
+
+def test_a_call_after_every_task_was_cancelled_is_still_answered(broker: RootBroker) -> None:
+    """asyncio.run's end (``space serve`` on SIGTERM) cancels every task, the broker's
+    reader too, and the cleanups that run then still call the broker (a VM's release):
+    each waited the whole request timeout (660 s), and ``space serve`` with them."""
+
+    async def scenario() -> None:
+        with pytest.raises(NodeError):  # a first call: the reader runs
+            await broker.call(SetEgress(name="sp000000-abcdef", open=True))
+        reader = broker._reader_task
+        assert reader is not None
+        reader.cancel()
+        await asyncio.wait({reader})
+        async with asyncio.timeout(10):
+            with pytest.raises(NodeError, match="set_egress"):  # the broker's own answer
+                await broker.call(SetEgress(name="sp000000-abcdef", open=True))
+
+    asyncio.run(scenario())

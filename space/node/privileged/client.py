@@ -108,6 +108,11 @@ class RootBroker:
         async with self._start_lock:
             if self._sock is None or self._proc is None or self._proc.poll() is not None:
                 await self._spawn()
+            elif self._reader_task is None or self._reader_task.done():
+                # Its reader was cancelled with every task (asyncio.run's end, on
+                # SIGTERM), and the cleanups that run then still call the broker:
+                # without a reader each call waited the whole request timeout.
+                self._reader_task = loop.create_task(self._read(self._sock))
             assert self._sock is not None
             return self._sock
 
