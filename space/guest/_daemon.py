@@ -61,7 +61,7 @@ _HANDLERS: dict[str, Handler] = {
     Op.FILE_REMOVE: lambda d, s, f: _files.op_remove(f, d.accounts),
     Op.FILE_RENAME: lambda d, s, f: _files.op_rename(f, d.accounts),
     Op.FILE_WATCH: lambda d, s, f: _watch.op_watch(s, f, d.accounts, d.watches),
-    Op.SYSTEM_INFO: lambda d, s, f: _system_info(),
+    Op.SYSTEM_INFO: lambda d, s, f: _system_info(d.processes.spawners.starting),
     Op.SYSTEM_IDENTITY: lambda d, s, f: _identity.op_identity(f, d.identity),
     Op.SYSTEM_METRICS: lambda d, s, f: d.metrics.sample(),
     Op.PORT_CONNECT: lambda d, s, f: _ports.op_connect(
@@ -105,6 +105,7 @@ class Daemon:
         finally:
             self.end_session("stopping")
             self.processes.kill_all()
+            await self.processes.spawners.close()
             await self.transport.close()
 
     # -- transport events --
@@ -243,13 +244,14 @@ class Daemon:
             return OpError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}").to_result()
 
 
-async def _system_info() -> dict[str, object]:
+async def _system_info(spawner_starting: bool) -> dict[str, object]:
     return {
         "ok": True,
         "hostname": socket.gethostname(),
         "boot_id": _boot_id(),
         "uptime_s": _uptime_s(),
         "agent": AGENT,
+        "spawner_starting": spawner_starting,
     }
 
 

@@ -31,6 +31,7 @@ from ._processes import (
     ExecSpec,
     ManagedProcess,
     ProcessTable,
+    Spawned,
     default_env,
     exit_fields,
     kill_group,
@@ -120,7 +121,7 @@ async def op_exec(
         raise OpError(ErrorCode.INVALID_ARGUMENT, "follow needs background")
     if spec.background:
         table.reserve()
-    proc, io = await spawn(spec)
+    proc, io = await spawn(spec, table.spawners)
     process_id = new_process_id()
     if spec.background:
         managed = ManagedProcess(process_id, spec, proc, io)
@@ -146,7 +147,7 @@ async def op_exec(
 
 
 async def _run_foreground(
-    stream: Stream, proc: asyncio.subprocess.Process, io: ProcessIo, spec: ExecSpec
+    stream: Stream, proc: Spawned, io: ProcessIo, spec: ExecSpec
 ) -> dict[str, object]:
     stream.on_signal = lambda signum: kill_group(proc.pid, signum)
     tasks = [asyncio.create_task(_pump(stream, source, channel)) for channel, source in io.sources]

@@ -19,14 +19,24 @@ import subprocess
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from space.protocol import DATA_CHUNK_BYTES, Channel, ErrorCode
 
 from ._errors import OpError
 from ._request import Account
+from ._spawner import Spawners
 from ._stdio import ByteSource, ProcessIo, open_pty, take_terminal
 
-__all__ = ["ExecSpec", "ManagedProcess", "ProcessTable", "Subscriber", "kill_group", "spawn"]
+__all__ = [
+    "ExecSpec",
+    "ManagedProcess",
+    "ProcessTable",
+    "Spawned",
+    "Subscriber",
+    "kill_group",
+    "spawn",
+]
 
 RING_BYTES = 1024 * 1024
 MAX_PROCESSES = 256
@@ -63,21 +73,47 @@ def default_env(account: Account) -> dict[str, str]:
     }
 
 
-async def spawn(spec: ExecSpec) -> tuple[asyncio.subprocess.Process, ProcessIo]:
-    """Start the process directly (a shell only when ``cmd`` was given)."""
+class Spawned(Protocol):
+    """A started process as spaced uses it: asyncio's, or one a spawner helper started."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def stdin(self) -> asyncio.StreamWriter | None: ...
+
+    @property
+    def stdout(self) -> asyncio.StreamReader | None: ...
+
+    @property
+    def stderr(self) -> asyncio.StreamReader | None: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+
+async def spawn(spec: ExecSpec, spawners: Spawners) -> tuple[Spawned, ProcessIo]:
+    """Start the process (a shell only when ``cmd`` was given): through the account's
+    spawner helper when it has one ready, else directly."""
     if spec.pty is not None:
         return await _spawn_pty(spec, *spec.pty)
     piped = spec.open_stdin or (spec.stdin and not spec.background)
-    proc = await asyncio.create_subprocess_exec(
-        *spec.argv,
-        stdin=subprocess.PIPE if piped else subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        cwd=spec.cwd,
-        env=spec.env,
-        start_new_session=True,
-        **spec.account.spawn_kwargs(),  # type: ignore[arg-type]
+    proc: Spawned | None = await spawners.spawn(
+        spec.account, spec.argv, spec.env, spec.cwd, piped=piped
     )
+    if proc is None:
+        proc = await asyncio.create_subprocess_exec(
+            *spec.argv,
+            stdin=subprocess.PIPE if piped else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=spec.cwd,
+            env=spec.env,
+            start_new_session=True,
+            **spec.account.spawn_kwargs(),  # type: ignore[arg-type]
+        )
     assert proc.stdout is not None and proc.stderr is not None
     sources: list[tuple[Channel, ByteSource]] = [
         (Channel.OUTPUT, proc.stdout),
@@ -86,9 +122,7 @@ async def spawn(spec: ExecSpec) -> tuple[asyncio.subprocess.Process, ProcessIo]:
     return proc, ProcessIo(sources, stdin=proc.stdin if spec.open_stdin else None)
 
 
-async def _spawn_pty(
-    spec: ExecSpec, rows: int, cols: int
-) -> tuple[asyncio.subprocess.Process, ProcessIo]:
+async def _spawn_pty(spec: ExecSpec, rows: int, cols: int) -> tuple[Spawned, ProcessIo]:
     master, slave = open_pty(rows, cols)
     try:
         proc = await asyncio.create_subprocess_exec(
@@ -129,7 +163,7 @@ def new_process_id() -> str:
     return "p" + secrets.token_hex(8)
 
 
-async def wait_exit(proc: asyncio.subprocess.Process, timeout_s: float | None) -> bool:
+async def wait_exit(proc: Spawned, timeout_s: float | None) -> bool:
     """Wait for the process; on timeout kill its group. Returns whether it timed out."""
     try:
         async with asyncio.timeout(timeout_s):
@@ -175,7 +209,7 @@ class Subscriber:
 class ManagedProcess:
     process_id: str
     spec: ExecSpec
-    proc: asyncio.subprocess.Process
+    proc: Spawned
     io: ProcessIo
     started_at: float = field(default_factory=time.time)
     timed_out: bool = False
@@ -262,7 +296,9 @@ class ProcessTable:
         self._limit = limit
         self._processes: dict[str, ManagedProcess] = {}
         #: Foreground processes by id, so process.kill reaches them too (not listed).
-        self.foreground: dict[str, asyncio.subprocess.Process] = {}
+        self.foreground: dict[str, Spawned] = {}
+        #: The helpers that start processes as other accounts than spaced's.
+        self.spawners = Spawners()
         #: Their standard streams, so process.input and process.resize reach them too.
         self.foreground_io: dict[str, ProcessIo] = {}
 

@@ -573,5 +573,7 @@ def _system_info(message: dict[str, object]) -> dict[str, object]:
         "boot_id": parse.require_str(message, "boot_id", max_chars=256),
         "uptime_s": parse.require_number(message, "uptime_s"),
         "agent": parse.require_str(message, "agent", max_chars=256),
+        # Absent from older guests, which have no spawner helper to wait for.
+        "spawner_starting": message.get("spawner_starting") is True,
     }
     return info

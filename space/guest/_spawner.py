@@ -1,0 +1,372 @@
+"""Spawners: a helper per account that starts that account's processes for spaced.
+
+Why: CPython forks (it cannot vfork) a child that changes its uid, and a fork copies
+spaced's whole address space: under gVisor's ptrace platform that was 38.8 ms for
+``true`` against 11.6 ms vforked, and a fork is as dear under TCG. A helper that already
+runs as the account vforks instead (space.guest._spawn_helper: its protocol). spaced
+starts it the first time it runs a process as that account, and spawns directly until
+the helper says it is ready.
+
+spaced makes the pipes and passes the child's ends over a socketpair (SOCK_SEQPACKET,
+SCM_RIGHTS) with argv, env and cwd. The helper runs as the tenant's own account, so
+spaced believes nothing it says unchecked: answers are bounded, a pid must be the
+helper's child of that uid (while it lives), an exit must name a pid it spawned. If the
+helper ends, its processes still running are killed (their exits could no longer be
+known) and a later spawn starts another helper. A PTY (its child takes the terminal in
+a preexec_fn), root's own processes and requests over ``MAX_REQUEST_BYTES`` spawn
+directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+from space.protocol import ErrorCode
+
+from ._errors import OpError
+from ._spawn_helper import MAX_REQUEST_BYTES
+
+if TYPE_CHECKING:
+    from ._request import Account
+
+__all__ = ["HelperProcess", "Spawners"]
+
+_log = logging.getLogger("spaced.spawner")
+
+#: The largest answer an honest helper sends (an errno with its text and a path).
+_MAX_ANSWER_BYTES = 64 * 1024
+#: At most this many accounts get a helper; others spawn directly.
+_MAX_HELPERS = 8
+#: A helper that ended sooner than this after it started is not started again before
+#: ``_RETRY_AFTER_S`` (a broken one must not cost a start on every exec).
+_QUICK_DEATH_S = 10.0
+_RETRY_AFTER_S = 60.0
+
+
+class _HelperGone(Exception):
+    """The helper ended (or lied) before it answered a request."""
+
+
+class HelperProcess:
+    """A process a helper started, shaped as asyncio.subprocess.Process where spaced
+    uses it: ``pid``, ``returncode``, ``wait()`` and the parent's ends of its pipes."""
+
+    def __init__(
+        self,
+        pid: int,
+        exited: asyncio.Future[int],
+        stdin: asyncio.StreamWriter | None,
+        stdout: asyncio.StreamReader,
+        stderr: asyncio.StreamReader,
+    ) -> None:
+        self.pid = pid
+        self.stdin = stdin
+        self.stdout = stdout
+        self.stderr = stderr
+        self._exited = exited
+
+    @property
+    def returncode(self) -> int | None:
+        return self._exited.result() if self._exited.done() else None
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._exited)
+
+
+class _Helper:
+    """spaced's end of one account's helper."""
+
+    def __init__(self, account: Account) -> None:
+        self.account = account
+        self.ready = False
+        self.ended = False
+        self.started_at = time.monotonic()
+        self._sock: socket.socket | None = None
+        self._proc: asyncio.subprocess.Process | None = None
+        #: Requests sent and not answered yet, oldest first (the helper answers in order).
+        self._answers: deque[asyncio.Future[tuple[int, asyncio.Future[int]]]] = deque()
+        #: Exits to come, by pid, of the processes the helper started.
+        self._exits: dict[int, asyncio.Future[int]] = {}
+
+    async def start(self) -> None:
+        """Start the helper; it is ``ready`` once it says so (or ``ended`` on failure)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        account = self.account
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-B",
+                "-m",
+                "space.guest._spawn_helper",
+                str(theirs.fileno()),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),),
+                cwd="/",
+                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONPATH": _package_root()},
+                start_new_session=True,
+                user=account.uid,
+                group=account.gid,
+                extra_groups=list(account.groups),
+            )
+        except (OSError, ValueError) as exc:
+            _log.warning("cannot start a spawner for %s: %s", account.name, exc)
+            ours.close()
+            self.ended = True
+            return
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        self._sock = ours
+        asyncio.get_running_loop().add_reader(ours.fileno(), self._on_readable)
+
+    def spawn_soon(self) -> None:
+        task = asyncio.get_running_loop().create_task(self.start())
+        _background.add(task)
+        task.add_done_callback(_background.discard)
+
+    async def spawn(
+        self, argv: list[str], env: dict[str, str], cwd: str, piped: bool
+    ) -> HelperProcess | None:
+        """Start a process through the helper; None if the request is too big to send
+        (spawn it directly). Raises OSError as subprocess would (no such program,
+        no such cwd), or OpError if the helper ended without answering."""
+        request = json.dumps({"argv": argv, "env": env, "cwd": cwd, "stdin": piped}).encode()
+        if len(request) > MAX_REQUEST_BYTES or self._sock is None:
+            return None
+        ends: list[int] = []  # ours: stdin's write end (if piped), stdout's and stderr's read ends
+        theirs: list[int] = []
+        started = False
+        try:
+            if piped:
+                read_end, write_end = os.pipe()
+                ends.append(write_end)
+                theirs.append(read_end)
+            for _ in range(2):
+                read_end, write_end = os.pipe()
+                ends.append(read_end)
+                theirs.append(write_end)
+            try:
+                socket.send_fds(self._sock, [request], theirs)
+            except BlockingIOError:  # the helper is behind: spawn this one directly
+                return None
+            except OSError as exc:
+                self._end(f"send failed: {exc}")
+                return None
+            answer: asyncio.Future[tuple[int, asyncio.Future[int]]]
+            answer = asyncio.get_running_loop().create_future()
+            self._answers.append(answer)
+            for fd in theirs:
+                os.close(fd)
+            theirs.clear()
+            try:
+                pid, exited = await answer
+            except _HelperGone as exc:
+                raise OpError(
+                    ErrorCode.INTERNAL,
+                    f"the spawner of {self.account.name} ended before it answered ({exc}):"
+                    " the process may have started",
+                ) from None
+            started = True
+        finally:
+            for fd in theirs if started else theirs + ends:
+                os.close(fd)
+        return await _process(pid, exited, ends, piped)
+
+    async def close(self) -> None:
+        """End the helper (and what it started) and wait for it, briefly."""
+        self._end("closed")
+        if self._proc is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(2):
+                    await self._proc.wait()
+
+    # -- the helper's answers --
+
+    def _on_readable(self) -> None:
+        assert self._sock is not None
+        while not self.ended:
+            try:
+                data, _, flags, _ = self._sock.recvmsg(_MAX_ANSWER_BYTES)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self._end(f"read failed: {exc}")
+                return
+            if not data:
+                self._end("it exited")
+                return
+            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+                self._end("an answer too long, or with descriptors")
+                return
+            try:
+                self._on_answer(json.loads(data))
+            except (ValueError, TypeError, KeyError) as exc:
+                self._end(f"a bad answer: {exc}")
+                return
+
+    def _on_answer(self, answer: object) -> None:
+        if not isinstance(answer, dict):
+            raise ValueError("not an object")
+        if answer.keys() == {"ready"}:
+            self.ready = True
+        elif answer.keys() == {"exit", "code"}:
+            pid, code = answer["exit"], answer["code"]
+            if not (_is_int(pid) and _is_int(code) and -64 < code < 256):
+                raise ValueError("exit out of range")
+            future = self._exits.pop(pid, None)
+            if future is not None and not future.done():
+                future.set_result(code)
+        elif answer.keys() == {"pid"}:
+            pid = answer["pid"]
+            if not (_is_int(pid) and pid > 1) or pid in self._exits:
+                raise ValueError("pid out of range")
+            self._check_child(pid)
+            exited: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            self._exits[pid] = exited
+            self._next_answer().set_result((pid, exited))
+        elif answer.keys() == {"errno", "error", "filename"}:
+            number, text, filename = answer["errno"], answer["error"], answer["filename"]
+            if not (_is_int(number) and isinstance(text, str) and len(text) <= 512):
+                raise ValueError("errno out of range")
+            if filename is not None and not isinstance(filename, str):
+                raise ValueError("filename not a string")
+            exc = OSError(number, text) if filename is None else OSError(number, text, filename)
+            self._next_answer().set_exception(exc)
+        else:
+            raise ValueError(f"unknown answer {sorted(answer)}")
+
+    def _next_answer(self) -> asyncio.Future[tuple[int, asyncio.Future[int]]]:
+        while self._answers:
+            answer = self._answers.popleft()
+            if not answer.done():  # else its spawn was cancelled: the process is orphaned
+                return answer
+        raise ValueError("an answer to no request")
+
+    def _check_child(self, pid: int) -> None:
+        """Refuse a pid that is not the helper's child running as the account: spaced
+        signals it as root. A child gone already (exited and reaped) cannot be checked,
+        and cannot be signalled either."""
+        assert self._proc is not None
+        try:
+            with open(f"/proc/{pid}/status", "rb") as file:
+                status = file.read(8192).decode(errors="replace")
+        except FileNotFoundError:
+            return
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        parent = int(fields["PPid"].split()[0])
+        uid = int(fields["Uid"].split()[0])
+        if parent != self._proc.pid or uid != self.account.uid:
+            raise ValueError(f"pid {pid} is not its child of uid {self.account.uid}")
+
+    def _end(self, why: str) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        self.ready = False
+        if self.started_at + _QUICK_DEATH_S > time.monotonic():
+            self.started_at -= _RETRY_AFTER_S  # see Spawners.spawn: no restart for a while
+        level = logging.INFO if why == "closed" else logging.WARNING
+        _log.log(level, "the spawner of %s ended: %s", self.account.name, why)
+        if self._sock is not None:
+            with contextlib.suppress(ValueError, OSError):
+                asyncio.get_running_loop().remove_reader(self._sock.fileno())
+            self._sock.close()
+        while self._answers:
+            answer = self._answers.popleft()
+            if not answer.done():
+                answer.set_exception(_HelperGone(why))
+        for pid, exited in self._exits.items():
+            # Their exits would never be known: end them now, and say so.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+            if not exited.done():
+                exited.set_result(-signal.SIGKILL)
+        self._exits.clear()
+        if self._proc is not None:
+            if self._proc.returncode is None:  # not Process.kill: its poll() would reap
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self._proc.pid, signal.SIGKILL)
+            task = asyncio.get_running_loop().create_task(self._proc.wait())
+            _background.add(task)
+            task.add_done_callback(_background.discard)
+
+
+class Spawners:
+    """The helpers of the accounts spaced runs processes as (not its own)."""
+
+    def __init__(self) -> None:
+        self._helpers: dict[tuple[int, int, tuple[int, ...]], _Helper] = {}
+
+    async def spawn(
+        self, account: Account, argv: list[str], env: dict[str, str], cwd: str, *, piped: bool
+    ) -> HelperProcess | None:
+        """Start a process as ``account`` through its helper, if it has one ready;
+        None: spawn it directly (root's own, no helper yet, a helper ended lately)."""
+        if account.uid == os.geteuid():
+            return None  # no uid change: CPython vforks already
+        key = (account.uid, account.gid, account.groups)
+        helper = self._helpers.get(key)
+        if helper is None or (
+            helper.ended and helper.started_at + _RETRY_AFTER_S < time.monotonic()
+        ):
+            if helper is None and len(self._helpers) >= _MAX_HELPERS:
+                return None
+            helper = self._helpers[key] = _Helper(account)
+            helper.spawn_soon()
+        if not helper.ready:
+            return None
+        return await helper.spawn(argv, env, cwd, piped)
+
+    @property
+    def starting(self) -> bool:
+        """Whether a helper is starting (not ready yet, not ended)."""
+        return any(not (helper.ready or helper.ended) for helper in self._helpers.values())
+
+    async def close(self) -> None:
+        helpers = list(self._helpers.values())
+        self._helpers.clear()
+        await asyncio.gather(*(helper.close() for helper in helpers))
+
+
+_background: set[asyncio.Task[object]] = set()
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _package_root() -> str:
+    # .../<root>/space/guest/_spawner.py -> <root>: the helper imports this same file.
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+async def _process(
+    pid: int, exited: asyncio.Future[int], ends: list[int], piped: bool
+) -> HelperProcess:
+    """Wrap our pipe ends in the loop's streams, as asyncio.subprocess does."""
+    loop = asyncio.get_running_loop()
+    writer = None
+    readers = []
+    if piped:
+        pipe = os.fdopen(ends[0], "wb", buffering=0)
+        transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, pipe)
+        writer = asyncio.StreamWriter(transport, protocol, None, loop)
+    for fd in ends[-2:]:
+        reader = asyncio.StreamReader(loop=loop)
+        make = functools.partial(asyncio.StreamReaderProtocol, reader)
+        await loop.connect_read_pipe(make, os.fdopen(fd, "rb", buffering=0))
+        readers.append(reader)
+    return HelperProcess(pid, exited, writer, readers[0], readers[1])

@@ -1,0 +1,190 @@
+"""spaced's spawner helpers: another account's processes vforked by a helper of that account.
+
+The real spaced (--stdio, as root) runs processes as ``nobody``; what a helper started
+is told by its parent's process name (``spaced-spawner``). Then spaced's end is fed
+answers a hostile helper could send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from space.guest._errors import OpError
+from space.guest._request import Account
+from space.guest._spawner import _Helper
+from space.node.api import ExecRequest, NotFound
+from space.node.channel import GuestChannel
+
+from ._guest_harness import Guest, run_with_channel
+from .test_guest_daemon import collect
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="running as another user needs root")
+
+PARENT = ["sh", "-c", "cat /proc/$PPID/comm"]
+
+
+def as_nobody(**fields: object) -> ExecRequest:
+    return ExecRequest(user="nobody", **({"cwd": "/"} | fields))  # type: ignore[arg-type]
+
+
+async def until_the_helper_spawns(channel: GuestChannel) -> None:
+    """Exec as nobody until its parent is the helper (the first exec starts it)."""
+    deadline = time.monotonic() + 20
+    while True:
+        out, _, exited = await collect(await channel.exec(as_nobody(argv=PARENT)))
+        assert exited.exit_code == 0
+        if out == b"spaced-spawner\n":
+            return
+        assert out == b"python3\n" or out.startswith(b"python"), out  # spaced itself
+        assert time.monotonic() < deadline, "the helper never became ready"
+        await asyncio.sleep(0.1)
+
+
+@needs_root
+def test_another_account_s_processes_run_through_its_helper_with_everything_an_exec_has(
+    tmp_path: Path,
+) -> None:
+    async def body(channel: GuestChannel, guest: Guest) -> None:
+        assert (await channel.system_info())["spawner_starting"] is False  # none yet
+        await until_the_helper_spawns(channel)
+        assert (await channel.system_info())["spawner_starting"] is False  # ready
+        request = as_nobody(
+            argv=["sh", "-c", 'id -un; echo "$GREETING" "$(pwd)"; cat; echo err >&2; exit 3'],
+            env={"GREETING": "hello"},
+            cwd="/tmp",
+            stdin=b"from stdin\n",
+        )
+        out, err, exited = await collect(await channel.exec(request))
+        assert out == b"nobody\nhello /tmp\nfrom stdin\n"
+        assert (err, exited.exit_code, exited.signal) == (b"err\n", 3, None)
+
+        # Input in pieces, then EOF (process.input), and a 1 MiB round trip.
+        stream = await channel.exec(
+            as_nobody(argv=["sh", "-c", PARENT[2] + "; cat"], open_stdin=True)
+        )
+        assert await channel.write_stdin(stream.process_id, b"one ") == 4
+        assert await channel.write_stdin(stream.process_id, b"two", eof=True) == 3
+        out, _, exited = await collect(stream)
+        assert (out, exited.exit_code) == (b"spaced-spawner\none two", 0)
+        data = os.urandom(1 << 20)
+        out, _, exited = await collect(await channel.exec(as_nobody(argv=["cat"], stdin=data)))
+        assert out == data and exited.exit_code == 0
+
+        with pytest.raises(NotFound, match="no-such-program"):
+            await channel.exec(as_nobody(argv=["no-such-program"]))
+        with pytest.raises(NotFound, match="/no/such/dir"):
+            await channel.exec(as_nobody(argv=["true"], cwd="/no/such/dir"))
+
+        # A timeout kills the process's group.
+        request = as_nobody(cmd="sleep 30 & sleep 30", timeout_s=0.5)
+        _, _, exited = await collect(await channel.exec(request))
+        assert exited.timed_out and exited.signal == signal.SIGKILL
+
+        # A background process: listed, killed by its group (it runs in its own session).
+        started = await channel.exec(as_nobody(cmd="sleep 30 & sleep 30", background=True))
+        assert [event async for event in started] == []
+        attached = await channel.attach(started.process_id)
+        await channel.kill_process(started.process_id)
+        _, _, exited = await collect(attached)
+        assert exited.signal == signal.SIGKILL
+
+        # A request too big for one datagram (non-ASCII goes as \u escapes: 40 KB on the
+        # channel, 120 KB to the helper) spawns directly, as before.
+        big = {"BIG": "é" * 20_000}
+        out, _, exited = await collect(await channel.exec(as_nobody(argv=PARENT, env=big)))
+        assert out.startswith(b"python") and exited.exit_code == 0
+
+    run_with_channel(tmp_path, body)
+
+
+@needs_root
+def test_a_killed_helper_ends_its_processes_and_the_next_exec_still_runs(tmp_path: Path) -> None:
+    async def body(channel: GuestChannel, guest: Guest) -> None:
+        await until_the_helper_spawns(channel)
+        started = await channel.exec(as_nobody(cmd="sleep 60", background=True))
+        assert [event async for event in started] == []
+        attached = await channel.attach(started.process_id)
+        out, _, exited = await collect(
+            await channel.exec(
+                ExecRequest(argv=["pkill", "-x", "-e", "spaced-spawner"], user="root")
+            )
+        )
+        assert exited.exit_code == 0 and b"killed" in out
+        _, _, exited = await collect(attached)
+        assert exited.signal == signal.SIGKILL  # its exit could no longer be known
+        assert not alive(started.pid)
+        # The helper died young: spaced spawns directly for a while.
+        out, _, exited = await collect(await channel.exec(as_nobody(argv=["id", "-un"])))
+        assert (out, exited.exit_code) == (b"nobody\n", 0)
+
+    run_with_channel(tmp_path, body)
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (an orphan's zombie, killed, waits for whoever adopted it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+class _Proc:
+    pid = os.getpid()
+
+
+def _helper() -> _Helper:
+    helper = _Helper(Account("nobody", 65534, 65534, "/", ()))
+    helper._proc = _Proc()  # type: ignore[assignment]
+    return helper
+
+
+@pytest.mark.parametrize(
+    ("answer", "why"),
+    [
+        ([1, 2], "not an object"),
+        ({"pid": os.getppid()}, "is not its child"),  # a live process, not the helper's
+        ({"pid": 1}, "pid out of range"),
+        ({"pid": True}, "pid out of range"),
+        ({"exit": 123, "code": 999}, "exit out of range"),
+        ({"errno": "2", "error": "x", "filename": None}, "errno out of range"),
+        ({"errno": 2, "error": "x" * 600, "filename": None}, "errno out of range"),
+        ({"errno": 2, "error": "x", "filename": 5}, "filename not a string"),
+        ({"something": "else"}, "unknown answer"),
+    ],
+)
+def test_spaced_refuses_what_a_helper_should_not_say(answer: object, why: str) -> None:
+    async def main() -> None:
+        helper = _helper()
+        request: asyncio.Future[tuple[int, asyncio.Future[int]]]
+        request = asyncio.get_running_loop().create_future()
+        helper._answers.append(request)
+        with pytest.raises(ValueError, match=why):
+            helper._on_answer(answer)
+        assert not request.done()
+
+    asyncio.run(main())
+
+
+def test_an_answer_to_no_request_is_refused_and_an_ended_helper_fails_its_requests() -> None:
+    async def main() -> None:
+        helper = _helper()
+        with pytest.raises(ValueError, match="an answer to no request"):
+            helper._on_answer({"errno": 2, "error": "x", "filename": None})
+        waiting: asyncio.Future[tuple[int, asyncio.Future[int]]]
+        waiting = asyncio.get_running_loop().create_future()
+        helper._answers.append(waiting)
+        helper._proc = None
+        helper._end("a test")
+        assert helper.ended and not helper.ready
+        with pytest.raises(Exception, match="a test"):
+            waiting.result()
+        assert not isinstance(waiting.exception(), OpError)
+
+    asyncio.run(main())
