@@ -213,8 +213,8 @@ class _Helper:
                 return
             try:
                 self._on_answer(json.loads(data))
-            except (ValueError, TypeError, KeyError) as exc:
-                self._end(f"a bad answer: {exc}")
+            except Exception as exc:  # whatever it is, a request must not wait forever
+                self._end(f"a bad answer: {exc!r}")
                 return
 
     def _on_answer(self, answer: object) -> None:
@@ -263,7 +263,7 @@ class _Helper:
         try:
             with open(f"/proc/{pid}/status", "rb") as file:
                 status = file.read(8192).decode(errors="replace")
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # ESRCH: gone while read
             return
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
         parent = int(fields["PPid"].split()[0])

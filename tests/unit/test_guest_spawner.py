@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from space.guest import _spawner
 from space.guest._errors import OpError
 from space.guest._request import Account
 from space.guest._spawner import _Helper
@@ -186,5 +187,30 @@ def test_an_answer_to_no_request_is_refused_and_an_ended_helper_fails_its_reques
         with pytest.raises(Exception, match="a test"):
             waiting.result()
         assert not isinstance(waiting.exception(), OpError)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("gone", [FileNotFoundError, ProcessLookupError])
+def test_a_child_gone_before_its_pid_is_checked_is_taken(
+    gone: type[OSError], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``true`` can end, and be reaped, before spaced reads its /proc entry: the open
+    fails (ENOENT) or the read does (ESRCH); the helper's exit answer follows."""
+
+    def vanished(*args: object, **kwargs: object) -> None:
+        raise gone()
+
+    monkeypatch.setattr(_spawner, "open", vanished, raising=False)
+
+    async def main() -> None:
+        helper = _helper()
+        request: asyncio.Future[tuple[int, asyncio.Future[int]]]
+        request = asyncio.get_running_loop().create_future()
+        helper._answers.append(request)
+        helper._on_answer({"pid": 4242})
+        pid, exited = request.result()
+        helper._on_answer({"exit": 4242, "code": 0})
+        assert (pid, exited.result()) == (4242, 0)
 
     asyncio.run(main())
