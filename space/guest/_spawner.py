@@ -53,6 +53,9 @@ _MAX_HELPERS = 8
 #: ``_RETRY_AFTER_S`` (a broken one must not cost a start on every exec).
 _QUICK_DEATH_S = 10.0
 _RETRY_AFTER_S = 60.0
+#: A helper not ready this long after its start is ended (a python starts in well under
+#: a second under gVisor, a few seconds under TCG).
+_READY_TIMEOUT_S = 60.0
 
 
 class _HelperGone(Exception):
@@ -93,6 +96,8 @@ class _Helper:
         self.ready = False
         self.ended = False
         self.started_at = time.monotonic()
+        #: When an ended helper may be replaced (a minute later after a quick death).
+        self.retry_at = 0.0
         self._sock: socket.socket | None = None
         self._proc: asyncio.subprocess.Process | None = None
         #: Requests sent and not answered yet, oldest first (the helper answers in order).
@@ -122,15 +127,24 @@ class _Helper:
                 extra_groups=list(account.groups),
             )
         except (OSError, ValueError) as exc:
-            _log.warning("cannot start a spawner for %s: %s", account.name, exc)
             ours.close()
-            self.ended = True
+            self._end(f"cannot start it: {exc}")
             return
         finally:
             theirs.close()
         ours.setblocking(False)
         self._sock = ours
-        asyncio.get_running_loop().add_reader(ours.fileno(), self._on_readable)
+        if self.ended:  # closed while it started
+            self.ended = False
+            self._end("closed")
+            return
+        loop = asyncio.get_running_loop()
+        loop.add_reader(ours.fileno(), self._on_readable)
+        loop.call_later(_READY_TIMEOUT_S, self._check_ready)
+
+    def _check_ready(self) -> None:
+        if not (self.ready or self.ended):
+            self._end(f"not ready after {_READY_TIMEOUT_S:.0f} s")
 
     def spawn_soon(self) -> None:
         task = asyncio.get_running_loop().create_task(self.start())
@@ -276,8 +290,8 @@ class _Helper:
             return
         self.ended = True
         self.ready = False
-        if self.started_at + _QUICK_DEATH_S > time.monotonic():
-            self.started_at -= _RETRY_AFTER_S  # see Spawners.spawn: no restart for a while
+        now = time.monotonic()
+        self.retry_at = now + _RETRY_AFTER_S if now < self.started_at + _QUICK_DEATH_S else now
         level = logging.INFO if why == "closed" else logging.WARNING
         _log.log(level, "the spawner of %s ended: %s", self.account.name, why)
         if self._sock is not None:
@@ -319,9 +333,7 @@ class Spawners:
             return None  # no uid change: CPython vforks already
         key = (account.uid, account.gid, account.groups)
         helper = self._helpers.get(key)
-        if helper is None or (
-            helper.ended and helper.started_at + _RETRY_AFTER_S < time.monotonic()
-        ):
+        if helper is None or (helper.ended and helper.retry_at <= time.monotonic()):
             if helper is None and len(self._helpers) >= _MAX_HELPERS:
                 return None
             helper = self._helpers[key] = _Helper(account)

@@ -120,9 +120,11 @@ def test_a_killed_helper_ends_its_processes_and_the_next_exec_still_runs(tmp_pat
         _, _, exited = await collect(attached)
         assert exited.signal == signal.SIGKILL  # its exit could no longer be known
         assert not alive(started.pid)
-        # The helper died young: spaced spawns directly for a while.
-        out, _, exited = await collect(await channel.exec(as_nobody(argv=["id", "-un"])))
-        assert (out, exited.exit_code) == (b"nobody\n", 0)
+        # The helper died young: spaced spawns directly for a while (no new helper).
+        for _ in range(3):
+            out, _, exited = await collect(await channel.exec(as_nobody(argv=PARENT)))
+            assert out.startswith(b"python") and exited.exit_code == 0
+            await asyncio.sleep(0.3)
 
     run_with_channel(tmp_path, body)
 
@@ -212,5 +214,19 @@ def test_a_child_gone_before_its_pid_is_checked_is_taken(
         pid, exited = request.result()
         helper._on_answer({"exit": 4242, "code": 0})
         assert (pid, exited.result()) == (4242, 0)
+
+    asyncio.run(main())
+
+
+def test_a_helper_that_died_young_is_replaced_a_minute_later_an_old_one_at_once() -> None:
+    async def main() -> None:
+        young, old = _helper(), _helper()
+        young._proc = old._proc = None
+        old.started_at -= 3600
+        young._end("a test")
+        old._end("a test")
+        now = time.monotonic()
+        assert now + 50 < young.retry_at <= now + 60
+        assert old.retry_at <= now
 
     asyncio.run(main())
