@@ -250,7 +250,12 @@ class _Helper:
             self._check_child(pid)
             exited: asyncio.Future[int] = asyncio.get_running_loop().create_future()
             self._exits[pid] = exited
-            self._next_answer().set_result((pid, exited))
+            request = self._next_answer()
+            if request.done():  # its exec was cancelled (the host went): end the process
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+            else:
+                request.set_result((pid, exited))
         elif answer.keys() == {"errno", "error", "filename"}:
             number, text, filename = answer["errno"], answer["error"], answer["filename"]
             if not (_is_int(number) and isinstance(text, str) and len(text) <= 512):
@@ -258,16 +263,18 @@ class _Helper:
             if filename is not None and not isinstance(filename, str):
                 raise ValueError("filename not a string")
             exc = OSError(number, text) if filename is None else OSError(number, text, filename)
-            self._next_answer().set_exception(exc)
+            request = self._next_answer()
+            if not request.done():
+                request.set_exception(exc)
         else:
             raise ValueError(f"unknown answer {sorted(answer)}")
 
     def _next_answer(self) -> asyncio.Future[tuple[int, asyncio.Future[int]]]:
-        while self._answers:
-            answer = self._answers.popleft()
-            if not answer.done():  # else its spawn was cancelled: the process is orphaned
-                return answer
-        raise ValueError("an answer to no request")
+        """The oldest request's future: cancelled (done) if its exec was, and still
+        answered, or the next request would take its answer."""
+        if not self._answers:
+            raise ValueError("an answer to no request")
+        return self._answers.popleft()
 
     def _check_child(self, pid: int) -> None:
         """Refuse a pid that is not the helper's child running as the account: spaced

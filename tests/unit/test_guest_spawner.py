@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -230,3 +231,32 @@ def test_a_helper_that_died_young_is_replaced_a_minute_later_an_old_one_at_once(
         assert old.retry_at <= now
 
     asyncio.run(main())
+
+
+def test_the_answer_to_a_cancelled_exec_is_its_own_and_its_process_is_ended() -> None:
+    """Answers come in order: a cancelled exec's pid must not go to the next exec (it
+    would get another's process); that process is ended, as a cancelled exec's is."""
+    orphan = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    other = subprocess.Popen(["sleep", "30"], start_new_session=True)
+
+    async def main() -> None:
+        helper = _helper()
+        helper.account = Account("me", os.getuid(), os.getgid(), "/", ())
+        cancelled: asyncio.Future[tuple[int, asyncio.Future[int]]]
+        waiting: asyncio.Future[tuple[int, asyncio.Future[int]]]
+        cancelled = asyncio.get_running_loop().create_future()
+        waiting = asyncio.get_running_loop().create_future()
+        helper._answers.extend([cancelled, waiting])
+        cancelled.cancel()
+        helper._on_answer({"pid": orphan.pid})
+        assert not waiting.done()
+        helper._on_answer({"pid": other.pid})
+        assert waiting.result()[0] == other.pid
+
+    try:
+        asyncio.run(main())
+        assert orphan.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        for process in (orphan, other):
+            process.kill()
+            process.wait()
