@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from space.node.agent._gvisor_trees import boot_gvisor
-from space.node.agent._hidden import pool_vm_id
-from space.node.api import ExecRequest, InsufficientCapacity, NodeError, PoolInfo, SandboxState
+from space.node.agent._hidden import channel_of, pool_vm_id, warm_up
+from space.node.api import InsufficientCapacity, NodeError, PoolInfo, SandboxState
 from space.node.core.capacity import Claim
 from space.node.core.sandbox import LiveSandbox
 from space.node.core.state import Pending, SandboxRecord
@@ -66,10 +66,6 @@ _RETRY_S = 5.0
 #: make cancelled in the middle of its VMM's launch could leave that VMM running, known
 #: to no node (a node restarted right after a hit, whose refill was booting).
 _CLOSE_WAIT_S = 120.0
-#: How long a pool sandbox's warm-up waits for its spawner helper to be ready (a python
-#: starting: 0.1-0.8 s under gVisor, seconds under TCG); past it the sandbox waits in
-#: the pool all the same, and its helper comes up there.
-_SPAWNER_WAIT_S = 10.0
 
 
 class WarmPool:
@@ -301,32 +297,17 @@ async def make_pool_vm(node: Registry, template: Template, guest: str = "qemu") 
                 # one ~7: the first is paid here, not by the hit (a VM's wake from its
                 # ready state had one).
                 await node.life.apply_identity(vm, fresh=True)
-                await _warm(vm)
+                await warm_up(channel_of(vm))
             else:
                 assert template.ready is not None
                 await node.life.create_from_image(vm, template.ready)
-                await _warm(vm)
+                await warm_up(channel_of(vm))
                 await vm.pause()
                 node.life.save(vm, SandboxState.PAUSED)
         except BaseException:
             await asyncio.shield(node.destroy(vm))
             raise
     return vm
-
-
-async def _warm(vm: LiveSandbox) -> None:
-    """One ``true``: the paths a hit takes are then warm (translated, under TCG), and
-    the user's spawner helper it started is ready (up to ``_SPAWNER_WAIT_S``): a hit's
-    first exec then vforks, not a fork beside a starting python."""
-    assert vm.channel is not None
-    stream = await vm.channel.exec(ExecRequest(argv=["true"]))
-    async for _ in stream:
-        pass
-    deadline = time.monotonic() + _SPAWNER_WAIT_S
-    while time.monotonic() < deadline:
-        if not (await vm.channel.system_info())["spawner_starting"]:
-            return
-        await asyncio.sleep(0.02)
 
 
 async def hand_over(node: Registry, pooled: LiveSandbox, sandbox: LiveSandbox) -> None:

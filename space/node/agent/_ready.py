@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from space.node.agent._hidden import boot_hidden, channel_of, start_command, wait_ready
+from space.node.agent._hidden import boot_hidden, channel_of, start_command, wait_ready, warm_up
 from space.node.core.template import Template
 
 if TYPE_CHECKING:
@@ -46,6 +46,7 @@ async def ensure_ready(node: Registry, template: Template) -> Path:
     try:
         await start_command(channel_of(vm), template, check=True)
         await wait_ready(channel_of(vm), template)
+        await warm_up(channel_of(vm))
         await node.life.capture_image(vm, template.ready_image)
         await asyncio.to_thread(_write_mark, template.ready_mark)
     except BaseException:
