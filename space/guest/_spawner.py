@@ -9,8 +9,8 @@ the helper says it is ready.
 
 spaced makes the pipes and passes the child's ends over a socketpair (SOCK_SEQPACKET,
 SCM_RIGHTS) with argv, env and cwd. The helper runs as the tenant's own account, so
-spaced believes nothing it says unchecked: answers are bounded, a pid must be the
-helper's child of that uid (while it lives), an exit must name a pid it spawned. If the
+spaced believes nothing it says unchecked: answers are bounded, a pid must lead a
+session of its own (while it lives), an exit must name a pid it spawned. If the
 helper ends, its processes still running are killed (their exits could no longer be
 known) and a later spawn starts another helper. A PTY (its child takes the terminal in
 a preexec_fn), root's own processes and requests over ``MAX_REQUEST_BYTES`` spawn
@@ -277,20 +277,17 @@ class _Helper:
         return self._answers.popleft()
 
     def _check_child(self, pid: int) -> None:
-        """Refuse a pid that is not the helper's child running as the account: spaced
-        signals it as root. A child gone already (exited and reaped) cannot be checked,
-        and cannot be signalled either."""
-        assert self._proc is not None
+        """Refuse a pid whose group spaced must not signal (it signals groups as root):
+        the helper's children each lead a session of their own (start_new_session);
+        spaced, init and their groups do not. One getsid: reading /proc/PID/status
+        took 0.9 ms under gVisor, per exec. A child gone already cannot be checked, and
+        cannot be signalled either."""
         try:
-            with open(f"/proc/{pid}/status", "rb") as file:
-                status = file.read(8192).decode(errors="replace")
-        except (FileNotFoundError, ProcessLookupError):  # ESRCH: gone while read
+            session = os.getsid(pid)
+        except ProcessLookupError:
             return
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        parent = int(fields["PPid"].split()[0])
-        uid = int(fields["Uid"].split()[0])
-        if parent != self._proc.pid or uid != self.account.uid:
-            raise ValueError(f"pid {pid} is not its child of uid {self.account.uid}")
+        if session != pid or pid == os.getpid():
+            raise ValueError(f"pid {pid} does not lead a session of its own")
 
     def _end(self, why: str) -> None:
         if self.ended:

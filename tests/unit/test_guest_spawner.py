@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import time
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -153,7 +154,6 @@ def _helper() -> _Helper:
     ("answer", "why"),
     [
         ([1, 2], "not an object"),
-        ({"pid": os.getppid()}, "is not its child"),  # a live process, not the helper's
         ({"pid": 1}, "pid out of range"),
         ({"pid": True}, "pid out of range"),
         ({"exit": 123, "code": 999}, "exit out of range"),
@@ -258,5 +258,30 @@ def test_the_answer_to_a_cancelled_exec_is_its_own_and_its_process_is_ended() ->
         assert orphan.wait(timeout=10) == -signal.SIGKILL
     finally:
         for process in (orphan, other):
+            process.kill()
+            process.wait()
+
+
+def test_a_pid_that_leads_no_session_of_its_own_is_refused() -> None:
+    """spaced signals a process's group as root: a helper naming spaced itself, or a
+    process inside another's session (as spaced and init are), is refused."""
+    inside = subprocess.Popen(["sleep", "30"])  # in this test's session
+    leader = subprocess.Popen(["sleep", "30"], start_new_session=True)
+
+    async def main() -> None:
+        for pid in (inside.pid, os.getpid()):
+            helper = _helper()
+            helper._answers.append(asyncio.get_running_loop().create_future())
+            with pytest.raises(ValueError, match="does not lead a session of its own"):
+                helper._on_answer({"pid": pid})
+        helper = _helper()
+        helper._answers.append(asyncio.get_running_loop().create_future())
+        helper._on_answer({"pid": leader.pid})
+        assert helper._answers == deque() and leader.pid in helper._exits
+
+    try:
+        asyncio.run(main())
+    finally:
+        for process in (inside, leader):
             process.kill()
             process.wait()
