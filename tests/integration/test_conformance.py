@@ -10,6 +10,9 @@ checking the sandbox is whole (``_check_whole``): it runs, the file and the back
 process its origin started are there, its network and secret still work where it has
 them, and the node holds no volume or VM that no record names.
 
+The exec cell also finds the user's processes started by spaced's spawner helper
+(issue 21: a vfork as the user, docs/security.md), within a minute of a fresh spaced.
+
 The stdin, pty and watch cells (issue 20) feed a background ``cat`` in pieces and find
 it by tag, drive a PTY session through a resize and a Ctrl-C, and watch a directory
 recursively, on every origin.
@@ -543,6 +546,12 @@ class TestEveryOperation:
         argv = sandbox.commands.run(["python3", "-c", "import sys; print(sys.argv[1])", "a b"])
         assert argv.stdout == "a b\n"
         assert _sh(sandbox, "hostname") == sandbox.sandbox_id
+        # The user's processes come from spaced's spawner helper, in every origin (the
+        # first execs of a sandbox whose spaced just started are spawned directly).
+        deadline = time.monotonic() + _WAIT_S
+        while (parent := _sh(sandbox, "cat /proc/$PPID/comm")) != "spaced-spawner":
+            assert parent == "python3" and time.monotonic() < deadline, parent
+            time.sleep(0.5)
         _check_whole(subject)
 
     def test_metrics(self, subject: Subject) -> None:
