@@ -238,7 +238,7 @@ class _Helper:
             self.ready = True
         elif answer.keys() == {"exit", "code"}:
             pid, code = answer["exit"], answer["code"]
-            if not (_is_int(pid) and _is_int(code) and -64 < code < 256):
+            if not (_is_int(pid) and _is_int(code) and -64 <= code < 256):
                 raise ValueError("exit out of range")
             future = self._exits.pop(pid, None)
             if future is not None and not future.done():

@@ -157,6 +157,7 @@ def _helper() -> _Helper:
         ({"pid": 1}, "pid out of range"),
         ({"pid": True}, "pid out of range"),
         ({"exit": 123, "code": 999}, "exit out of range"),
+        ({"exit": 123, "code": -65}, "exit out of range"),  # signals are 1 to 64
         ({"errno": "2", "error": "x", "filename": None}, "errno out of range"),
         ({"errno": 2, "error": "x" * 600, "filename": None}, "errno out of range"),
         ({"errno": 2, "error": "x", "filename": 5}, "filename not a string"),
