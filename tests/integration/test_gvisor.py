@@ -209,13 +209,16 @@ def test_gvisor_sandbox_exec_files_egress_and_delete(gvisor_node: NodeHarness) -
     assert _leftovers(h, "gv-basic") == []
 
 
-#: The states of the processes whose parent is the sandbox's PID 1 (spaced), one a line,
-#: but for spaced's spawner helper (docs/security.md), which lives as long as spaced.
-_CHILDREN_OF_INIT = (
-    "for f in /proc/[0-9]*/stat; do read -r line < $f 2>/dev/null || continue;"
-    ' case $line in *"(spaced-spawner)"*) continue;; esac;'
-    ' set -- ${line##*) }; [ "$2" = 1 ] && echo "$1"; done; true'
-)
+def _parents_and_states(h: NodeHarness, sandbox_id: str, pids: list[str]) -> list[str]:
+    """Each of ``pids`` in the sandbox as "PPID STATE", or "gone" (reaped)."""
+    script = (
+        f"for p in {' '.join(pids)}; do"
+        " if read -r line < /proc/$p/stat 2>/dev/null;"
+        ' then set -- ${line##*) }; echo "$2 $1"; else echo gone; fi; done'
+    )
+    out, _, code = _run(h, sandbox_id, ExecRequest(cmd=script, user="root"))
+    assert code == 0, out
+    return out.splitlines()
 
 
 def test_orphans_are_reaped_by_spaced_as_the_sandbox_s_init(gvisor_node: NodeHarness) -> None:
@@ -231,17 +234,17 @@ def test_orphans_are_reaped_by_spaced_as_the_sandbox_s_init(gvisor_node: NodeHar
             out, _, code = _run(h, "gv-orphans", ExecRequest(cmd=orphan))
             assert code == 0
             pids.append(out.strip())
-        out, _, code = _run(h, "gv-orphans", ExecRequest(cmd=_CHILDREN_OF_INIT, user="root"))
-        assert code == 0 and out.split().count("S") == 3, out  # the orphans, sleeping
-        assert _run(h, "gv-orphans", ExecRequest(cmd=f"kill {' '.join(pids)}"))[2] == 0
+        # Each is PID 1's (spaced's) child, sleeping once its exec is done.
         deadline = time.monotonic() + 30
-        while True:
-            out, _, code = _run(h, "gv-orphans", ExecRequest(cmd=_CHILDREN_OF_INIT, user="root"))
-            states = out.split()
-            if not {"S", "Z"} & set(states) or time.monotonic() > deadline:
-                break
+        while (seen := _parents_and_states(h, "gv-orphans", pids)) != ["1 S"] * 3:
+            assert time.monotonic() < deadline, seen
             time.sleep(0.2)
-        assert code == 0 and "Z" not in states and "S" not in states, states
+        assert _run(h, "gv-orphans", ExecRequest(cmd=f"kill {' '.join(pids)}"))[2] == 0
+        # Killed, each is reaped: no zombie ("1 Z") is left.
+        deadline = time.monotonic() + 30
+        while (seen := _parents_and_states(h, "gv-orphans", pids)) != ["gone"] * 3:
+            assert time.monotonic() < deadline, seen
+            time.sleep(0.2)
     finally:
         h.run(h.node.delete_sandbox("gv-orphans"))
 
