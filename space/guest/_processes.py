@@ -297,10 +297,10 @@ class ProcessTable:
         self._processes: dict[str, ManagedProcess] = {}
         #: Foreground processes by id, so process.kill reaches them too (not listed).
         self.foreground: dict[str, Spawned] = {}
-        #: The helpers that start processes as other accounts than spaced's.
-        self.spawners = Spawners()
         #: Their standard streams, so process.input and process.resize reach them too.
         self.foreground_io: dict[str, ProcessIo] = {}
+        #: The helpers that start processes as other accounts than spaced's.
+        self.spawners = Spawners()
 
     def add(self, managed: ManagedProcess) -> None:
         if len(self._processes) >= self._limit:

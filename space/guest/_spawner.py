@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 from space.protocol import ErrorCode
 
+from . import PACKAGE_ROOT
 from ._errors import OpError
 from ._spawn_helper import MAX_REQUEST_BYTES
 
@@ -120,7 +121,7 @@ class _Helper:
                 stdout=subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(),),
                 cwd="/",
-                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONPATH": _package_root()},
+                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONPATH": PACKAGE_ROOT},
                 start_new_session=True,
                 user=account.uid,
                 group=account.gid,
@@ -362,11 +363,6 @@ _background: set[asyncio.Task[object]] = set()
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _package_root() -> str:
-    # .../<root>/space/guest/_spawner.py -> <root>: the helper imports this same file.
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 async def _process(

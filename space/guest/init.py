@@ -23,6 +23,7 @@ import sys
 import time
 import types
 
+from . import PACKAGE_ROOT
 from ._identity import write_host_name
 from ._network import (
     NetworkSetupError,
@@ -156,16 +157,11 @@ def backoff_s(failures: int) -> float:
     return 0.0 if failures <= 0 else min(0.25 * 2 ** (failures - 1), _BACKOFF_MAX_S)
 
 
-def _package_root() -> str:
-    # .../<root>/space/guest/init.py -> <root>, so spaced imports the same package.
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
 def start_spaced() -> int:
     env = {
         "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         "LANG": "C.UTF-8",
-        "PYTHONPATH": _package_root(),
+        "PYTHONPATH": PACKAGE_ROOT,
         "HOME": "/root",
         # Under QEMU TCG `rep movsb` is emulated byte by byte: glibc's vector copy loops
         # move spaced's bulk data several times faster (measured 0.82 -> 0.41 s for
