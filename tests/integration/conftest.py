@@ -65,7 +65,8 @@ def release_data_dir(data_dir: Path) -> list[str]:
         subprocess.run(["losetup", "-d", loop], check=False)
     for name in netns.node_netns(run_dir):
         left.append(f"network namespace {name}")
-        subprocess.run(["ip", "netns", "delete", name], check=False)
+        for each in (name, netns.guest_netns(name)):  # a gVisor guest's second one too
+            subprocess.run(["ip", "netns", "delete", each], check=False, capture_output=True)
     for pid in gateway_pids(data_dir):
         left.append(f"egress gateway pid {pid}")
         with contextlib.suppress(ProcessLookupError):

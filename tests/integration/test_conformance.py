@@ -46,9 +46,10 @@ origin of the same name (a plain create, a fork child, from a snapshot, restored
 woken from hibernation, re-adopted: its runsc and channel relay lived through a
 restart of `space serve`) on the ``plain`` platform, and run every cell as a VM does;
 ``gvisor-pool-hit`` is a hit of the warm pool of ``gvisor_pooled``, a platform whose
-``auto`` guest type is gVisor (``--guest-without-kvm gvisor``).
-They have no network: a gVisor sandbox made with egress runs on the host's network
-stack, which runsc cannot checkpoint, and most cells need its saved memory.
+``auto`` guest type is gVisor (``--guest-without-kvm gvisor``). Those of them whose
+QEMU origin has a network have one too, and the pool hit as well: gVisor's own network
+stack on a link of the sandbox's namespace, which goes through checkpoints as a VM's
+NIC goes through its saved memory.
 """
 
 from __future__ import annotations
@@ -124,6 +125,10 @@ MOVING = {"moved-in", "rehomed", "stored-snapshot"}
 NETWORKED = {
     "egress-secret", "fork-child", "from-snapshot", "restored", "woken", "re-adopted", "moved-in",
     "rehomed", "stored-snapshot",
+    *(
+        f"gvisor-{kind}"
+        for kind in ("pool-hit", "fork-child", "from-snapshot", "restored", "woken", "re-adopted")
+    ),
 }  # fmt: skip
 
 _COUNTER = (
@@ -330,11 +335,11 @@ def _make(origin: str, site: Site, request: pytest.FixtureRequest) -> tuple[Sand
     if origin in NETWORKED:
         network = {"egress": allow("tls.allowed.test:443"), "secrets": ["API_TOKEN"]}
     if origin in GVISOR_POOLED:
-        sandbox = _pool_hit(site)  # ``auto``: gVisor is that platform's default
+        sandbox = _pool_hit(site, **network)  # ``auto``: gVisor is that platform's default
         assert sandbox.get_info().guest == "gvisor"
     elif origin.startswith("gvisor-"):
         # A gVisor sandbox (issue 21), then the way of the QEMU origin of that name.
-        sandbox = site.create(guest="gvisor")
+        sandbox = site.create(guest="gvisor", **network)
         assert sandbox.get_info().guest == "gvisor"
     elif origin == "cold-boot":
         # The ready state has the default 2048 MiB disk: another size boots.

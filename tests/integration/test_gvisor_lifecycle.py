@@ -25,6 +25,7 @@ from space.node.api import (
 )
 from space.node.core.config import NodeConfig
 from space.node.core.sandbox import hostname_for
+from space.node.network import netns
 from space.node.vmm.gvisor import runsc_home
 from space.node.vmm.sealed_state import MAGIC
 
@@ -347,11 +348,12 @@ def test_a_node_restart_keeps_a_hibernated_gvisor_sandbox_wakeable(
     assert _leftovers(h, sid) == []
 
 
-def test_a_gvisor_warm_pool_serves_creates_of_its_shape_without_egress(tmp_path: Path) -> None:
+def test_a_gvisor_warm_pool_serves_creates_of_its_shape(tmp_path: Path) -> None:
     """Where ``auto`` is gVisor, each template's warm pool holds gVisor sandboxes,
-    started and paused: a create of its shape without egress takes one over with a
-    fresh identity; another shape, or egress (the host's network stack), starts its
-    own. Pool sandboxes do not outlive the node; the sandboxes made of them do."""
+    started and paused: a create of its shape takes one over with a fresh identity,
+    its egress policy applied after (a pool sandbox's link waits closed); another
+    shape starts its own. Pool sandboxes do not outlive the node; the sandboxes made
+    of them do."""
     config = NodeConfig(
         data_dir=tmp_path / "node",
         pool_size_gib=8,
@@ -376,15 +378,30 @@ def test_a_gvisor_warm_pool_serves_creates_of_its_shape_without_egress(tmp_path:
         _until(lambda: pool().size == 1, "the pool to refill")
 
         h.run(h.node.create_sandbox(SandboxSpec("gp-big", memory_mib=512)))
+        # Not one the pool could serve, so not a miss (as for a VM of another shape).
+        assert (pool().hits, pool().misses, pool().size) == (1, 0, 1)
         egress: dict[str, object] = {"allow": [{"domain": "example.test", "ports": [443]}]}
         h.run(h.node.create_sandbox(SandboxSpec("gp-net", egress=egress)))
-        # Neither could be served, so neither is a miss (as for a VM of another shape).
-        assert (pool().hits, pool().misses, pool().size) == (1, 0, 1)
+        assert (pool().hits, pool().misses) == (2, 0)
+        net_record = json.loads((config.data_dir / "sandboxes" / "gp-net.json").read_text())
+        name = netns.netns_name(Path(net_record["run_dir"]))
+        rules = subprocess.run(
+            ["ip", "netns", "exec", name, "nft", "list", "table", "inet", "space"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert f"redirect to :{netns.PROXY_PORT}" in rules  # its policy opened it
+        _until(lambda: pool().size == 1, "the pool to refill again")
 
         # A hit keeps its pool sandbox's run directory, so its bundle's name.
         home = runsc_home(config.effective_run_dir)
-        record = json.loads((config.data_dir / "sandboxes" / "gp-hit.json").read_text())
-        kept = {Path(record["run_dir"]).name}
+        kept = {
+            Path(
+                json.loads((config.data_dir / "sandboxes" / f"{sid}.json").read_text())["run_dir"]
+            ).name
+            for sid in ("gp-hit", "gp-net")
+        }
         (waiting,) = {b.name for b in (home / "bundles").glob("pool-*")} - kept
         node = h.restart()
         assert {s.sandbox_id for s in h.run(node.list_sandboxes())} == set(sids)

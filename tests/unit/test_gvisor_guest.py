@@ -176,7 +176,7 @@ def test_the_gvisor_requests_go_through_the_wire_unchanged() -> None:
     assert decode_request(encode(3, request)) == (3, request)
     assert decode_request(encode(4, MakeGuestTree(path="/p"))) == (4, MakeGuestTree(path="/p"))
     for other in (
-        LaunchGvisor("n", "/v", "ns", "h", 256, 1, "/l", restore=True, host_network=True),
+        LaunchGvisor("n", "/v", "ns", "h", 256, 1, "/l", restore=True, networked=True),
         PauseGvisor(name="n", paused=True),
         CheckpointGvisor(name="n"),
     ):
@@ -201,11 +201,11 @@ def test_negative_root_launches_no_gvisor_sandbox_outside_its_scope(
         _refused(broker, _launch(broker, tmp_path, memory_mib=1 << 30), "within bounds", fd)
         _refused(broker, MakeGuestTree(path="/etc/tree"), "outside this node's", (read_end,))
         _refused(broker, MakeGuestTree(path=str(tmp_path / "node" / "t")), "one descriptor", ())
-        # A restore takes the channel and the state; the host's stack needs a namespace.
+        # A restore takes the channel and the state; a network needs a namespace.
         restore = _launch(broker, tmp_path, restore=True)
         _refused(broker, restore, "takes a socket and a state", fd)
         _refused(broker, restore, "takes a pipe or a file", (theirs.fileno(), ours.fileno()))
-        no_netns = _launch(broker, tmp_path, netns=None, host_network=True)
+        no_netns = _launch(broker, tmp_path, netns=None, networked=True)
         _refused(broker, no_netns, "only inside a namespace", fd)
         # Pause and checkpoint name sandboxes by checked names and save to pipes or files.
         _refused(broker, PauseGvisor(name="../x", paused=True), "not a VM's name", ())

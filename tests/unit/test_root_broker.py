@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import stat
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -225,6 +226,67 @@ def test_the_broker_makes_a_namespace_and_hands_its_listeners_to_the_node(
         (netns.GATEWAY_ADDRESS, netns.DNS_PORT),
     ]
     assert not netns.exists(name)
+
+
+def _ip(namespace: str, *argv: str) -> str:
+    return subprocess.run(
+        ["ip", "-n", namespace, "-o", *argv], capture_output=True, text=True, check=True
+    ).stdout
+
+
+def test_a_gvisor_guest_s_link_is_a_veth_into_a_namespace_of_its_own(
+    broker: RootBroker,
+) -> None:
+    """The guest's end (``eth0``, the guest's address and MAC, its one route to the
+    gateway) alone in the second namespace; the other end, ``tap0``, in the sandbox's,
+    where what the guest sends meets the ruleset as a VM's packets do: opened, a
+    connection to anywhere lands on the gateway's listener. Made again whole if half of
+    it is gone; deleted whole."""
+    name = netns_name_of(broker)
+    guest = netns.guest_netns(name)
+    create = CreateNetns(name=name, veth=True)
+
+    async def connect_through_the_gateway() -> str:
+        _, fds = await broker.call_with_fds(BindListeners(name=name))
+        tcp, udp = (socket.socket(fileno=fd) for fd in fds)
+        try:
+            await broker.call(SetEgress(name=name, open=True))
+            connect = "import socket; socket.create_connection(('198.51.100.7', 80), 5)"
+            client = await asyncio.create_subprocess_exec(
+                "ip", "netns", "exec", guest, "python3", "-c", connect
+            )
+            tcp.settimeout(10)
+            accepted, peer = await asyncio.to_thread(tcp.accept)
+            accepted.close()
+            assert await client.wait() == 0
+            return str(peer[0])
+        finally:
+            tcp.close()
+            udp.close()
+
+    asyncio.run(broker.call(create))
+    try:
+        asyncio.run(broker.call(create))  # a no-op: both are there
+        assert netns.GUEST_ADDRESS in _ip(guest, "address", "show", "dev", "eth0")
+        assert netns.GUEST_MAC in _ip(guest, "link", "show", "dev", "eth0")
+        assert _ip(guest, "route").split()[:3] == ["default", "via", netns.GATEWAY_ADDRESS]
+        assert "veth" in _ip(name, "-d", "link", "show", "dev", netns.TAP)
+        assert [line.split()[1] for line in _ip(name, "link").splitlines()] == [
+            "lo:",
+            f"{netns.TAP}@if{_ifindex(guest)}:",
+        ]
+        assert asyncio.run(connect_through_the_gateway()) == netns.GUEST_ADDRESS
+        subprocess.run(["ip", "netns", "delete", guest], check=True)
+        assert netns.node_netns(broker.scope.run_root) == [name]
+        asyncio.run(broker.call(create))
+        assert netns.GUEST_ADDRESS in _ip(guest, "address", "show", "dev", "eth0")
+    finally:
+        asyncio.run(netns.delete(broker.scope.run_root, name))
+    assert not netns.exists(name) and not netns.exists(guest)
+
+
+def _ifindex(namespace: str) -> str:
+    return _ip(namespace, "link", "show", "dev", "eth0").split(":")[0]
 
 
 def test_the_namespaces_directory_is_one_the_node_agent_may_list(tmp_path: Path) -> None:

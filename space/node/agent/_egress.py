@@ -88,7 +88,8 @@ class SandboxNetwork:
             return
         name = netns.netns_name(sandbox.config.run_dir)
         policy = parse_policy(sandbox.record.spec.egress, sandbox.sandbox_id, self.bounds)
-        await netns.create(self._run_root, name)  # gone after a host reboot; a no-op otherwise
+        # Gone after a host reboot; a no-op otherwise.
+        await netns.create(self._run_root, name, veth=sandbox.record.guest == "gvisor")
         if policy.closed:
             await netns.set_open(self._run_root, name, False)
         ca_file = ca.ensure_ca(self._ca_dir, sandbox.sandbox_id)
@@ -186,9 +187,8 @@ class Egress:
             sandbox = self._registry.get(sandbox_id)
             if sandbox.record.guest == "gvisor" and not parsed.closed and not sandbox.has_network:
                 raise InvalidArgument(
-                    "a gvisor sandbox made without egress has no network to open (one made "
-                    "with an egress policy has, and cannot be hibernated, snapshotted or "
-                    "forked)",
+                    "this gvisor sandbox has no network to open: it was made before gvisor "
+                    "sandboxes had one (a sandbox made now has)",
                     sandbox_id=sandbox_id,
                 )
             spec = replace(sandbox.record.spec, egress=canonical)

@@ -77,18 +77,15 @@ async def remove_stale_trees(registry: Registry, say: Callable[[str], None]) -> 
             await registry.pool.delete_unpacking(digest)
 
 
-async def boot_gvisor(
-    registry: Registry, sandbox: LiveSandbox, template: Template, *, networked: bool
-) -> None:
+async def boot_gvisor(registry: Registry, sandbox: LiveSandbox, template: Template) -> None:
     """Start a gVisor sandbox on a clone of its template's tree; RUNNING once spaced
     said hello, the template's start command runs and its ready check, if it has one,
     passed: what a VM woken from the template's ready state has (a memory image gVisor
-    has no use for), reached by running them at create instead. ``networked``: on the
-    host's network stack in its namespace (LiveSandbox.launch_gvisor)."""
+    has no use for), reached by running them at create instead."""
     config = registry.config
     registry.store.save(sandbox.record)  # CREATING, before anything exists to clean up
     tree = await tree_for(registry, template)
-    await sandbox.launch_gvisor(tree=tree, run_root=registry.run_root, networked=networked)
+    await sandbox.launch_gvisor(tree=tree, run_root=registry.run_root)
     # Room for its files and for a saved state (hibernate, snapshots), as a VM's.
     spec = sandbox.record.spec
     await registry.pool.limit(

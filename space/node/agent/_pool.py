@@ -16,9 +16,9 @@ number of creates of the template in the last ``window_s`` seconds, clamped to
 ``min_size..max_size``. Pool VMs are not kept across node restarts (recovery removes
 them and the pool fills again).
 
-A gVisor pool serves creates of the template's shape without egress (its sandboxes run
-on gVisor's own network stack; one made with egress runs on the host's, in its
-namespace). Its hand-over is the same, but for ``runsc resume``: none is needed.
+A gVisor pool serves creates of the template's shape as a VM pool does (its sandboxes'
+links wait in their namespaces, egress closed, until the hand-over applies the
+create's policy). Its hand-over is the same, but for ``runsc resume``: none is needed.
 
 A refill is admitted like a create of the template's shape (space.node.agent._admission):
 on a node short of memory or pool space the pool stops refilling, and waits, rather than
@@ -235,9 +235,9 @@ class Pools:
                 await registry.life.create_from_image(sandbox, ready)
 
     async def take_gvisor(self, sandbox: LiveSandbox, template: Template) -> bool:
-        """Make the gVisor ``sandbox`` (without egress) a pool sandbox handed over, if
-        one waits and it has the template's shape; whether it did. On failure the
-        caller destroys ``sandbox``."""
+        """Make the gVisor ``sandbox`` a pool sandbox handed over, if one waits and it
+        has the template's shape; whether it did. On failure the caller destroys
+        ``sandbox``."""
         return template.shape.fits(sandbox.record.spec) and await self._take(sandbox, "gvisor")
 
     async def _take(self, sandbox: LiveSandbox, guest: str) -> bool:
@@ -292,7 +292,7 @@ async def make_pool_vm(node: Registry, template: Template, guest: str = "qemu") 
     with node.admission.claim({sid: Claim.node_vm(record.spec.memory_mib, record.spec.disk_mib)}):
         try:
             if guest == "gvisor":
-                await boot_gvisor(node, vm, template, networked=False)
+                await boot_gvisor(node, vm, template)
                 # spaced's first identity call in a gVisor sandbox takes ~20 ms, a later
                 # one ~7: the first is paid here, not by the hit (a VM's wake from its
                 # ready state had one).

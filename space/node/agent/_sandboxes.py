@@ -166,17 +166,14 @@ class Sandboxes:
         sandbox.watch(self._registry.on_vm_exit, config.console_max_bytes)
 
     async def _boot_gvisor(self, sandbox: LiveSandbox, template: Template) -> None:
-        """A gVisor sandbox: a warm pool's handed over if one waits and fits (the
-        template's shape, no egress: a pool's have gVisor's own network stack), else
-        one booted on the template's tree (space.node.agent._gvisor_trees)."""
+        """A gVisor sandbox: a warm pool's handed over if one waits and has the
+        template's shape (its egress policy is applied after, as for a VM), else one
+        booted on the template's tree (space.node.agent._gvisor_trees)."""
         registry = self._registry
-        policy = parse_policy(
-            sandbox.record.spec.egress, sandbox.sandbox_id, registry.config.egress_bounds
-        )
-        if policy.closed and await self._pools.take_gvisor(sandbox, template):
+        if await self._pools.take_gvisor(sandbox, template):
             return
         async with registry.starts:
-            await boot_gvisor(registry, sandbox, template, networked=not policy.closed)
+            await boot_gvisor(registry, sandbox, template)
         sandbox.watch(registry.on_vm_exit, registry.config.console_max_bytes)
 
     async def delete_sandbox(self, sandbox_id: str) -> None:

@@ -34,7 +34,6 @@ from space.node.vmm.gvisor import clone_tree as gvisor_clone
 from space.node.vmm.qemu import QemuVM, VmConfig, console_tail, trim_console
 
 __all__ = [
-    "GVISOR_CHECKPOINT_OPS",
     "GVISOR_MEMORY_OPS",
     "MEMORY_FILE",
     "NIC_MARKER",
@@ -62,8 +61,6 @@ _STOPPED_STATES = frozenset({"paused", "postmigrate", "prelaunch", "finish-migra
 _CONSOLE_TAIL_BYTES = 2048
 #: What a gVisor sandbox does through saved memory: runsc pause, checkpoint, restore.
 GVISOR_MEMORY_OPS = frozenset({"pause", "resume", "hibernate", "snapshot", "restore", "fork"})
-#: Those of them that go through ``runsc checkpoint`` (pause and resume freeze it).
-GVISOR_CHECKPOINT_OPS = GVISOR_MEMORY_OPS - {"pause", "resume"}
 
 
 def hostname_for(sandbox_id: str) -> str:
@@ -172,7 +169,7 @@ class LiveSandbox:
     @property
     def has_network(self) -> bool:
         """Whether the sandbox has a network its egress policy governs (NIC_MARKER): a
-        VM with a NIC, a gVisor sandbox made with egress (on the host's stack)."""
+        VM with a NIC, a gVisor sandbox with its link (every one made since it had)."""
         return has_nic(self.volume)
 
     @property
@@ -208,17 +205,12 @@ class LiveSandbox:
         self.vm = await QemuVM.launch(config, qemu_binary=qemu_binary)
         return self.vm
 
-    async def launch_gvisor(self, *, tree: Path, run_root: Path, networked: bool) -> GvisorGuest:
+    async def launch_gvisor(self, *, tree: Path, run_root: Path) -> GvisorGuest:
         """Start this sandbox as a gVisor sandbox: its volume a fresh clone of the
-        template's directory ``tree``, in its own network namespace (made here, closed
-        until the egress policy opens it), as QEMU's ``launch`` does for a VM.
-
-        ``networked`` (made with an egress policy that allows something): on the host's
-        network stack in that namespace, for good (NIC_MARKER), which runsc cannot
-        checkpoint (check_memory_ops); otherwise on gVisor's own, loopback only."""
+        template's directory ``tree``, its link in its own network namespace (made here,
+        closed until the egress policy opens it), as QEMU's ``launch`` does for a VM."""
         await gvisor_clone(run_root, tree, self.volume)
-        if networked:
-            await asyncio.to_thread((self.volume / NIC_MARKER).touch)
+        await asyncio.to_thread((self.volume / NIC_MARKER).touch)
         return await self.restore_gvisor(run_root=run_root, state=None)
 
     async def restore_gvisor(self, *, run_root: Path, state: Path | None) -> GvisorGuest:
@@ -226,7 +218,7 @@ class LiveSandbox:
         ``state`` (in its volume) if given: running, on a new channel."""
         config = self._gvisor_config(run_root)
         if config.netns is not None:
-            await netns.create(self.config.run_dir.parent, config.netns)
+            await netns.create(self.config.run_dir.parent, config.netns, veth=config.networked)
         self.vm = await GvisorGuest.launch(config, state=state)
         return self.vm
 
@@ -250,7 +242,7 @@ class LiveSandbox:
             memory_mib=record.spec.memory_mib,
             log=self.config.console_log,
             state_key=keys.state_key if keys is not None else None,
-            host_network=has_nic(self.volume),
+            networked=has_nic(self.volume),
         )
 
     async def save_state(self) -> int:
@@ -464,13 +456,6 @@ def check_memory_ops(operation: str, sandbox: LiveSandbox) -> None:
     such path: a gVisor sandbox does all but moves (issue 21: its volume is a clone of
     a tree no other node holds under that name); checked before anything is recorded."""
     guest = sandbox.record.guest
-    if guest == "gvisor" and operation in GVISOR_CHECKPOINT_OPS and has_nic(sandbox.volume):
-        raise Conflict(
-            f"cannot {operation} sandbox {sandbox.sandbox_id}: a gvisor sandbox made with "
-            "egress runs on the host's network stack, which runsc cannot checkpoint "
-            "(make it without egress to hibernate, snapshot or fork it)",
-            sandbox_id=sandbox.sandbox_id,
-        )
     if guest == "qemu" or (guest == "gvisor" and operation in GVISOR_MEMORY_OPS):
         return
     raise Conflict(

@@ -1,25 +1,29 @@
-"""A sandbox's own network namespace: a tap for its VM, nftables, and nothing else.
+"""A sandbox's own network namespace: the guest's link, nftables, and nothing else.
 
-Every sandbox VM's QEMU runs inside a namespace that holds only ``lo`` and ``tap0``;
-a gVisor sandbox runs in one of the same shape, its guest's sockets the namespace's
-own (runsc ``--network=host``), so its traffic starts in the namespace instead of
-arriving on the tap. There is no veth and no address of the host in it (its one route
-points at the tap), so the guest has no path to the host's services, other sandboxes,
-the control plane or metadata addresses: the only sockets it can reach are the egress
-gateway's, bound *inside* the namespace (space.node.egress). nftables in the namespace
-sends every TCP connection and DNS query of the guest to those sockets (from the tap
-or from the namespace itself alike) and drops everything else; while the sandbox has
-no egress policy it drops (resets) everything, DNS included. Namespaces are made and
-changed by the node's root broker (space.node.privileged); this module names them,
-writes their ruleset and asks.
+Every sandbox VM's QEMU runs inside a namespace that holds only ``lo`` and ``tap0``.
+A gVisor sandbox's namespace has the same shape, ``tap0`` being there one end of a veth
+pair whose other end, ``eth0``, sits alone in a second namespace (``guest_netns``):
+runsc takes that link over with gVisor's own network stack (``--network=sandbox``),
+so the guest's packets arrive on ``tap0`` as a VM's do and meet the same ruleset, and
+its sockets are gVisor's, never the host kernel's. There is no veth to the host and
+no address of the host in either (the guest's one route points at the gateway), so
+the guest has no path to the host's services, other sandboxes, the control plane or
+metadata addresses: the only sockets it can reach are the egress gateway's, bound
+*inside* the namespace (space.node.egress). nftables in the namespace sends every TCP
+connection and DNS query arriving on ``tap0`` to those sockets and drops everything
+else; while the sandbox has no egress policy it drops (resets) everything, DNS
+included. Namespaces are made and changed by the node's root broker
+(space.node.privileged); this module names them, writes their ruleset and asks.
 
 All namespaces use the same addresses, IP and MAC on both ends (the guest is always
-192.0.2.2), so a VM's memory image, whose network setup and ARP cache are part of its
-RAM, runs in any namespace: ready states,
-warm-pool VMs, snapshots and forks need no re-addressing.
+192.0.2.2), so a guest's memory image (a VM's, whose network setup and ARP cache are
+part of its RAM, or a gVisor checkpoint, which holds its network stack) runs in any
+namespace: ready states, warm-pool sandboxes, snapshots and forks need no
+re-addressing.
 
-Names are ``sp<node tag>-<vm tag>``: the node tag (from the run directory root) lets a
-node find its own stray namespaces after a crash without touching another node's.
+Names are ``sp<node tag>-<vm tag>`` (a gVisor guest's second one adds ``g``): the node
+tag (from the run directory root) lets a node find its own stray namespaces after a
+crash without touching another node's.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ __all__ = [
     "GATEWAY_ADDRESS",
     "GATEWAY_MAC",
     "GUEST_ADDRESS",
+    "GUEST_LINK",
     "GUEST_MAC",
     "KERNEL_ARG",
     "NETNS_DIR",
@@ -45,6 +50,7 @@ __all__ = [
     "create",
     "delete",
     "exists",
+    "guest_netns",
     "netns_name",
     "netns_path",
     "node_netns",
@@ -65,16 +71,16 @@ GUEST_MAC = "52:54:00:00:00:02"
 #: memory, so a fork child or a VM made from a snapshot, woken in a new namespace,
 #: would otherwise send every frame to the old tap's random MAC (issue 12).
 GATEWAY_MAC = "52:54:00:00:00:01"
+#: A gVisor guest's link, alone in its own namespace (``guest_netns``).
+GUEST_LINK = "eth0"
 #: The gateway's transparent TCP listener inside each namespace.
 PROXY_PORT = 15001
 DNS_PORT = 53
-#: A gVisor guest's loopback: the namespace's own, the one destination of its own that
-#: does not go to the gateway.
-LOOPBACK_NET = "127.0.0.0/8"
 #: What the guest's init reads to configure its NIC (space.guest._network).
 KERNEL_ARG = f"space.net={GUEST_ADDRESS}/{PREFIX_LEN},{GATEWAY_ADDRESS}"
 
 _TABLE = "space"
+_GUEST_SUFFIX = "g"
 
 
 def _tag(text: str, length: int) -> str:
@@ -91,6 +97,11 @@ def netns_name(run_dir: Path) -> str:
     return f"{node_prefix(run_dir.parent)}{_tag(run_dir.name, 6)}"
 
 
+def guest_netns(name: str) -> str:
+    """The namespace holding a gVisor guest's link, beside its namespace ``name``."""
+    return f"{name}{_GUEST_SUFFIX}"
+
+
 def netns_path(name: str) -> Path:
     return NETNS_DIR / name
 
@@ -100,23 +111,27 @@ def exists(name: str) -> bool:
 
 
 def node_netns(run_root: Path) -> list[str]:
-    """Names of the namespaces this node made (by prefix)."""
+    """Names of the namespaces this node made (by prefix), a gVisor guest's second
+    one under the name of its first (``delete`` removes both)."""
     prefix = node_prefix(run_root)
     try:
-        return sorted(p.name for p in NETNS_DIR.iterdir() if p.name.startswith(prefix))
+        names = {p.name for p in NETNS_DIR.iterdir() if p.name.startswith(prefix)}
     except FileNotFoundError:
         return []
+    return sorted({name.removesuffix(_GUEST_SUFFIX) for name in names})
 
 
-async def create(run_root: Path, name: str) -> None:
-    """Make the namespace with its tap and a closed ruleset (asked of the root broker
-    of the node of ``run_root``); a no-op if it exists. Raises Unavailable and leaves
-    nothing behind."""
-    await broker_for(run_root).call(CreateNetns(name=name))
+async def create(run_root: Path, name: str, *, veth: bool = False) -> None:
+    """Make the namespace with its link and a closed ruleset (asked of the root broker
+    of the node of ``run_root``): a VM's tap, or with ``veth`` a gVisor guest's veth
+    pair and its second namespace; a no-op if they exist. Raises Unavailable and
+    leaves nothing behind."""
+    await broker_for(run_root).call(CreateNetns(name=name, veth=veth))
 
 
 async def delete(run_root: Path, name: str) -> None:
-    """Remove the namespace (its tap and rules go with it); idempotent."""
+    """Remove the namespace and a gVisor guest's second one (their links and rules go
+    with them); idempotent."""
     await broker_for(run_root).call(DeleteNetns(name=name))
 
 
@@ -129,30 +144,17 @@ async def set_open(run_root: Path, name: str, is_open: bool) -> None:
 def ruleset(is_open: bool) -> str:
     """The namespace's nftables ruleset (inet: IPv4 and IPv6 alike).
 
-    One ruleset for both guest types. A VM's packets arrive on the tap: the prerouting
-    chain sends them to the gateway and the input chain admits only those. A gVisor
-    guest's sockets are the namespace's own, so its packets are locally originated: the
-    output hooks do the same for them (a nat chain sends TCP and DNS to the gateway,
-    the filter chain lets through only what goes there, its own loopback and replies).
-    Nothing else in a VM's namespace originates traffic but the gateway's replies:
-    only new connections are rejected there (a fast refusal for a gVisor guest); a
-    reply conntrack finds invalid (out of window, under load) is dropped, as it always
-    was, never answered with a reset that would cut the guest's connection.
+    One ruleset for both guest types, whose packets arrive on the tap (a VM's) or on
+    the veth's end of the same name (a gVisor guest's): the prerouting chain sends
+    them to the gateway and the input chain admits only those. Nothing in the
+    namespace originates traffic but the gateway's replies (a reply conntrack finds
+    invalid, out of window under load, is dropped, never answered with a reset that
+    would cut the guest's connection).
     """
     redirect = (
         f'iifname "{TAP}" meta l4proto {{ tcp, udp }} th dport {DNS_PORT} '
         f"redirect to :{DNS_PORT}\n"
         f'    iifname "{TAP}" meta l4proto tcp redirect to :{PROXY_PORT}'
-        if is_open
-        else ""
-    )
-    # The guest's own loopback stays its own; everything else of TCP and DNS (its
-    # "NIC" address, the gateway's, included) goes to the gateway, as a VM's does.
-    own_dnat = (
-        f"ip daddr != {LOOPBACK_NET} meta l4proto {{ tcp, udp }} th dport {DNS_PORT} "
-        f"dnat ip to {GATEWAY_ADDRESS}:{DNS_PORT}\n"
-        f"    ip daddr != {LOOPBACK_NET} meta l4proto tcp "
-        f"dnat ip to {GATEWAY_ADDRESS}:{PROXY_PORT}"
         if is_open
         else ""
     )
@@ -163,14 +165,6 @@ def ruleset(is_open: bool) -> str:
         if is_open
         else ""
     )
-    # By destination, not "oif": the output hooks see the device a packet was routed
-    # to before the nat chain turned it to the gateway's (local) address.
-    own_accept = (
-        f"ip daddr {GATEWAY_ADDRESS} tcp dport {{ {DNS_PORT}, {PROXY_PORT} }} accept\n"
-        f"    ip daddr {GATEWAY_ADDRESS} udp dport {DNS_PORT} accept"
-        if is_open
-        else ""
-    )
     return f"""\
 table inet {_TABLE}
 delete table inet {_TABLE}
@@ -178,10 +172,6 @@ table inet {_TABLE} {{
   chain prerouting {{
     type nat hook prerouting priority dstnat; policy accept;
     {redirect}
-  }}
-  chain output_nat {{
-    type nat hook output priority -100; policy accept;
-    {own_dnat}
   }}
   chain input {{
     type filter hook input priority filter; policy drop;
@@ -195,12 +185,8 @@ table inet {_TABLE} {{
   }}
   chain output {{
     type filter hook output priority filter; policy drop;
+    oif "lo" accept
     ct state established,related accept
-    ip daddr {LOOPBACK_NET} accept
-    ip6 daddr ::1 accept
-    {own_accept}
-    ct state new meta l4proto tcp reject with tcp reset
-    ct state new reject with icmpx admin-prohibited
   }}
 }}
 """

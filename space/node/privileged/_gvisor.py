@@ -11,18 +11,22 @@ What was measured on these hosts, and why each runsc flag:
 
 - ``--platform=ptrace``: the KVM platform spins under this host's PVM; systrap (newer
   builds only) spawns a process in 17.6 ms against ptrace's 7.7 ms here.
-- ``--network=none`` inside the sandbox's own namespace, unless the agent asks for
-  the host's stack (``host_network``: a sandbox made with an egress policy that allows
-  something): gVisor's own netstack with loopback only (spaced reaches the guest's
-  servers there). runsc cannot checkpoint a sandbox on the host's stack ("checkpoint
-  not supported when using hostinet": its sockets are the host kernel's), so
-  hibernate, snapshots and fork need ``none``. ``--network=sandbox`` is refused by
-  Debian's runsc on this kernel ("cannot run with network enabled in root network
-  namespace": its root-namespace test looks for a sysctl every namespace has now).
-  With ``host``, the guest's sockets are the host kernel's in that namespace, so the
-  namespace's nftables ruleset governs them: its output hooks send TCP and DNS to the
-  gateway and reject the rest (space.node.network.netns), as its input hooks do for a
-  VM's packets from the tap.
+- ``--network=sandbox``: gVisor's own network stack on the guest's link, alone in
+  the second namespace of the sandbox's (space.node.network.netns), whose other end
+  meets the namespace's nftables ruleset as a VM's tap does; its sockets are gVisor's,
+  never the host kernel's, and runsc can checkpoint it (it cannot checkpoint the
+  host's stack, ``--network=host``: "checkpoint not supported when using hostinet").
+  ``--net-disconnect-ok``: a checkpoint resets the guest's open TCP connections, as
+  a VM's are lost when it wakes in another namespace; without it runsc refuses to
+  save while any is open, even one closing ("endpoint cannot be saved in connected
+  state").
+  This runsc refuses its own stack in any namespace where
+  ``/proc/sys/net/core/rmem_default`` exists, its test for the host's root namespace,
+  which every namespace has on this kernel; so runsc run and restore go through a
+  mount namespace of their own where ``/proc/sys`` holds only ``kernel`` and ``vm``,
+  the two runsc reads (``_HIDE_NET_SYSCTLS``). A sandbox whose volume has no NIC
+  marker (made before gVisor sandboxes had a link) runs ``--network=none``, loopback
+  only, in its one namespace.
 - A network namespace's guest gets ``/etc/resolv.conf`` naming the gateway (the
   text a VM's init writes from ``space.net=``), a read-only bind mount of a file in
   its root-only bundle: nothing in its volume is written by root, and the gateway
@@ -98,6 +102,17 @@ _MOUNTS = [
     {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs", "options": ["mode=1777"]},
 ]
 _RUN_TIMEOUT_S = 60.0
+#: A networked runsc run or restore's prelude (see the module docstring): /proc/sys,
+#: in a mount namespace of its own, with only ``kernel`` and ``vm`` bound back (by
+#: descriptor: their names are covered by then).
+_HIDE_NET_SYSCTLS = (
+    "set -e; exec 3</proc/sys/kernel 4</proc/sys/vm;"
+    " mount -t tmpfs -o mode=555,size=4k none /proc/sys;"
+    " mkdir /proc/sys/kernel /proc/sys/vm;"
+    " mount --no-canonicalize --bind /proc/self/fd/3 /proc/sys/kernel;"
+    " mount --no-canonicalize --bind /proc/self/fd/4 /proc/sys/vm;"
+    ' exec 3<&- 4<&-; exec "$@"'
+)
 #: The sandbox's root in its bundle: the volume bind-mounted there (``launch``).
 ROOTFS = "rootfs"
 #: The guest's root directory in a tree and in each sandbox volume cloned from it.
@@ -121,7 +136,8 @@ def oci_config(
     memory_mib: int,
     cgroup: str,
 ) -> dict[str, object]:
-    """The OCI runtime spec of one sandbox (see the module docstring)."""
+    """The OCI runtime spec of one sandbox (see the module docstring), in the network
+    namespace ``netns`` (a name: the guest link's one, or a sandbox's without one)."""
     namespaces: list[dict[str, str]] = [
         {"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"},
     ]  # fmt: skip
@@ -162,15 +178,10 @@ def oci_config(
     }
 
 
-def runsc_argv(state: Path, *, networked: bool) -> list[str]:
-    """runsc and its global flags (see the module docstring)."""
-    return [
-        RUNSC,
-        f"--root={state}",
-        "--platform=ptrace",
-        f"--network={'host' if networked else 'none'}",
-        "--overlay2=none",
-    ]
+def runsc_argv(state: Path) -> list[str]:
+    """runsc and its global flags (see the module docstring); a run or restore adds
+    its network's (``launch``)."""
+    return [RUNSC, f"--root={state}", "--platform=ptrace", "--overlay2=none"]
 
 
 async def launch(
@@ -183,7 +194,7 @@ async def launch(
     log: Pinned,
     owner: tuple[int, int],
     image: Path | None = None,
-    host_network: bool = False,
+    networked: bool = False,
 ) -> int:
     """Start the sandbox ``name`` (``config``: ``oci_config``'s, its root ``ROOTFS``)
     on the held volume ``rootfs`` with ``channel_fd`` as its init's stdin and stdout;
@@ -191,8 +202,9 @@ async def launch(
     ``home`` holds runsc's state and bundles. With ``image`` (a directory holding a
     checkpoint, space.node.privileged._gvisor_state) the sandbox is restored from it
     instead of booted: runsc hands the restored init the stdio it is given now, so
-    ``channel_fd`` is a new channel to the same spaced. ``host_network``: the host's
-    stack in the config's namespace (see the module docstring).
+    ``channel_fd`` is a new channel to the same spaced. ``networked``: gVisor's
+    stack on the guest's link in the config's namespace, addressed already
+    (space.node.privileged._network.address_guest; see the module docstring).
 
     runsc's processes look the root up by name in mount namespaces of their own, where
     the broker's descriptors are not, and the volume is in the agent's pool: a name
@@ -210,9 +222,15 @@ async def launch(
         await run("mount", "--no-canonicalize", "--bind", str(rootfs.path), str(bundle / ROOTFS))
         start = ["run"] if image is None else ["restore", f"--image-path={image}"]
         argv = [
-            *runsc_argv(home / "state", networked=host_network),
+            *runsc_argv(home / "state"),
+            *(["--network=sandbox", "--net-disconnect-ok"] if networked else ["--network=none"]),
             *start, "--detach", "--pid-file", str(bundle / "pid"), "--bundle", str(bundle), name,
         ]  # fmt: skip
+        if networked:
+            argv = [
+                "unshare", "--mount", "--propagation", "private", "--",
+                "sh", "-c", _HIDE_NET_SYSCTLS, "runsc", *argv,
+            ]  # fmt: skip
         proc = None
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -260,7 +278,7 @@ async def remove(name: str, *, home: Path, cgroup: str) -> None:
     idempotent (a sandbox runsc does not know is gone)."""
     state = home / "state"
     if await asyncio.to_thread(state.is_dir):
-        await run(*runsc_argv(state, networked=False), "delete", "--force", name, check=False)
+        await run(*runsc_argv(state), "delete", "--force", name, check=False)
     bundle = home / "bundles" / name
     if await asyncio.to_thread(os.path.ismount, bundle / ROOTFS):
         await run("umount", "--no-canonicalize", "--lazy", str(bundle / ROOTFS))
@@ -290,7 +308,7 @@ def _remove_rest(bundle: Path, cgroup: str) -> None:
 async def pause(name: str, *, home: Path, paused: bool) -> None:
     """``runsc pause`` (``paused``) or ``runsc resume`` the sandbox ``name``: its
     tasks stop or go on, its memory and its channel stay; idempotent."""
-    runsc = runsc_argv(home / "state", networked=False)
+    runsc = runsc_argv(home / "state")
     try:
         await run(*runsc, "pause" if paused else "resume", name)
     except Unavailable:

@@ -1,6 +1,7 @@
-"""Each sandbox's network namespace, made and changed as root: its tap, its route, its
-nftables ruleset, and the egress gateway's listeners inside it. Names, addresses and the
-ruleset itself are space.node.network.netns's."""
+"""Each sandbox's network namespace, made and changed as root: its link (a VM's tap, or
+a gVisor guest's veth pair into a second namespace), its nftables ruleset, and the
+egress gateway's listeners inside it. Names, addresses and the ruleset itself are
+space.node.network.netns's."""
 
 from __future__ import annotations
 
@@ -18,17 +19,27 @@ from space.node.network.netns import (
     GATEWAY_ADDRESS,
     GATEWAY_MAC,
     GUEST_ADDRESS,
+    GUEST_LINK,
+    GUEST_MAC,
     NETNS_DIR,
     PREFIX_LEN,
     PROXY_PORT,
     TAP,
     exists,
+    guest_netns,
     netns_path,
     ruleset,
 )
 from space.node.privileged.netns_socket import bind_in_netns
 
-__all__ = ["bind_listeners", "create", "delete", "readable_directory", "set_open"]
+__all__ = [
+    "address_guest",
+    "bind_listeners",
+    "create",
+    "delete",
+    "readable_directory",
+    "set_open",
+]
 
 
 def readable_directory(path: Path) -> None:
@@ -41,41 +52,71 @@ def readable_directory(path: Path) -> None:
         os.chmod(path, 0o755)
 
 
-async def create(name: str) -> None:
-    """Make the namespace with its tap and a closed ruleset; a no-op if it exists.
+async def create(name: str, *, veth: bool = False) -> None:
+    """Make the namespace with its link and a closed ruleset: a tap, or with ``veth``
+    one end of a veth pair whose other end is a gVisor guest's link, addressed, alone
+    in the second namespace; a no-op if they exist (either half of a pair alone, left
+    by a crash, is made again).
 
     Raises Unavailable (the failing command's message) and leaves nothing behind.
     """
-    if exists(name):
+    guest = guest_netns(name)
+    if exists(name) and (not veth or exists(guest)):
         return
+    await delete(name)
     readable_directory(NETNS_DIR)
     await run("ip", "netns", "add", name)
     try:
-        for command in (
-            ("link", "set", "lo", "up"),
-            ("tuntap", "add", "dev", TAP, "mode", "tap"),
-            ("link", "set", TAP, "address", GATEWAY_MAC),
-            ("addr", "add", f"{GATEWAY_ADDRESS}/{PREFIX_LEN}", "dev", TAP),
-            ("link", "set", TAP, "up"),
-            # A gVisor guest's sockets are the namespace's own: without a route they
-            # fail (ENETUNREACH) before nftables could send them to the gateway. In a
-            # VM's namespace nothing local uses it (its output chain rejects all else).
-            ("route", "add", "default", "via", GUEST_ADDRESS, "dev", TAP),
-        ):
-            await run("ip", "-n", name, *command)
+        if veth:
+            await run("ip", "netns", "add", guest)
+            link = f"link add {TAP} type veth peer name {GUEST_LINK} netns {guest}"
+        else:
+            link = f"tuntap add dev {TAP} mode tap"
+        await _batch(
+            name,
+            "link set lo up",
+            link,
+            f"link set {TAP} address {GATEWAY_MAC}",
+            f"address add {GATEWAY_ADDRESS}/{PREFIX_LEN} dev {TAP}",
+            f"link set {TAP} up",
+        )
         await _in_netns(name, "sysctl", "-q", "-w", f"net.ipv6.conf.{TAP}.disable_ipv6=1")
+        if veth:
+            await _in_netns(
+                guest, "sysctl", "-q", "-w", f"net.ipv6.conf.{GUEST_LINK}.disable_ipv6=1"
+            )
+            await _batch(
+                guest,
+                "link set lo up",
+                f"link set {GUEST_LINK} address {GUEST_MAC}",
+                f"link set {GUEST_LINK} up",
+            )
+            await address_guest(name)
         await set_open(name, False)
     except BaseException:
         await delete(name)
         raise
 
 
+async def address_guest(name: str) -> None:
+    """Give a gVisor guest's link (in the second namespace of ``name``) its address
+    and default route, as before each runsc run or restore: runsc moves them into
+    gVisor's stack, taking them off the link, and reads them from there."""
+    await _batch(
+        guest_netns(name),
+        f"address replace {GUEST_ADDRESS}/{PREFIX_LEN} dev {GUEST_LINK}",
+        f"route replace default via {GATEWAY_ADDRESS} dev {GUEST_LINK}",
+    )
+
+
 async def delete(name: str) -> None:
-    """Remove the namespace (its tap and rules go with it); idempotent."""
-    if exists(name):
-        await run("ip", "netns", "delete", name, check=False)
-    if exists(name):  # a bind mount left by a failed ``ip netns add``
-        os.unlink(netns_path(name))
+    """Remove the namespace and a gVisor guest's second one (their links and rules go
+    with them); idempotent."""
+    for each in (name, guest_netns(name)):
+        if exists(each):
+            await run("ip", "netns", "delete", each, check=False)
+        if exists(each):  # a bind mount left by a failed ``ip netns add``
+            os.unlink(netns_path(each))
 
 
 async def set_open(name: str, is_open: bool) -> None:
@@ -103,6 +144,11 @@ async def bind_listeners(name: str) -> list[socket.socket]:
         tcp.close()
         raise Unavailable(f"cannot listen in {path}: {exc}") from exc
     return [tcp, udp]
+
+
+async def _batch(name: str, *commands: str) -> None:
+    """iproute2 ``commands`` in ``name``, one process for all."""
+    await run("ip", "-n", name, "-batch", "-", stdin="\n".join(commands) + "\n")
 
 
 async def _in_netns(name: str, *argv: str, stdin: str | None = None) -> None:

@@ -210,10 +210,12 @@ class AdoptReceived(Request):
 
 @dataclass(frozen=True, slots=True)
 class CreateNetns(Request):
-    """Make the namespace ``name`` with its tap and egress closed; a no-op if it exists."""
+    """Make the namespace ``name`` with its tap (``veth``: a gVisor guest's veth pair
+    and second namespace) and egress closed; a no-op if it exists."""
 
     op: ClassVar[str] = "create_netns"
     name: str
+    veth: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,9 +332,9 @@ class LaunchGvisor(Request):
     cpus: int
     log: str
     restore: bool = False
-    #: The host's network stack in ``netns`` (runsc ``--network=host``) instead of
-    #: gVisor's own with loopback only; such a sandbox cannot be checkpointed.
-    host_network: bool = False
+    #: gVisor's network stack on the guest's link in the second namespace of
+    #: ``netns`` (runsc ``--network=sandbox``) instead of loopback only.
+    networked: bool = False
 
 
 @dataclass(frozen=True, slots=True)

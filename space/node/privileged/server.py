@@ -25,7 +25,7 @@ from pathlib import Path
 
 from space.node.api import InvalidArgument, NodeError
 from space.node.network.fd_lines import FdLineReader, close_fds, write_line
-from space.node.network.netns import node_prefix
+from space.node.network.netns import guest_netns, node_prefix
 from space.node.privileged import (
     _gateway,
     _gvisor,
@@ -112,7 +112,7 @@ class Broker:
             ExclusiveBytes: lambda r: _storage.exclusive_bytes(self.path(r.path, below=True)),
             DeleteSubvolume: self._delete_subvolume,
             AdoptReceived: self._adopt_received,
-            CreateNetns: lambda r: _network.create(self.netns(r.name)),
+            CreateNetns: lambda r: _network.create(self.netns(r.name), veth=r.veth),
             DeleteNetns: lambda r: _network.delete(self.netns(r.name)),
             SetEgress: lambda r: _network.set_open(self.netns(r.name), r.open),
             LaunchVm: self._launch_vm,
@@ -296,7 +296,7 @@ class Broker:
 
     async def _checkpoint_gvisor(self, request: CheckpointGvisor, out_fd: int) -> int:
         home = self._gvisor_home()
-        runsc = _gvisor.runsc_argv(home / "state", networked=False)
+        runsc = _gvisor.runsc_argv(home / "state")
         return await _gvisor_state.checkpoint(
             self.vm_name(request.name), runsc=runsc, home=home, out_fd=out_fd
         )
@@ -310,16 +310,20 @@ class Broker:
             raise InvalidArgument("a gVisor sandbox has CPUs and memory within bounds")
         if not _HOSTNAME_RE.match(request.hostname):
             raise InvalidArgument(f"{request.hostname!r} is not a host name")
-        if request.host_network and request.netns is None:
-            raise InvalidArgument("the host's network stack only inside a namespace of the node")
         name = self.vm_name(request.name)
+        netns = None if request.netns is None else self.netns(request.netns)
+        if request.networked:
+            if netns is None:
+                raise InvalidArgument("a network only inside a namespace of the node")
+            await _network.address_guest(netns)
+            netns = guest_netns(netns)  # the guest's link's, where runsc runs it
         # The guest's root in the volume, held with no link on the way: the volume's top
         # is the agent's, which could otherwise swap the name for a link to "/".
         volume = self.path(str(Path(request.volume) / _gvisor.TREE_ROOT), below=True)
         config = _gvisor.oci_config(
             rootfs=_gvisor.ROOTFS,
             hostname=request.hostname,
-            netns=None if request.netns is None else self.netns(request.netns),
+            netns=netns,
             cpus=request.cpus,
             memory_mib=request.memory_mib,
             cgroup=self._gvisor_cgroup(name),
@@ -342,7 +346,7 @@ class Broker:
                 log=log,
                 owner=self.scope.owner,
                 image=image,
-                host_network=request.host_network,
+                networked=request.networked,
             )
         finally:
             if image is not None:

@@ -98,9 +98,9 @@ class GvisorConfig:
     #: The node's key of saved states (space.node.core.keys): a checkpoint is sealed
     #: under it as a VM's state is (None: plaintext, as without keys for QEMU).
     state_key: bytes | None = field(default=None, repr=False)
-    #: On the host's network stack in ``netns`` (runsc ``--network=host``: egress, no
-    #: checkpoints) rather than gVisor's own, loopback only.
-    host_network: bool = False
+    #: gVisor's network stack on the guest's link beside ``netns`` (its egress governed
+    #: there as a VM's), rather than loopback only.
+    networked: bool = False
 
     @property
     def bundle(self) -> Path:
@@ -147,7 +147,7 @@ class GvisorGuest:
             cpus=cfg.cpus,
             log=str(cfg.log),
             restore=state is not None,
-            host_network=cfg.host_network,
+            networked=cfg.networked,
         )
         try:
             pid = await _start(cfg, request, theirs.fileno(), state)
