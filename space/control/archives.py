@@ -106,10 +106,10 @@ async def rehome_round(ctx: ControlContext) -> list[str]:
     if not lost:
         return []
     with_store = set(archiving_nodes(records, ctx.nodes.ids()))
-    ranked = [n for n in rank_nodes(records, load, reachable=ctx.nodes.ids()) if n in with_store]
     moved = []
     for record in lost:
-        for target in (n for n in ranked if n != record.node_id):
+        ranked = rank_nodes(records, load, reachable=ctx.nodes.ids(), guest=record.guest)
+        for target in (n for n in ranked if n in with_store and n != record.node_id):
             if await _rehome(ctx, record, target):
                 moved.append(record.id)
                 load[target] = load.get(target, 0) + 1

@@ -94,10 +94,10 @@ async def drain_round(ctx: ControlContext) -> list[str]:
             if record.state not in MOVABLE:
                 continue
             template = node_name(record.tenant_id, parse_ref(record.template).name)
-            targets = [
-                t for t in rank_nodes(records, load, reachable=ctx.nodes.ids(), template=template)
-                if t != node.id and ctx.nodes.url(t) != LOCAL_URL
-            ]  # fmt: skip
+            ranked = rank_nodes(
+                records, load, reachable=ctx.nodes.ids(), template=template, guest=record.guest
+            )
+            targets = [t for t in ranked if t != node.id and ctx.nodes.url(t) != LOCAL_URL]
             target = await _move_to_first(ctx, record, targets)
             if target is not None:
                 moved.append(record.id)

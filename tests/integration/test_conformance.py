@@ -46,7 +46,10 @@ origin of the same name (a plain create, a fork child, from a snapshot, restored
 woken from hibernation, re-adopted: its runsc and channel relay lived through a
 restart of `space serve`) on the ``plain`` platform, and run every cell as a VM does;
 ``gvisor-pool-hit`` is a hit of the warm pool of ``gvisor_pooled``, a platform whose
-``auto`` guest type is gVisor (``--guest-without-kvm gvisor``). Those of them whose
+``auto`` guest type is gVisor (``--guest-without-kvm gvisor``); ``gvisor-moved-in``,
+``gvisor-rehomed`` and ``gvisor-stored-snapshot`` go between the ``moving`` platform's
+nodes as their QEMU origins do (a full stream of the volume, the guest's tree in it
+kept as it was sent). Those of them whose
 QEMU origin has a network have one too, and the pool hit as well: gVisor's own network
 stack on a link of the sandbox's namespace, which goes through checkpoints as a VM's
 NIC goes through its saved memory.
@@ -100,7 +103,7 @@ ORIGINS = (
         f"gvisor-{kind}"
         for kind in (
             "cold-boot", "pool-hit", "fork-child", "from-snapshot", "restored", "woken",
-            "re-adopted",
+            "re-adopted", "moved-in", "rehomed", "stored-snapshot",
         )
     ),
 )  # fmt: skip
@@ -113,12 +116,17 @@ _PARTS = {
     "re-adopted": "pooled", "moved-in": "moving", "rehomed": "moving",
     "stored-snapshot": "moving",
     **{origin: "gvisor" for origin in ORIGINS if origin.startswith("gvisor-")},
+    "gvisor-moved-in": "moving", "gvisor-rehomed": "moving", "gvisor-stored-snapshot": "moving",
 }  # fmt: skip
 #: Origins served by the platform with a warm pool (of VMs; of gVisor sandboxes).
 POOLED = {"pool-hit", "re-adopted"}
 GVISOR_POOLED = {"gvisor-pool-hit"}
 #: Origins served by the platform whose sandboxes move between its node agents.
-MOVING = {"moved-in", "rehomed", "stored-snapshot"}
+MOVING = {
+    origin
+    for kind in ("moved-in", "rehomed", "stored-snapshot")
+    for origin in (kind, f"gvisor-{kind}")
+}
 #: Origins whose sandbox (or the sandbox it came from) has an egress policy and a
 #: secret: their every cell also fetches over HTTPS with the secret swapped in. The
 #: others have no policy, and every cell checks they have no network at all.
@@ -127,7 +135,10 @@ NETWORKED = {
     "rehomed", "stored-snapshot",
     *(
         f"gvisor-{kind}"
-        for kind in ("pool-hit", "fork-child", "from-snapshot", "restored", "woken", "re-adopted")
+        for kind in (
+            "pool-hit", "fork-child", "from-snapshot", "restored", "woken", "re-adopted",
+            "moved-in", "rehomed", "stored-snapshot",
+        )
     ),
 }  # fmt: skip
 
@@ -375,12 +386,12 @@ def _make(origin: str, site: Site, request: pytest.FixtureRequest) -> tuple[Sand
         site.platform.stop()
         site.platform.start()
         sandbox = site.connect(sandbox.sandbox_id)
-    elif origin == "moved-in":
+    elif kind == "moved-in":
         _move_by_drain(site, sandbox)
-    elif origin == "rehomed":
+    elif kind == "rehomed":
         _rehome_after_crash(site, sandbox)
-    elif origin == "stored-snapshot":
-        return _from_stored_snapshot(site, sandbox)
+    elif kind == "stored-snapshot":
+        return _from_stored_snapshot(site, sandbox, f"origin-{origin}")
     return sandbox, []
 
 
@@ -419,11 +430,11 @@ def _rehome_after_crash(site: Site, sandbox: Sandbox) -> None:
     assert sandbox.resume().state == "running"
 
 
-def _from_stored_snapshot(site: Site, sandbox: Sandbox) -> tuple[Sandbox, list[str]]:
+def _from_stored_snapshot(site: Site, sandbox: Sandbox, name: str) -> tuple[Sandbox, list[str]]:
     """Snapshot ``sandbox`` until the artifact store holds the snapshot, delete the
     sandbox, and make one from the snapshot while its node is drained: on the other
     node, which copies the snapshot from the store first."""
-    snapshot = sandbox.snapshot("origin-stored-snapshot")
+    snapshot = sandbox.snapshot(name)
     home = sandbox.get_info().node_id
     assert home is not None
 

@@ -222,6 +222,7 @@ class _Registry:
 
     def __init__(self, root: Path, policy: Policy, host: Host, residents: int) -> None:
         self.config = NodeConfig(data_dir=root)
+        self.guest_types = ["qemu"]  # a node without runsc
         self.run_root = root / "run"
         self.pool = _Pool(root)
         self.sandboxes: dict[str, object] = {}
@@ -323,6 +324,17 @@ async def test_a_target_with_room_just_enough_pulls_the_import(
     assert target.pulls == ["http://source:1"]
     assert list((tmp_path / "incoming").iterdir()) == []  # its staging was cleared
     assert target.admission.info().starting == 0  # released with the failure
+
+
+async def test_negative_a_target_that_lacks_the_guest_type_refuses_before_a_byte_moves(
+    tmp_path: Path,
+) -> None:
+    target = _importing(tmp_path, Policy(), _ROOMY)
+    ticket = _ticket(record={**_portable_of(), "guest": "gvisor"})
+    with pytest.raises(InvalidArgument, match="guest gvisor is not offered by this node"):
+        await target.moves.import_(ticket, "http://source:1")
+    assert target.pulls == [] and not (tmp_path / "incoming").exists()
+    assert target.admission.info().starting == 0
 
 
 async def test_negative_an_import_is_admitted_at_its_own_size(tmp_path: Path) -> None:

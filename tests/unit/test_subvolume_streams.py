@@ -110,6 +110,63 @@ def test_a_subvolume_sent_and_received_arrives_whole_and_is_handed_to_the_agent(
     (received.path / "new").write_bytes(b"writable")  # a sandbox's volume again
 
 
+def _received(pool: BtrfsPool, runner: asyncio.Runner, source: Path) -> Path:
+    stream = runner.run(_sent(pool, source))
+    staging = _staging(pool)
+    return runner.run(
+        receive_stream(pool.broker, pool.root, staging, _chunks(stream), max_bytes=len(stream))
+    ).path
+
+
+def test_a_gvisor_volume_keeps_its_guest_s_tree_as_sent_and_the_rest_is_the_agent_s(
+    pool: BtrfsPool, runner: asyncio.Runner
+) -> None:
+    """Its guest root's owners, modes and links are the guest's (a move or an archive
+    of a gVisor sandbox must wake with them); its saved state beside it becomes the
+    agent's, as a VM volume's files do. A volume without a root directory, or with a
+    link in its place, is refused."""
+    path = pool.root / "gvisor-volume"
+    subprocess.run(["btrfs", "subvolume", "create", str(path)], check=True, capture_output=True)
+    (path / "vmstate").write_bytes(b"sealed")
+    root = path / "rootfs"
+    (root / "usr" / "bin").mkdir(parents=True)
+    (root / "bin").symlink_to("usr/bin")
+    tool = root / "usr" / "bin" / "tool"
+    tool.write_bytes(b"#!/bin/sh\n")
+    os.chown(tool, 0, 0)
+    tool.chmod(0o4755)
+    home = root / "home" / "user"
+    home.mkdir(parents=True)
+    (home / "notes").write_bytes(b"mine")
+    os.chown(home / "notes", 1000, 1000)
+    (home / "notes").chmod(0o640)
+    os.sync()
+    subprocess.run(["btrfs", "property", "set", "-ts", str(path), "ro", "true"], check=True)
+
+    received = _received(pool, runner, path)
+    runner.run(adopt_received(pool.broker, received, writable=True, guest_tree=True))
+    state = (received / "vmstate").stat()
+    assert (state.st_uid, state.st_mode & 0o777) == (os.geteuid(), 0o600)
+    assert os.readlink(received / "rootfs" / "bin") == "usr/bin"
+    kept = (received / "rootfs" / "usr" / "bin" / "tool").stat()
+    assert kept.st_mode & 0o7777 == 0o4755  # nothing to the host: the pool is nosuid
+    notes = (received / "rootfs" / "home" / "user" / "notes").stat()
+    assert (notes.st_uid, notes.st_gid, notes.st_mode & 0o777) == (1000, 1000, 0o640)
+
+    for name, make in (
+        ("no-root", lambda p: None),
+        ("linked-root", lambda p: (p / "rootfs").symlink_to("/")),
+    ):
+        bad = pool.root / name
+        subprocess.run(["btrfs", "subvolume", "create", str(bad)], check=True, capture_output=True)
+        (bad / "vmstate").write_bytes(b"sealed")
+        make(bad)
+        subprocess.run(["btrfs", "property", "set", "-ts", str(bad), "ro", "true"], check=True)
+        received = _received(pool, runner, bad)
+        with pytest.raises(InvalidArgument, match="holds no guest root directory"):
+            runner.run(adopt_received(pool.broker, received, writable=True, guest_tree=True))
+
+
 def test_an_incremental_stream_carries_only_what_differs_from_the_parent(
     pool: BtrfsPool, runner: asyncio.Runner
 ) -> None:

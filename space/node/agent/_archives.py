@@ -34,8 +34,8 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 
-from space.node.agent._egress import parse_policy
 from space.node.agent._moves import (
+    check_runs_here,
     clear_staging,
     install_received,
     new_staging,
@@ -142,7 +142,9 @@ class Archives:
                 received = await self._receive(bundle, staging, stream_bound(info))
                 # Snapshots are read-only: received writable (to be the agent's), then
                 # snapshotted read-only into place, the received copy deleted.
-                await adopt_received(pool.broker, received.path, writable=True)
+                await adopt_received(
+                    pool.broker, received.path, writable=True, guest_tree=info.guest == "gvisor"
+                )
                 target = pool.snapshot_path(snapshot_id)
                 await snapshot_subvolume(received.path, target, read_only=True)
             finally:
@@ -201,7 +203,7 @@ class Archives:
         document = await self._info(bundle)
         record = record_from(document.get("record"), sandbox_id)
         registry = self._registry
-        parse_policy(record.spec.egress, sandbox_id, registry.config.egress_bounds)  # this node's
+        check_runs_here(registry, record)
         record = replace(record, run_dir=str(registry.run_root / sandbox_id), archive=archive)
         async with registry.lock(sandbox_id):
             if sandbox_id in registry.sandboxes:

@@ -149,8 +149,14 @@ class Moves:
                 raise not_allowed("move", sandbox)
             check_not_held("export", sandbox)
             volume = registry.pool.sandbox_path(sandbox.record.volume)
-            parents = await asyncio.to_thread(
-                _origins, registry.pool.root, volume, sandbox.record.template_digest
+            # A gVisor volume is a clone of this node's tree of its template, which no
+            # other node holds as the same subvolume: its stream is full.
+            parents = (
+                {}
+                if sandbox.record.guest == "gvisor"
+                else await asyncio.to_thread(
+                    _origins, registry.pool.root, volume, sandbox.record.template_digest
+                )
             )
             ticket = secrets.token_urlsafe(32)
             expires_at = time.time() + EXPORT_TTL_S
@@ -253,7 +259,7 @@ class Moves:
             )
         registry = self._registry
         sid = record.sandbox_id
-        parse_policy(record.spec.egress, sid, registry.config.egress_bounds)  # this node's
+        check_runs_here(registry, record)
         record = replace(record, run_dir=str(registry.run_root / sid))
         async with registry.lock(sid):
             if sid in registry.sandboxes:
@@ -302,12 +308,24 @@ class Moves:
         await clear_staging(self._registry.pool, staging)
 
 
+def check_runs_here(registry: Registry, record: SandboxRecord) -> None:
+    """Raise InvalidArgument unless a sandbox of ``record`` from another node can run
+    here: its egress policy within this node's bounds, its guest type offered."""
+    parse_policy(record.spec.egress, record.sandbox_id, registry.config.egress_bounds)
+    if record.guest not in registry.guest_types:
+        raise InvalidArgument(
+            f"guest {record.guest} is not offered by this node "
+            f"(it offers {', '.join(registry.guest_types)})",
+            sandbox_id=record.sandbox_id,
+        )
+
+
 async def install_received(registry: Registry, record: SandboxRecord, received: Path) -> None:
     """Make the received subvolume ``received`` the volume of ``record`` (HIBERNATED)
     and register the sandbox here, its network set up. Called under the sandbox's lock;
     on any failure nothing of it is left."""
     pool = registry.pool
-    await adopt_received(pool.broker, received, writable=True)
+    await adopt_received(pool.broker, received, writable=True, guest_tree=record.guest == "gvisor")
     volume = pool.sandbox_path(record.volume)
     await registry.remove_leftovers(record.sandbox_id, volume=record.volume)
     await asyncio.to_thread(os.rename, received, volume)

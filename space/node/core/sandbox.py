@@ -59,8 +59,11 @@ _CONSOLE_CHECK_S = 5.0
 #: QEMU run states in which the vCPUs are stopped but ``cont`` runs them again.
 _STOPPED_STATES = frozenset({"paused", "postmigrate", "prelaunch", "finish-migrate"})
 _CONSOLE_TAIL_BYTES = 2048
-#: What a gVisor sandbox does through saved memory: runsc pause, checkpoint, restore.
-GVISOR_MEMORY_OPS = frozenset({"pause", "resume", "hibernate", "snapshot", "restore", "fork"})
+#: What a gVisor sandbox does through saved memory: runsc pause, checkpoint, restore
+#: (a move carries the checkpoint in its volume).
+GVISOR_MEMORY_OPS = frozenset(
+    {"pause", "resume", "hibernate", "snapshot", "restore", "fork", "move"}
+)
 
 
 def hostname_for(sandbox_id: str) -> str:
@@ -453,8 +456,7 @@ async def settled(transition: Awaitable[T]) -> T:
 def check_memory_ops(operation: str, sandbox: LiveSandbox) -> None:
     """Raise Conflict if ``operation`` goes through saved memory (pause, resume,
     hibernate, snapshot, restore, fork, a move) and the sandbox's guest type has no
-    such path: a gVisor sandbox does all but moves (issue 21: its volume is a clone of
-    a tree no other node holds under that name); checked before anything is recorded."""
+    such path; checked before anything is recorded."""
     guest = sandbox.record.guest
     if guest == "qemu" or (guest == "gvisor" and operation in GVISOR_MEMORY_OPS):
         return

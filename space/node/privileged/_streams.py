@@ -32,6 +32,7 @@ from space.node.api import InvalidArgument, Unavailable
 from space.node.core.environment import python_environment
 from space.node.core.send_stream import SendStreamFraming
 from space.node.privileged import _storage
+from space.node.privileged._gvisor import TREE_ROOT
 from space.node.privileged.pinned import Pinned, reopen
 
 __all__ = ["Received", "adopt_received", "receive_subvolume", "send_subvolume"]
@@ -300,13 +301,19 @@ def _clear(dir_fd: int, text: str) -> None:
             _storage.delete_held(dir_fd, name, os.path.join(text, name))
 
 
-def adopt_received(subvolume: Pinned, owner: tuple[int, int], *, writable: bool) -> None:
+def adopt_received(
+    subvolume: Pinned, owner: tuple[int, int], *, writable: bool, guest_tree: bool = False
+) -> None:
     """Hand the received subvolume ``subvolume`` (its parent held) to ``owner``: every
     file and directory becomes theirs, 0600/0700, whatever owner and mode the stream
-    gave it, and what is neither (a link, a device, a fifo: a sandbox's volume holds
-    none) is removed. ``writable`` makes it a sandbox's volume; otherwise it stays
-    read-only as received, so that later streams can name it as their parent. Raises
-    InvalidArgument if it is not a subvolume."""
+    gave it, and what is neither (a link, a device, a fifo: a VM's volume holds none)
+    is removed. With ``guest_tree`` (a gVisor sandbox's volume) its guest's root
+    directory, TREE_ROOT, is kept as received: owners, modes and links are the
+    guest's, as in the tree it was cloned from, and the pool's nosuid and nodev make
+    its set-user-id bits and device nodes nothing to the host. ``writable`` makes it a
+    sandbox's volume; otherwise it stays read-only as received, so that later streams
+    can name it as their parent. Raises InvalidArgument if it is not a subvolume, or
+    with ``guest_tree`` has no root directory."""
     assert subvolume.name is not None
     fd = _storage.open_directory(subvolume.name, subvolume.fd)
     if fd is None:
@@ -314,9 +321,11 @@ def adopt_received(subvolume: Pinned, owner: tuple[int, int], *, writable: bool)
     try:
         if os.fstat(fd).st_ino != _FIRST_FREE_OBJECTID:
             raise InvalidArgument(f"{subvolume.text} is not a subvolume")
+        if guest_tree:
+            _check_guest_root(fd, subvolume.text)
         _storage.set_read_only(fd, False)
         try:
-            _own_tree(fd, owner)
+            _own_tree(fd, owner, keep=TREE_ROOT if guest_tree else None)
         finally:
             if not writable:
                 _storage.set_read_only(fd, True)
@@ -324,11 +333,24 @@ def adopt_received(subvolume: Pinned, owner: tuple[int, int], *, writable: bool)
         os.close(fd)
 
 
-def _own_tree(top: int, owner: tuple[int, int]) -> None:
-    """Give ``owner`` everything below the directory ``top``, by descriptor throughout."""
+def _check_guest_root(top: int, text: str) -> None:
+    """Raise InvalidArgument unless TREE_ROOT in ``top`` is a directory (not a link)."""
+    try:
+        mode = os.stat(TREE_ROOT, dir_fd=top, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        mode = 0
+    if not stat.S_ISDIR(mode):
+        raise InvalidArgument(f"{text} holds no guest root directory")
+
+
+def _own_tree(top: int, owner: tuple[int, int], *, keep: str | None = None) -> None:
+    """Give ``owner`` everything below the directory ``top``, by descriptor throughout,
+    but the directory ``keep`` directly in it and what it holds."""
     os.fchown(top, *owner)
     os.fchmod(top, 0o700)
-    for _directory, dirs, files, fd in os.fwalk(".", dir_fd=top):
+    for directory, dirs, files, fd in os.fwalk(".", dir_fd=top):
+        if directory == "." and keep in dirs:
+            dirs.remove(keep)  # not walked, and left as it is
         for name in (*dirs, *files):
             info = os.stat(name, dir_fd=fd, follow_symlinks=False)
             if stat.S_ISDIR(info.st_mode) or stat.S_ISREG(info.st_mode):

@@ -198,11 +198,13 @@ class ReceiveSubvolume(Request):
 @dataclass(frozen=True, slots=True)
 class AdoptReceived(Request):
     """Make the received subvolume ``path`` the agent's (``writable``: a sandbox's
-    volume; else it stays read-only, a parent for later streams)."""
+    volume; else it stays read-only, a parent for later streams; ``guest_tree``: a
+    gVisor sandbox's, whose guest root directory stays as received)."""
 
     op: ClassVar[str] = "adopt_received"
     path: str
     writable: bool
+    guest_tree: bool = False
 
 
 # network namespaces

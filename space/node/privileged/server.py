@@ -253,7 +253,11 @@ class Broker:
     async def _adopt_received(self, request: AdoptReceived) -> None:
         target = self.path(request.path, below=True, parent=True)
         await asyncio.to_thread(
-            _streams.adopt_received, target, self.scope.owner, writable=request.writable
+            _streams.adopt_received,
+            target,
+            self.scope.owner,
+            writable=request.writable,
+            guest_tree=request.guest_tree,
         )
 
     async def _launch_vm(self, request: LaunchVm) -> int:

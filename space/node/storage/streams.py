@@ -237,6 +237,8 @@ async def _pipe_writer(write_end: int) -> asyncio.StreamWriter:
     return asyncio.StreamWriter(transport, protocol, None, loop)
 
 
-async def adopt_received(broker: RootBroker, path: Path, *, writable: bool) -> None:
+async def adopt_received(
+    broker: RootBroker, path: Path, *, writable: bool, guest_tree: bool = False
+) -> None:
     """Make the received subvolume ``path`` the agent's (see AdoptReceived)."""
-    await broker.call(AdoptReceived(path=str(path), writable=writable))
+    await broker.call(AdoptReceived(path=str(path), writable=writable, guest_tree=guest_tree))
