@@ -252,6 +252,32 @@ def test_a_secret_reaches_only_its_bound_host_and_never_comes_back(guest: Guest)
     assert guest.probe("find", needle_hex=VALUE.encode().hex())["ok"]
 
 
+_FETCH_WITH_SECRET = (
+    "import urllib.request as u\n"
+    "r = u.Request('https://tls.allowed.test/echo',"
+    f" headers={{'Authorization': 'Bearer {PLACEHOLDER}'}})\n"
+    "print(u.urlopen(r).read().decode())"
+)
+
+
+def test_a_secret_given_while_closed_is_injected_once_a_policy_opens(guest: Guest) -> None:
+    """A closed sandbox is not attached to the gateway (nothing of it reaches it), so
+    its grants wait in the node until a policy opens it, and then apply at once."""
+    node, run, other = guest.node, guest.h.run, "egress-secret-later"
+    run(node.create_sandbox(SandboxSpec(sandbox_id=other, guest=guest.type)))
+    try:
+        grant = SecretGrant(
+            name="API_KEY", value=VALUE, placeholder=PLACEHOLDER, hosts=("tls.allowed.test",)
+        )
+        run(node.set_secrets(other, [grant]))
+        run(node.set_egress(other, POLICY))
+        out = run(output(node, ExecRequest(argv=["python3", "-c", _FETCH_WITH_SECRET]), other))
+        assert PLACEHOLDER in out and VALUE not in out
+        assert VALUE in guest.world.hits_of("tls")[-1].data.decode()
+    finally:
+        run(node.delete_sandbox(other))
+
+
 _HELD = f"""
 import os, socket, time
 s = socket.create_connection(("{UPSTREAM}", 8080), timeout=60)

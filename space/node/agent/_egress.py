@@ -79,25 +79,38 @@ class SandboxNetwork:
         self._ca_dir = ca_dir
         self._run_root = run_root
 
-    async def apply(self, sandbox: LiveSandbox) -> None:
+    async def apply(self, sandbox: LiveSandbox, *, adopt: bool = False) -> None:
         """Tell the gateway and nftables the sandbox's policy (a VM without a NIC has no
         namespace: nothing to do; a gVisor sandbox's namespace is governed as a VM's).
         Opening goes gateway first, closing nftables first, so the guest never reaches
-        a gateway that does not know its policy."""
+        a gateway that does not know its policy. A closed policy costs nothing where
+        nothing changes: a ruleset known closed is not written again, and the gateway
+        learns of a sandbox only once a policy opened it (nothing else reaches it),
+        but at a node's start (``adopt``), when an adopted gateway may hold its
+        secrets."""
         if not sandbox.has_network:
             return
         name = netns.netns_name(sandbox.config.run_dir)
         policy = parse_policy(sandbox.record.spec.egress, sandbox.sandbox_id, self.bounds)
         # Gone after a host reboot; a no-op otherwise.
-        await netns.create(self._run_root, name, veth=sandbox.record.guest == "gvisor")
+        if await netns.create(self._run_root, name, veth=sandbox.record.guest == "gvisor"):
+            sandbox.ruleset_open = False
         if policy.closed:
-            await netns.set_open(self._run_root, name, False)
+            if sandbox.ruleset_open is not False:
+                await self._set_open(sandbox, name, False)
+            if not (adopt or self.gateway.serves(sandbox.sandbox_id)):
+                return
         ca_file = ca.ensure_ca(self._ca_dir, sandbox.sandbox_id)
         path = netns.netns_path(name)
         await self.gateway.attach(sandbox.sandbox_id, path, policy.to_json(), ca_file)
         if not policy.closed:
             await self._trust(sandbox, ca_file)
-            await netns.set_open(self._run_root, name, True)
+            await self._set_open(sandbox, name, True)
+
+    async def _set_open(self, sandbox: LiveSandbox, name: str, is_open: bool) -> None:
+        sandbox.ruleset_open = None  # not known until nft has applied it
+        await netns.set_open(self._run_root, name, is_open)
+        sandbox.ruleset_open = is_open
 
     async def trust_after_resume(self, sandbox: LiveSandbox) -> None:
         """A policy opened while the sandbox was paused or hibernated could not install
@@ -154,7 +167,7 @@ class SandboxNetwork:
             if sandbox.record.state == SandboxState.ERROR:
                 continue
             try:
-                await self.apply(sandbox)
+                await self.apply(sandbox, adopt=True)
             except NodeError as exc:
                 say(f"sandbox {sandbox.sandbox_id}: applying its egress policy failed: {exc}")
         try:

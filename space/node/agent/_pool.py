@@ -326,6 +326,7 @@ async def hand_over(node: Registry, pooled: LiveSandbox, sandbox: LiveSandbox) -
     channel, pooled.channel = pooled.channel, None  # kept open: unwatch would close it
     await pooled.unwatch()
     sandbox.vm, pooled.vm = pooled.vm, None
+    sandbox.ruleset_open = pooled.ruleset_open  # the namespace goes with the VM
     life.store.remove(pooled.sandbox_id)
     await asyncio.to_thread(_rename, pooled.config.console_log, sandbox.config.console_log)
     sandbox.record = replace(

@@ -149,6 +149,9 @@ class LiveSandbox:
     watcher: asyncio.Task[None] | None = None
     #: The egress CA certificate (PEM) installed in this guest's filesystem, if any.
     trusted_ca: bytes | None = None
+    #: Whether its namespace's ruleset is open, as this process last made or set it
+    #: (None: not known, as after a restart): a closed one is not closed again.
+    ruleset_open: bool | None = None
     #: Why the node stopped this VM itself (its guest abused the channel), if it did:
     #: the reason its exit is reported with, and no new channel is opened to it.
     fault: str | None = None
@@ -202,7 +205,8 @@ class LiveSandbox:
         if not incoming:
             (self.volume / NIC_MARKER).touch()
         if config.netns is not None and has_nic(self.volume):
-            await netns.create(config.run_dir.parent, config.netns.name)
+            if await netns.create(config.run_dir.parent, config.netns.name):
+                self.ruleset_open = False
         else:
             config = replace(config, netns=None)
         self.vm = await QemuVM.launch(config, qemu_binary=qemu_binary)
@@ -220,8 +224,10 @@ class LiveSandbox:
         """Start this gVisor sandbox on its volume as it is, from the checkpoint
         ``state`` (in its volume) if given: running, on a new channel."""
         config = self._gvisor_config(run_root)
-        if config.netns is not None:
-            await netns.create(self.config.run_dir.parent, config.netns, veth=config.networked)
+        if config.netns is not None and await netns.create(
+            self.config.run_dir.parent, config.netns, veth=config.networked
+        ):
+            self.ruleset_open = False
         self.vm = await GvisorGuest.launch(config, state=state)
         return self.vm
 

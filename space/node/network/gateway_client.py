@@ -158,14 +158,24 @@ class GatewayProcess:
         CA at ``ca``; idempotent. Raises Unavailable also if the CA cannot be read or
         the listeners cannot be bound in ``netns`` (gone, ports taken)."""
         request = _attach(sandbox_id, netns, policy, ca)
+        known = sandbox_id in self._attached
         await self._ask(lambda: self._attach_exchange(netns, request))
         self._attached[sandbox_id] = (netns, policy, ca)
+        grants = self._secrets.get(sandbox_id)
+        if grants and not known:  # given while it was not attached (set_secrets)
+            await self._call({"op": "secrets", "sandbox": sandbox_id, "grants": grants})
+
+    def serves(self, sandbox_id: str) -> bool:
+        """Whether this node attached the sandbox (and did not detach it since)."""
+        return sandbox_id in self._attached
 
     async def set_secrets(self, sandbox_id: str, grants: list[SecretGrant]) -> None:
         """Replace the sandbox's secret grants (kept in this process's memory too, to
-        tell a restarted gateway; never written anywhere)."""
+        tell a restarted gateway, or the gateway once the sandbox is attached; never
+        written anywhere)."""
         body = encode_grants(grants)["grants"]
-        await self._call({"op": "secrets", "sandbox": sandbox_id, "grants": body})
+        if sandbox_id in self._attached:
+            await self._call({"op": "secrets", "sandbox": sandbox_id, "grants": body})
         self._secrets[sandbox_id] = body
 
     async def detach(self, sandbox_id: str) -> None:

@@ -121,12 +121,12 @@ def node_netns(run_root: Path) -> list[str]:
     return sorted({name.removesuffix(_GUEST_SUFFIX) for name in names})
 
 
-async def create(run_root: Path, name: str, *, veth: bool = False) -> None:
+async def create(run_root: Path, name: str, *, veth: bool = False) -> bool:
     """Make the namespace with its link and a closed ruleset (asked of the root broker
     of the node of ``run_root``): a VM's tap, or with ``veth`` a gVisor guest's veth
-    pair and its second namespace; a no-op if they exist. Raises Unavailable and
-    leaves nothing behind."""
-    await broker_for(run_root).call(CreateNetns(name=name, veth=veth))
+    pair and its second namespace; a no-op if they exist. Whether it made them (so
+    closed). Raises Unavailable and leaves nothing behind."""
+    return bool(await broker_for(run_root).call(CreateNetns(name=name, veth=veth)))
 
 
 async def delete(run_root: Path, name: str) -> None:

@@ -52,17 +52,17 @@ def readable_directory(path: Path) -> None:
         os.chmod(path, 0o755)
 
 
-async def create(name: str, *, veth: bool = False) -> None:
+async def create(name: str, *, veth: bool = False) -> bool:
     """Make the namespace with its link and a closed ruleset: a tap, or with ``veth``
     one end of a veth pair whose other end is a gVisor guest's link, addressed, alone
     in the second namespace; a no-op if they exist (either half of a pair alone, left
-    by a crash, is made again).
+    by a crash, is made again). Whether it made them (closed).
 
     Raises Unavailable (the failing command's message) and leaves nothing behind.
     """
     guest = guest_netns(name)
     if exists(name) and (not veth or exists(guest)):
-        return
+        return False
     await delete(name)
     readable_directory(NETNS_DIR)
     await run("ip", "netns", "add", name)
@@ -96,6 +96,7 @@ async def create(name: str, *, veth: bool = False) -> None:
     except BaseException:
         await delete(name)
         raise
+    return True
 
 
 async def address_guest(name: str) -> None:
