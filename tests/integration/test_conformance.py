@@ -42,7 +42,8 @@ sharing one node key and one artifact store (a directory). All reach a fake inte
 a network namespace the test makes (tests/egress_world.py).
 
 The ``gvisor-*`` origins (issue 21) are gVisor sandboxes made the way of the QEMU
-origin of the same name (a plain create, a fork child, from a snapshot, restored,
+origin of the same name (a create of another disk than the template's, one from the
+template's gVisor ready state, a fork child, from a snapshot, restored,
 woken from hibernation, re-adopted: its runsc and channel relay lived through a
 restart of `space serve`) on the ``plain`` platform, and run every cell as a VM does;
 ``gvisor-pool-hit`` is a hit of the warm pool of ``gvisor_pooled``, a platform whose
@@ -71,6 +72,7 @@ import pytest
 
 from space import Sandbox
 from space.node.privileged._gvisor import OVERHEAD_MIB as GVISOR_OVERHEAD_MIB
+from space.node.storage.streams import subvolume_ids
 from space.sdk import NotFound, PtySize, Secrets, SnapshotInfo, Template, allow
 
 from ..egress_world import UPSTREAM, World, egress_world
@@ -102,8 +104,8 @@ ORIGINS = (
     *(
         f"gvisor-{kind}"
         for kind in (
-            "cold-boot", "pool-hit", "fork-child", "from-snapshot", "restored", "woken",
-            "re-adopted", "moved-in", "rehomed", "stored-snapshot",
+            "cold-boot", "ready-state", "pool-hit", "fork-child", "from-snapshot", "restored",
+            "woken", "re-adopted", "moved-in", "rehomed", "stored-snapshot",
         )
     ),
 )  # fmt: skip
@@ -348,10 +350,17 @@ def _make(origin: str, site: Site, request: pytest.FixtureRequest) -> tuple[Sand
     if origin in GVISOR_POOLED:
         sandbox = _pool_hit(site, **network)  # ``auto``: gVisor is that platform's default
         assert sandbox.get_info().guest == "gvisor"
+    elif origin == "gvisor-cold-boot":
+        # Another disk than the template's: not from its gVisor ready state.
+        sandbox = site.create(guest="gvisor", disk_mib=3072)
+        assert sandbox.get_info().guest == "gvisor"
+        assert not _from_gvisor_ready_state(site, sandbox)
     elif origin.startswith("gvisor-"):
-        # A gVisor sandbox (issue 21), then the way of the QEMU origin of that name.
+        # A gVisor sandbox (issue 21), restored from the template's gVisor ready state,
+        # then the way of the QEMU origin of that name.
         sandbox = site.create(guest="gvisor", **network)
         assert sandbox.get_info().guest == "gvisor"
+        assert _from_gvisor_ready_state(site, sandbox)
     elif origin == "cold-boot":
         # The ready state has the default 2048 MiB disk: another size boots.
         sandbox = site.create(disk_mib=3072)
@@ -393,6 +402,17 @@ def _make(origin: str, site: Site, request: pytest.FixtureRequest) -> tuple[Sand
     elif kind == "stored-snapshot":
         return _from_stored_snapshot(site, sandbox, f"origin-{origin}")
     return sandbox, []
+
+
+def _from_gvisor_ready_state(site: Site, sandbox: Sandbox) -> bool:
+    """Whether the volume of ``sandbox`` (on the site's first node) is a clone of the
+    base template's gVisor ready state."""
+    (record,) = _records_of(site, sandbox.sandbox_id)
+    pool = record.parent.parent / "pool"
+    data = json.loads(record.read_text())
+    volume = pool / "sandboxes" / (data.get("volume") or sandbox.sandbox_id)
+    (image,) = (pool / "templates" / "base").glob("*.gvisor-ready")
+    return subvolume_ids(volume).parent_uuid == subvolume_ids(image).uuid
 
 
 def _move_by_drain(site: Site, sandbox: Sandbox) -> None:

@@ -68,3 +68,33 @@ def test_a_restarted_node_reuses_the_ready_state(node: NodeHarness) -> None:
     node.restart()
     after = node.node.templates.catalog.resolve("base").ready
     assert after is not None and _field(after, "UUID") == before
+
+
+def test_gvisor_sandboxes_of_the_ready_shape_restore_the_gvisor_ready_state(
+    node: NodeHarness,
+) -> None:
+    """Where the node offers gVisor, the template has a gVisor ready state too: each
+    gVisor sandbox of its shape is a clone of it restored with a fresh identity; one
+    of another shape boots on the template's tree. A restarted node reuses it."""
+    template = node.node.templates.catalog.resolve("base")
+    assert template.gvisor_ready is not None and template.gvisor_ready_mark.is_file()
+    for sid in ("gv-warm-1", "gv-warm-2"):
+        spec = SandboxSpec(sid, memory_mib=256, guest="gvisor")
+        assert node.run(node.node.create_sandbox(spec)).state == SandboxState.RUNNING
+        assert _field(node.node.pool.sandbox_path(sid), "Parent UUID") == _field(
+            template.gvisor_ready, "UUID"
+        )
+    sids = ("gv-warm-1", "gv-warm-2")
+    assert [_sh(node, sid, "hostname") for sid in sids] == list(sids)
+    assert len({_sh(node, sid, "cat /etc/machine-id") for sid in sids}) == 2
+    _sh(node, "gv-warm-1", "echo mine > /home/user/f")
+    assert _sh(node, "gv-warm-2", "ls /home/user") == ""  # clones share nothing written
+
+    node.run(node.node.create_sandbox(SandboxSpec("gv-big", disk_mib=3072, guest="gvisor")))
+    tree = node.config.data_dir / "pool" / "gvisor" / template.digest
+    assert _field(node.node.pool.sandbox_path("gv-big"), "Parent UUID") == _field(tree, "UUID")
+
+    before = _field(template.gvisor_ready, "UUID")
+    node.restart()
+    after = node.node.templates.catalog.resolve("base").gvisor_ready
+    assert after is not None and _field(after, "UUID") == before

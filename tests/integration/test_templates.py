@@ -168,7 +168,13 @@ def test_a_changed_step_rebuilds_from_it_on_and_a_failing_step_keeps_the_previou
 
     node.run(node.node.create_sandbox(SandboxSpec("after-fail", template="webapp:v1")))
     assert _sh(node, "after-fail", "cat /opt/n") == "two"  # still the second build
+    built = node.node.pool.root / "templates" / "webapp"
+    assert {p.name for p in built.glob(f"{second.digest}*")} >= {
+        f"{second.digest}.ready",
+        f"{second.digest}.gvisor-ready",  # where the node offers gVisor, as here
+    }
     node.run(node.node.delete_template(f"webapp@{second.digest}"))
+    assert list(built.glob(f"{second.digest}*")) == []  # its ready states went with it
     with pytest.raises(NotFound):
         node.run(node.node.create_sandbox(SandboxSpec("gone", template="webapp:v1")))
     assert _sh(node, "after-fail", "cat /opt/n") == "two"  # its sandboxes live on

@@ -73,6 +73,7 @@ class Catalog:
         self._records: dict[str, _Record] = {}
         #: Ready-state volumes by template digest, once made.
         self._ready: dict[str, Path] = {}
+        self._gvisor_ready: dict[str, Path] = {}
 
     def load(self) -> list[str]:
         """Read the records; builds whose subvolume is gone are dropped. Returns what
@@ -203,11 +204,12 @@ class Catalog:
             self._store.remove(ref.name)
         return [self._template(ref.name, "", build) for build in orphans]
 
-    def set_ready(self, digest: str, path: Path | None) -> None:
+    def set_ready(self, digest: str, path: Path | None, guest: str = "qemu") -> None:
+        ready = self._ready if guest == "qemu" else self._gvisor_ready
         if path is None:
-            self._ready.pop(digest, None)
+            ready.pop(digest, None)
         else:
-            self._ready[digest] = path
+            ready[digest] = path
 
     def _template(self, name: str, tag: str, build: Build) -> Template:
         volume = self._pool.template(name, build.digest)
@@ -229,7 +231,11 @@ class Catalog:
         return self._with_ready(template)
 
     def _with_ready(self, template: Template) -> Template:
-        return replace(template, ready=self._ready.get(template.digest))
+        return replace(
+            template,
+            ready=self._ready.get(template.digest),
+            gvisor_ready=self._gvisor_ready.get(template.digest),
+        )
 
     def _volume_exists(self, name: str, digest: str) -> bool:
         try:

@@ -19,6 +19,9 @@ them and the pool fills again).
 A gVisor pool serves creates of the template's shape as a VM pool does (its sandboxes'
 links wait in their namespaces, egress closed, until the hand-over applies the
 create's policy). Its hand-over is the same, but for ``runsc resume``: none is needed.
+It refills by booting on the template's tree, not from the template's gVisor ready
+state: a restore's burst of CPU beside a hit's first exec doubled that exec here
+(21-25 -> 52 ms p50, bench/bench_gvisor.py), where a boot's did not.
 
 A refill is admitted like a create of the template's shape (space.node.agent._admission):
 on a node short of memory or pool space the pool stops refilling, and waits, rather than

@@ -3,26 +3,41 @@
 Private to space.node.agent. Made once per template build and kept beside the template's
 subvolume, published by a marker file written last: sandboxes of the template's shape
 start from a CoW clone of it instead of booting (space.node.agent._lifecycle wakes it).
+
+A gVisor ready state is the same for gVisor sandboxes (issue 21): one started on the
+template's tree, its start command running and ready check passed, its spawner helper
+up, then checkpointed (``runsc checkpoint``) with its tree into a subvolume beside the
+VM's ready state. Restoring a clone of it is about half a cold gVisor create here
+(docs/benchmarks.md), and the start command's own time is not paid again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from space.node.agent._gvisor_trees import boot_gvisor
 from space.node.agent._hidden import boot_hidden, channel_of, start_command, wait_ready, warm_up
+from space.node.api import SandboxState
+from space.node.core.capacity import Claim
+from space.node.core.state import SandboxRecord
 from space.node.core.template import Template
+from space.node.storage.btrfs import snapshot_subvolume
 
 if TYPE_CHECKING:
     from space.node.agent._registry import Registry
 
-__all__ = ["ensure_ready", "is_ready"]
+__all__ = ["ensure_gvisor_ready", "ensure_ready", "is_ready"]
 
 
-def is_ready(template: Template) -> bool:
-    return template.ready_image.is_dir() and template.ready_mark.is_file()
+def is_ready(template: Template, guest: str = "qemu") -> bool:
+    if guest == "qemu":
+        return template.ready_image.is_dir() and template.ready_mark.is_file()
+    return template.gvisor_ready_image.is_dir() and template.gvisor_ready_mark.is_file()
 
 
 async def ensure_ready(node: Registry, template: Template) -> Path:
@@ -55,6 +70,41 @@ async def ensure_ready(node: Registry, template: Template) -> Path:
     finally:
         await asyncio.shield(node.destroy(vm))
     return template.ready_image
+
+
+async def ensure_gvisor_ready(node: Registry, template: Template) -> Path:
+    """The gVisor ready state of ``template`` (see the module docstring), made now
+    unless it exists; returns its volume. Raises NodeError (the start, its ready check
+    or the checkpoint failed; nothing of it is left then)."""
+    image, mark = template.gvisor_ready_image, template.gvisor_ready_mark
+    if is_ready(template, "gvisor"):
+        return image
+    pool = node.life.pool
+    await pool.delete_template_image(image)
+    sid = f"ready-gvisor-{template.digest[:16]}"
+    record = SandboxRecord(
+        spec=replace(template.ready_spec, sandbox_id=sid),
+        state=SandboxState.CREATING,
+        created_at=time.time(),
+        template_digest=template.digest,
+        run_dir=str(node.life.config.effective_run_dir / sid),
+        guest="gvisor",
+    )
+    vm = node.live(record)
+    spec = record.spec
+    try:
+        with node.admission.claim({sid: Claim.node_vm(spec.memory_mib, spec.disk_mib)}):
+            await boot_gvisor(node, vm, template)
+            await warm_up(channel_of(vm))
+            await vm.save_state()  # paused, its checkpoint in its volume
+            await snapshot_subvolume(vm.volume, image)
+            await asyncio.to_thread(_write_mark, mark)
+    except BaseException:
+        await asyncio.shield(pool.delete_template_image(image))
+        raise
+    finally:
+        await asyncio.shield(node.destroy(vm))
+    return image
 
 
 def _write_mark(path: Path) -> None:

@@ -168,11 +168,15 @@ class Sandboxes:
     async def _boot_gvisor(self, sandbox: LiveSandbox, template: Template) -> None:
         """A gVisor sandbox: a warm pool's handed over if one waits and has the
         template's shape (its egress policy is applied after, as for a VM), else one
-        booted on the template's tree (space.node.agent._gvisor_trees)."""
+        restored from the template's gVisor ready state if it has one and the shape
+        fits, else one booted on the template's tree (space.node.agent._gvisor_trees)."""
         registry = self._registry
         if await self._pools.take_gvisor(sandbox, template):
             return
         async with registry.starts:
+            if template.gvisor_ready is not None and template.ready_fits(sandbox.record.spec):
+                await self._life.create_from_image(sandbox, template.gvisor_ready)
+                return  # watched from its restore on
             await boot_gvisor(registry, sandbox, template)
         sandbox.watch(registry.on_vm_exit, registry.config.console_max_bytes)
 

@@ -8,6 +8,7 @@ space.node.agent._pool). Every method raises space.node.api errors only.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterable, Callable
 from dataclasses import replace
@@ -17,13 +18,15 @@ from space.node.agent._builds import Builds
 from space.node.agent._catalog import Build
 from space.node.agent._gvisor_trees import drop_tree
 from space.node.agent._pool import Pools
-from space.node.agent._ready import ensure_ready
+from space.node.agent._ready import ensure_gvisor_ready, ensure_ready
 from space.node.agent._registry import Registry
-from space.node.api import BuildStream, NodeError, TemplateInfo
+from space.node.api import GUEST_TYPES, BuildStream, NodeError, TemplateInfo
 from space.node.core.template import Template, ready_paths
 from space.node.storage.btrfs import TemplateVolume
 
 __all__ = ["Templates"]
+
+log = logging.getLogger(__name__)
 
 
 class Templates:
@@ -96,13 +99,25 @@ class Templates:
         return template
 
     async def _make_ready(self, template: Template) -> Template:
-        """Give ``template`` its ready state (made once per build) and its warm pool
+        """Give ``template`` its ready states (made once per build) and its warm pool
         (a gVisor pool, where that is the node's default guest type, needs no ready
-        state: it starts first, whatever becomes of the ready state)."""
+        state: it starts first, whatever becomes of the ready states). The gVisor one,
+        where the node offers gVisor, comes first (seconds, against a VM's tens); if
+        it fails, which the VM's ready check passing does not rule out, that is
+        logged and gVisor sandboxes of the template boot."""
+        registry = self._registry
         self._pools.start(template)
-        if not self._registry.config.ready_state:
+        if not registry.config.ready_state:
             return template
-        path = await ensure_ready(self._registry, template)
+        if "gvisor" in registry.guest_types:
+            try:
+                gvisor = await ensure_gvisor_ready(registry, template)
+            except NodeError as exc:
+                log.warning("template %s: no gVisor ready state: %s", template.name, exc)
+            else:
+                self.catalog.set_ready(template.digest, gvisor, "gvisor")
+                template = replace(template, gvisor_ready=gvisor)
+        path = await ensure_ready(registry, template)
         self.catalog.set_ready(template.digest, path)
         ready = replace(template, ready=path)
         self._pools.start(ready)
@@ -144,13 +159,15 @@ class Templates:
 
     async def _drop_build(self, template: Template) -> None:
         await self._pools.drop(template.digest)
-        self.catalog.set_ready(template.digest, None)
+        for guest in GUEST_TYPES:
+            self.catalog.set_ready(template.digest, None, guest)
         await drop_tree(self._registry, template.digest)
         await self._delete_build_files(template.volume)
 
     async def _delete_build_files(self, volume: TemplateVolume) -> None:
-        """A build's ready state (its mark first: unpublished) and its subvolume."""
-        ready, mark = ready_paths(volume)
-        mark.unlink(missing_ok=True)
-        await self._registry.pool.delete_template_image(ready)
+        """A build's ready states (each mark first: unpublished) and its subvolume."""
+        for guest in GUEST_TYPES:
+            ready, mark = ready_paths(volume, guest)
+            mark.unlink(missing_ok=True)
+            await self._registry.pool.delete_template_image(ready)
         await self._registry.pool.delete_template(volume)

@@ -71,6 +71,9 @@ class Template:
     ready_check: ReadyCheck | None = None
     #: The ready state's volume (a booted VM's disk and memory), once made.
     ready: Path | None = None
+    #: The gVisor ready state's volume (a started gVisor sandbox's tree and
+    #: checkpoint), once made.
+    gvisor_ready: Path | None = None
 
     @property
     def digest(self) -> str:
@@ -85,6 +88,15 @@ class Template:
     def ready_mark(self) -> Path:
         """Written once the ready state is complete: its publication."""
         return ready_paths(self.volume)[1]
+
+    @property
+    def gvisor_ready_image(self) -> Path:
+        """Where the gVisor ready state lives: beside the VM's."""
+        return ready_paths(self.volume, "gvisor")[0]
+
+    @property
+    def gvisor_ready_mark(self) -> Path:
+        return ready_paths(self.volume, "gvisor")[1]
 
     @property
     def ready_spec(self) -> SandboxSpec:
@@ -148,9 +160,11 @@ async def prepare_template(
     )
 
 
-def ready_paths(volume: TemplateVolume) -> tuple[Path, Path]:
-    """A template's ready-state subvolume and the mark that publishes it, beside it."""
-    image = volume.path.with_name(f"{volume.digest}.ready")
+def ready_paths(volume: TemplateVolume, guest: str = "qemu") -> tuple[Path, Path]:
+    """A template's ready-state subvolume for ``guest`` and the mark that publishes
+    it, beside it."""
+    suffix = "ready" if guest == "qemu" else f"{guest}-ready"
+    image = volume.path.with_name(f"{volume.digest}.{suffix}")
     return image, image.with_name(f"{image.name}.complete")
 
 
