@@ -190,12 +190,7 @@ def test_gvisor_sandbox_exec_files_egress_and_delete(gvisor_node: NodeHarness) -
             )
             assert_no_answer(json.loads(out))
         name = netns.netns_name(h.config.effective_run_dir / "gv-basic")
-        rules = subprocess.run(
-            ["ip", "netns", "exec", name, "nft", "list", "table", "inet", "space"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+        rules = ruleset_of(name)
         assert "hook output priority filter; policy drop;" in rules
 
         # Its link is gVisor's own stack's (the host kernel has no socket of it), and
@@ -204,18 +199,23 @@ def test_gvisor_sandbox_exec_files_egress_and_delete(gvisor_node: NodeHarness) -
         out, _, code = _run(h, "gv-basic", ExecRequest(argv=["cat", "/proc/net/dev"]))
         assert code == 0 and "eth0:" in out
         h.run(h.node.set_egress("gv-basic", {"allow": [{"domain": "example.com"}]}))
-        rules = subprocess.run(
-            ["ip", "netns", "exec", name, "nft", "list", "table", "inet", "space"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+        rules = ruleset_of(name)
         assert f'iifname "tap0" meta l4proto tcp redirect to :{netns.PROXY_PORT}' in rules
         h.run(h.node.set_egress("gv-basic", None))
         assert h.run(h.node.get_sandbox("gv-basic")).state == SandboxState.RUNNING
     finally:
         h.run(h.node.delete_sandbox("gv-basic"))
     assert _leftovers(h, "gv-basic") == []
+
+
+def ruleset_of(netns_name: str) -> str:
+    """The nftables ruleset in the namespace ``netns_name``, as nft lists it."""
+    return subprocess.run(
+        ["ip", "netns", "exec", netns_name, "nft", "list", "table", "inet", "space"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
 
 
 def _parents_and_states(h: NodeHarness, sandbox_id: str, pids: list[str]) -> list[str]:

@@ -29,7 +29,15 @@ from space.node.vmm.gvisor import runsc_home
 from space.node.vmm.sealed_state import MAGIC
 
 from .conftest import NodeHarness, started_node
-from .test_gvisor import _chunks, _leftovers, _read, _run, _runsc_processes, gvisor_node
+from .test_gvisor import (
+    _chunks,
+    _leftovers,
+    _read,
+    _run,
+    _runsc_processes,
+    gvisor_node,
+    ruleset_of,
+)
 
 __all__ = ["gvisor_node"]  # the fixture, shared with test_gvisor
 
@@ -388,12 +396,7 @@ def test_a_gvisor_warm_pool_serves_creates_of_its_shape(tmp_path: Path) -> None:
         assert (pool().hits, pool().misses) == (2, 0)
         net_record = json.loads((config.data_dir / "sandboxes" / "gp-net.json").read_text())
         name = netns.netns_name(Path(net_record["run_dir"]))
-        rules = subprocess.run(
-            ["ip", "netns", "exec", name, "nft", "list", "table", "inet", "space"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+        rules = ruleset_of(name)
         assert f"redirect to :{netns.PROXY_PORT}" in rules  # its policy opened it
         _until(lambda: pool().size == 1, "the pool to refill again")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from space.node.api import (
@@ -39,6 +40,7 @@ __all__ = [
     "POOL_PREFIX",
     "boot_hidden",
     "channel_of",
+    "hidden_of",
     "is_hidden",
     "pool_vm_id",
     "start_command",
@@ -93,6 +95,20 @@ while True:
 
 def pool_vm_id() -> str:
     return POOL_PREFIX + secrets.token_hex(8)
+
+
+def hidden_of(node: Registry, template: Template, sandbox_id: str, guest: str) -> LiveSandbox:
+    """A new node's own sandbox ``sandbox_id`` of ``template`` in its ready shape
+    (a warm pool's, a gVisor ready state's), CREATING, not yet saved."""
+    record = SandboxRecord(
+        spec=replace(template.ready_spec, sandbox_id=sandbox_id),
+        state=SandboxState.CREATING,
+        created_at=time.time(),
+        template_digest=template.digest,
+        run_dir=str(node.life.config.effective_run_dir / sandbox_id),
+        guest=guest,
+    )
+    return node.live(record)
 
 
 def is_hidden(sandbox_id: str) -> bool:

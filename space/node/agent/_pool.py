@@ -46,11 +46,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from space.node.agent._gvisor_trees import boot_gvisor
-from space.node.agent._hidden import channel_of, pool_vm_id, warm_up
+from space.node.agent._hidden import channel_of, hidden_of, pool_vm_id, warm_up
 from space.node.api import InsufficientCapacity, NodeError, PoolInfo, SandboxState
 from space.node.core.capacity import Claim
 from space.node.core.sandbox import LiveSandbox
-from space.node.core.state import Pending, SandboxRecord
+from space.node.core.state import Pending
 from space.node.core.template import Template
 from space.node.core.validation import auto_guest
 from space.node.vmm.qemu import QemuVM
@@ -279,20 +279,13 @@ class Pools:
 async def make_pool_vm(node: Registry, template: Template, guest: str = "qemu") -> LiveSandbox:
     """A warmed pool sandbox of ``template``, not listed among sandboxes: a VM woken
     from its ready state, paused; or (``guest`` gvisor) a gVisor sandbox of its tree
-    and shape, started as a create without egress starts one (its start command run,
+    and shape, started as a create starts one (its start command run,
     its ready check passed), running. Raises InsufficientCapacity (nothing made) if
     the node has no room for it."""
     sid = pool_vm_id()
-    record = SandboxRecord(
-        spec=replace(template.ready_spec, sandbox_id=sid),
-        state=SandboxState.CREATING,
-        created_at=time.time(),
-        template_digest=template.digest,
-        run_dir=str(node.life.config.effective_run_dir / sid),
-        guest=guest,
-    )
-    vm = node.live(record)
-    with node.admission.claim({sid: Claim.node_vm(record.spec.memory_mib, record.spec.disk_mib)}):
+    vm = hidden_of(node, template, sid, guest)
+    spec = vm.record.spec
+    with node.admission.claim({sid: Claim.node_vm(spec.memory_mib, spec.disk_mib)}):
         try:
             if guest == "gvisor":
                 await boot_gvisor(node, vm, template)

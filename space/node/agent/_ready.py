@@ -15,16 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from space.node.agent._gvisor_trees import boot_gvisor
-from space.node.agent._hidden import boot_hidden, channel_of, start_command, wait_ready, warm_up
-from space.node.api import SandboxState
+from space.node.agent._hidden import (
+    boot_hidden,
+    channel_of,
+    hidden_of,
+    start_command,
+    wait_ready,
+    warm_up,
+)
 from space.node.core.capacity import Claim
-from space.node.core.state import SandboxRecord
 from space.node.core.template import Template
 from space.node.storage.btrfs import snapshot_subvolume
 
@@ -82,16 +85,8 @@ async def ensure_gvisor_ready(node: Registry, template: Template) -> Path:
     pool = node.life.pool
     await pool.delete_template_image(image)
     sid = f"ready-gvisor-{template.digest[:16]}"
-    record = SandboxRecord(
-        spec=replace(template.ready_spec, sandbox_id=sid),
-        state=SandboxState.CREATING,
-        created_at=time.time(),
-        template_digest=template.digest,
-        run_dir=str(node.life.config.effective_run_dir / sid),
-        guest="gvisor",
-    )
-    vm = node.live(record)
-    spec = record.spec
+    vm = hidden_of(node, template, sid, "gvisor")
+    spec = vm.record.spec
     try:
         with node.admission.claim({sid: Claim.node_vm(spec.memory_mib, spec.disk_mib)}):
             await boot_gvisor(node, vm, template)
