@@ -43,7 +43,9 @@ a network namespace the test makes (tests/egress_world.py).
 
 The ``gvisor-*`` origins (issue 21) are gVisor sandboxes made the way of the QEMU
 origin of the same name (a create of another disk than the template's, one from the
-template's gVisor ready state, a fork child, from a snapshot, restored,
+template's gVisor ready state, one of the tenant's built template, from that
+template's gVisor ready state with its start command running, a fork child, from a
+snapshot, restored,
 woken from hibernation, re-adopted: its runsc and channel relay lived through a
 restart of `space serve`) on the ``plain`` platform, and run every cell as a VM does;
 ``gvisor-pool-hit`` is a hit of the warm pool of ``gvisor_pooled``, a platform whose
@@ -105,7 +107,7 @@ ORIGINS = (
         f"gvisor-{kind}"
         for kind in (
             "cold-boot", "ready-state", "pool-hit", "fork-child", "from-snapshot", "restored",
-            "woken", "re-adopted", "moved-in", "rehomed", "stored-snapshot",
+            "woken", "re-adopted", "user-template", "moved-in", "rehomed", "stored-snapshot",
         )
     ),
 )  # fmt: skip
@@ -119,6 +121,7 @@ _PARTS = {
     "stored-snapshot": "moving",
     **{origin: "gvisor" for origin in ORIGINS if origin.startswith("gvisor-")},
     "gvisor-moved-in": "moving", "gvisor-rehomed": "moving", "gvisor-stored-snapshot": "moving",
+    "gvisor-user-template": "plain-2",  # the same worker builds the template once
 }  # fmt: skip
 #: Origins served by the platform with a warm pool (of VMs; of gVisor sandboxes).
 POOLED = {"pool-hit", "re-adopted"}
@@ -355,6 +358,13 @@ def _make(origin: str, site: Site, request: pytest.FixtureRequest) -> tuple[Sand
         sandbox = site.create(guest="gvisor", disk_mib=3072)
         assert sandbox.get_info().guest == "gvisor"
         assert not _from_gvisor_ready_state(site, sandbox)
+    elif origin == "gvisor-user-template":
+        template = request.getfixturevalue("user_template")
+        sandbox = site.create(template=template, guest="gvisor")
+        assert sandbox.get_info().guest == "gvisor"
+        assert _from_gvisor_ready_state(site, sandbox)  # its start command ran there
+        assert sandbox.files.read("/opt/app/step.txt") == "built\n"
+        assert sandbox.commands.run(["test", "-s", "/tmp/alive"]).exit_code == 0
     elif origin.startswith("gvisor-"):
         # A gVisor sandbox (issue 21), restored from the template's gVisor ready state,
         # then the way of the QEMU origin of that name.
@@ -405,14 +415,14 @@ def _make(origin: str, site: Site, request: pytest.FixtureRequest) -> tuple[Sand
 
 
 def _from_gvisor_ready_state(site: Site, sandbox: Sandbox) -> bool:
-    """Whether the volume of ``sandbox`` (on the site's first node) is a clone of the
-    base template's gVisor ready state."""
+    """Whether the volume of ``sandbox`` is a clone of a gVisor ready state of its
+    node's."""
     (record,) = _records_of(site, sandbox.sandbox_id)
     pool = record.parent.parent / "pool"
     data = json.loads(record.read_text())
     volume = pool / "sandboxes" / (data.get("volume") or sandbox.sandbox_id)
-    (image,) = (pool / "templates" / "base").glob("*.gvisor-ready")
-    return subvolume_ids(volume).parent_uuid == subvolume_ids(image).uuid
+    images = (pool / "templates").glob("*/*.gvisor-ready")
+    return subvolume_ids(volume).parent_uuid in {subvolume_ids(i).uuid for i in images}
 
 
 def _move_by_drain(site: Site, sandbox: Sandbox) -> None:
