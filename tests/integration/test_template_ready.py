@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from space.node.agent import Node
-from space.node.api import BuildFailed, NotFound, SandboxSpec, SandboxState
+from space.node.api import BuildFailed, NotFound, SandboxSpec, SandboxState, Unavailable
 from space.node.core.config import NodeConfig
 
 from .. import logs
@@ -119,6 +119,45 @@ def test_a_check_that_never_passes_fails_the_build_and_publishes_nothing(
     pool = templates.node.pool.root
     assert not (pool / "templates" / "ready-never").exists()
     assert not any("ready-" in p.name for p in (pool / "sandboxes").iterdir())
+
+
+#: Passes in a VM (a user may not read the kernel's log there, so nothing matches),
+#: never under gVisor (whose log says gVisor).
+_NOT_IN_GVISOR = 'command = "! dmesg 2>/dev/null | grep -q gVisor"\ntimeout_s = 3\n'
+
+
+def test_a_check_that_fails_under_gvisor_only_leaves_the_build_its_vm_ready_state(
+    templates: NodeHarness, tmp_path: Path
+) -> None:
+    """The gVisor ready state is the node's extra: its failure is logged and
+    remembered beside the build (a node's later starts do not wait for it again), the
+    build and its VM ready state stand, and a gVisor sandbox of the template boots and
+    runs the check at create, failing as the check does."""
+    spec = _ready_spec("ready-vm-only", "sleep infinity", _NOT_IN_GVISOR)
+    info = _built(templates.run(_build(templates.node, _context(tmp_path, spec))))
+    assert info.ready
+    template = templates.node.templates.catalog.resolve("ready-vm-only")
+    assert template.ready is not None and template.gvisor_ready is None
+    assert "did not pass" in template.gvisor_ready_failed.read_text()
+    assert not template.gvisor_ready_image.exists()
+    sandboxes = templates.node.pool.root / "sandboxes"
+    assert not any("ready-" in p.name for p in sandboxes.iterdir())
+
+    templates.restart()
+    again = templates.node.templates.catalog.resolve("ready-vm-only")
+    assert again.gvisor_ready is None and again.gvisor_ready_failed.is_file()
+    assert not any("ready-" in p.name for p in sandboxes.iterdir())  # not tried again
+    vm = templates.run(templates.node.create_sandbox(SandboxSpec("vo", template="ready-vm-only")))
+    assert vm.state == SandboxState.RUNNING
+    with pytest.raises(Unavailable, match="did not pass"):
+        templates.run(
+            templates.node.create_sandbox(
+                SandboxSpec("vo-gv", template="ready-vm-only", guest="gvisor")
+            )
+        )
+    templates.run(templates.node.delete_sandbox("vo"))
+    templates.run(templates.node.delete_template("ready-vm-only"))
+    assert not template.gvisor_ready_failed.exists()
 
 
 @contextlib.contextmanager

@@ -20,8 +20,8 @@ from space.node.agent._gvisor_trees import drop_tree
 from space.node.agent._pool import Pools
 from space.node.agent._ready import ensure_gvisor_ready, ensure_ready
 from space.node.agent._registry import Registry
-from space.node.api import GUEST_TYPES, BuildStream, NodeError, TemplateInfo
-from space.node.core.template import Template, ready_paths
+from space.node.api import GUEST_TYPES, BuildStream, InsufficientCapacity, NodeError, TemplateInfo
+from space.node.core.template import Template, failed_mark, ready_paths
 from space.node.storage.btrfs import TemplateVolume
 
 __all__ = ["Templates"]
@@ -110,18 +110,30 @@ class Templates:
         if not registry.config.ready_state:
             return template
         if "gvisor" in registry.guest_types:
-            try:
-                gvisor = await ensure_gvisor_ready(registry, template)
-            except NodeError as exc:
-                log.warning("template %s: no gVisor ready state: %s", template.name, exc)
-            else:
-                self.catalog.set_ready(template.digest, gvisor, "gvisor")
-                template = replace(template, gvisor_ready=gvisor)
+            template = await self._make_gvisor_ready(template)
         path = await ensure_ready(registry, template)
         self.catalog.set_ready(template.digest, path)
         ready = replace(template, ready=path)
         self._pools.start(ready)
         return ready
+
+    async def _make_gvisor_ready(self, template: Template) -> Template:
+        """``template`` with its gVisor ready state, or as it is if making it fails.
+        A failure but the node's lack of room is remembered beside it (with its
+        reason), so that a node's later starts do not wait for a ready check that
+        cannot pass under gVisor again; a new build tries anew."""
+        failed = template.gvisor_ready_failed
+        if await asyncio.to_thread(failed.is_file):
+            return template
+        try:
+            image = await ensure_gvisor_ready(self._registry, template)
+        except NodeError as exc:
+            log.warning("template %s: no gVisor ready state: %s", template.name, exc)
+            if not isinstance(exc, InsufficientCapacity):
+                await asyncio.to_thread(failed.write_text, f"{exc}\n")
+            return template
+        self.catalog.set_ready(template.digest, image, "gvisor")
+        return replace(template, gvisor_ready=image)
 
     async def _build(self, planned: Planned, say: Callable[[str], None]) -> Template:
         """The body of a build holding its slot: layers, the template's subvolume, its
@@ -135,17 +147,19 @@ class Templates:
         base = planned.base
         grow = planned.shape.disk_mib if base.pristine and volume == base.volume else None
         pool = self._registry.pool
-        published = await pool.publish_template(spec.name, planned.digest, volume, grow_mib=grow)
+        await pool.publish_template(spec.name, planned.digest, volume, grow_mib=grow)
         build = planned.build_record(time.time())
         say(f"making the ready state ({planned.shape.cpus} cpu, {planned.shape.memory_mib} MiB)")
+        made = self.catalog.template(spec.name, spec.tag, build)
         try:
-            await self._make_ready(self.catalog.template(spec.name, spec.tag, build))
+            await self._make_ready(made)
         except BaseException:
             # Its ready state failed (a ready check that never passed) or the build was
-            # cut short: the subvolume goes unless a tag names it already.
+            # cut short: the build goes (a pool a gVisor node started, its gVisor ready
+            # state and tree, its subvolume) unless a tag names it already.
             tagged = {(t.name, t.digest) for t in self.catalog.builds()}
             if (spec.name, planned.digest) not in tagged:
-                await asyncio.shield(self._delete_build_files(published))
+                await asyncio.shield(self._drop_build(made))
             raise
         template, orphans = self.catalog.add(spec.name, spec.tag, build)
         for orphan in orphans:
@@ -169,5 +183,6 @@ class Templates:
         for guest in GUEST_TYPES:
             ready, mark = ready_paths(volume, guest)
             mark.unlink(missing_ok=True)
+            failed_mark(ready).unlink(missing_ok=True)
             await self._registry.pool.delete_template_image(ready)
         await self._registry.pool.delete_template(volume)

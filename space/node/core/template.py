@@ -99,6 +99,12 @@ class Template:
         return ready_paths(self.volume, "gvisor")[1]
 
     @property
+    def gvisor_ready_failed(self) -> Path:
+        """Written, with the reason, when making the gVisor ready state failed: not
+        tried again for this build."""
+        return failed_mark(self.gvisor_ready_image)
+
+    @property
     def ready_spec(self) -> SandboxSpec:
         return SandboxSpec(
             sandbox_id="ready",
@@ -166,6 +172,11 @@ def ready_paths(volume: TemplateVolume, guest: str = "qemu") -> tuple[Path, Path
     suffix = "ready" if guest == "qemu" else f"{guest}-ready"
     image = volume.path.with_name(f"{volume.digest}.{suffix}")
     return image, image.with_name(f"{image.name}.complete")
+
+
+def failed_mark(image: Path) -> Path:
+    """Beside a ready state's ``image``: why making it failed."""
+    return image.with_name(f"{image.name}.failed")
 
 
 def image_mib(volume: TemplateVolume) -> int:
