@@ -9,6 +9,7 @@ Its node makes no ready state (no QEMU boots here): gVisor sandboxes need none.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -120,10 +121,25 @@ def _leftovers(h: NodeHarness, sandbox_id: str) -> list[str]:
         h.config.data_dir / "sandboxes" / f"{sandbox_id}.json",
         run_root / sandbox_id,
         netns.netns_path(name),
+        netns.netns_path(netns.guest_netns(name)),
     ):
         if path.exists():
             left.append(str(path))
-    return left
+    # The node is this process: runsc's orphans are its children, to be reaped.
+    return left + [f"zombie runsc process {pid}" for pid in _runsc_zombies()]
+
+
+def _runsc_zombies() -> list[int]:
+    """This process's exited children named ``exe`` (runsc's), not reaped."""
+    me, found = str(os.getpid()), []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            status = dict(
+                line.split(":\t", 1) for line in (entry / "status").read_text().splitlines()
+            )
+            if (status["Name"], status["State"][:1], status["PPid"]) == ("exe", "Z", me):
+                found.append(int(entry.name))
+    return found
 
 
 def test_node_offers_gvisor_and_resolves_auto(gvisor_node: NodeHarness) -> None:

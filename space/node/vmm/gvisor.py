@@ -242,7 +242,10 @@ class GvisorGuest:
         sid = self.config.name
         async with state_writer(path, self.config.state_key, sandbox_id=sid) as writer:
             request = CheckpointGvisor(name=sid)
-            await broker_for(self.config.run_root).call(request, fds=(writer.qemu_fd,))
+            try:
+                await broker_for(self.config.run_root).call(request, fds=(writer.qemu_fd,))
+            finally:
+                await asyncio.to_thread(reap_runsc_orphans)
             writer.handed_over()
             return await writer.finish(timeout_s)
 
@@ -253,6 +256,7 @@ class GvisorGuest:
             await broker_for(self.config.run_root).call(StopGvisor(name=self.config.name))
         finally:
             await self.detach(exiting=True)
+            await asyncio.to_thread(reap_runsc_orphans)
 
     async def kill(self) -> None:
         await self.stop()
@@ -356,6 +360,28 @@ def _own_log(log: Path) -> None:
         log.touch(mode=0o600)
 
 
+def reap_runsc_orphans() -> None:
+    """Reap the exited runsc processes this process adopted as the jails' subreaper
+    and watches no pidfd of: the helpers a ``runsc checkpoint`` or ``delete``
+    re-executes (named ``exe``) are left to it, two a hibernate or delete, and would
+    stay its zombies for good. Only zombies named ``exe`` are taken: runsc is only
+    ever started by the root broker, so no child this process waits for itself has
+    that name."""
+    me = os.getpid()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as stat:
+                line = stat.read()
+        except OSError:
+            continue
+        name, _, rest = line.partition(b" (")[2].rpartition(b") ")
+        fields = rest.split()
+        if name == b"exe" and fields[:1] == [b"Z"] and fields[1:2] == [str(me).encode()]:
+            _reap(int(entry.name))
+
+
 def _reap(pid: int) -> None:
     """Collect ``pid``'s exit status if it is this process's child (an orphan of runsc
     adopted by the subreaper) and has exited."""
@@ -393,6 +419,7 @@ async def stop_by_name(run_root: Path, name: str) -> None:
             loop.remove_reader(pidfd)
             os.close(pidfd)
             _reap(pid)
+        await asyncio.to_thread(reap_runsc_orphans)
 
 
 def gvisor_names(run_root: Path) -> set[str]:
