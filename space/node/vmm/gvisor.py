@@ -242,10 +242,7 @@ class GvisorGuest:
         sid = self.config.name
         async with state_writer(path, self.config.state_key, sandbox_id=sid) as writer:
             request = CheckpointGvisor(name=sid)
-            try:
-                await broker_for(self.config.run_root).call(request, fds=(writer.qemu_fd,))
-            finally:
-                await asyncio.to_thread(reap_runsc_orphans)
+            await broker_for(self.config.run_root).call(request, fds=(writer.qemu_fd,))
             writer.handed_over()
             return await writer.finish(timeout_s)
 
@@ -362,11 +359,11 @@ def _own_log(log: Path) -> None:
 
 def reap_runsc_orphans() -> None:
     """Reap the exited runsc processes this process adopted as the jails' subreaper
-    and watches no pidfd of: the helpers a ``runsc checkpoint`` or ``delete``
-    re-executes (named ``exe``) are left to it, two a hibernate or delete, and would
-    stay its zombies for good. Only zombies named ``exe`` are taken: runsc is only
-    ever started by the root broker, so no child this process waits for itself has
-    that name."""
+    and watches no pidfd of: the two helpers a ``runsc delete`` re-executes (named
+    ``exe``) are left to it at every stop of a gVisor sandbox (a checkpoint leaves
+    none), and would stay its zombies for good. Only zombies named ``exe`` are taken:
+    runsc is only ever started by the root broker, so no child this process waits for
+    itself has that name."""
     me = os.getpid()
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
