@@ -70,29 +70,28 @@ async def bench(node: Node, runs: int) -> dict[str, list[float]]:
         results.setdefault(name, []).append((now - start) * 1000)
         return now
 
+    async def create_then_exec(spec: SandboxSpec, create: str, first_exec: str) -> None:
+        """Time a create (``create``), its first exec of ``true`` (``first_exec``) and
+        the two together."""
+        start = time.perf_counter()
+        await node.create_sandbox(spec)
+        created = add(create, start)
+        await _exec_true(node, spec.sandbox_id)
+        add(f"{create} + first exec true", start)
+        add(first_exec, created)
+
     await _pool_filled(node)  # its first sandbox made the base's tree (docs: 2.5 s)
     for i in range(runs):
         sid = f"gv-{i}"
-        start = time.perf_counter()
-        await node.create_sandbox(SandboxSpec(sid, guest="gvisor", disk_mib=_COLD_DISK_MIB))
-        created = add("cold create", start)
-        await _exec_true(node, sid)
-        add("cold create + first exec true", start)
-        results.setdefault("first exec true", []).append((time.perf_counter() - created) * 1000)
+        cold = SandboxSpec(sid, guest="gvisor", disk_mib=_COLD_DISK_MIB)
+        await create_then_exec(cold, "cold create", "first exec true")
         start = time.perf_counter()
         await node.delete_sandbox(sid)
         add("delete", start)
     for i in range(runs):
         sid = f"gp-{i}"
         await _pool_filled(node)
-        start = time.perf_counter()
-        await node.create_sandbox(SandboxSpec(sid))
-        created = add("pool-hit create", start)
-        await _exec_true(node, sid)
-        add("pool-hit create + first exec true", start)
-        results.setdefault("pool-hit first exec true", []).append(
-            (time.perf_counter() - created) * 1000
-        )
+        await create_then_exec(SandboxSpec(sid), "pool-hit create", "pool-hit first exec true")
         await node.delete_sandbox(sid)
     (pool,) = (await node.info()).pools
     if pool.hits != runs:
@@ -104,14 +103,8 @@ async def bench(node: Node, runs: int) -> dict[str, list[float]]:
     warm = node.pools.by_digest.pop(base.digest)
     for i in range(runs):
         sid = f"gr-{i}"
-        start = time.perf_counter()
-        await node.create_sandbox(SandboxSpec(sid, guest="gvisor"))
-        created = add("ready-state create", start)
-        await _exec_true(node, sid)
-        add("ready-state create + first exec true", start)
-        results.setdefault("ready-state first exec true", []).append(
-            (time.perf_counter() - created) * 1000
-        )
+        ready = SandboxSpec(sid, guest="gvisor")
+        await create_then_exec(ready, "ready-state create", "ready-state first exec true")
         await node.delete_sandbox(sid)
     node.pools.by_digest[base.digest] = warm
     await node.create_sandbox(SandboxSpec("gv-exec", guest="gvisor"))

@@ -28,7 +28,7 @@ from space.node.agent._hidden import (
     warm_up,
 )
 from space.node.core.capacity import Claim
-from space.node.core.template import Template
+from space.node.core.template import Template, ready_paths
 from space.node.storage.btrfs import snapshot_subvolume
 
 if TYPE_CHECKING:
@@ -38,9 +38,8 @@ __all__ = ["ensure_gvisor_ready", "ensure_ready", "is_ready"]
 
 
 def is_ready(template: Template, guest: str = "qemu") -> bool:
-    if guest == "qemu":
-        return template.ready_image.is_dir() and template.ready_mark.is_file()
-    return template.gvisor_ready_image.is_dir() and template.gvisor_ready_mark.is_file()
+    image, mark = ready_paths(template.volume, guest)
+    return image.is_dir() and mark.is_file()
 
 
 async def ensure_ready(node: Registry, template: Template) -> Path:
