@@ -143,6 +143,85 @@ def test_a_luks_disk_is_decrypted_for_root_into_a_file_without_a_name_that_goes_
     _nothing_left(real)
 
 
+def _saved_while_mounted(tmp_path: Path) -> Path:
+    """An ext4 image copied while mounted, as a build layer is saved while its guest
+    runs: 40 files written in place (sync), then renamed a moment before the copy, the
+    renames committed to the journal (fsync) and not yet written in place."""
+    image = _image(tmp_path, lambda src: (src / "early").write_text("before\n"))
+    mounted = tmp_path / "mounted"
+    mounted.mkdir()
+    subprocess.run(["mount", "-o", "loop", str(image), str(mounted)], check=True)
+    try:
+        for n in range(40):
+            (mounted / f"written{n}").write_text(f"{n}\n")
+        os.sync()
+        for n in range(40):
+            (mounted / f"written{n}").rename(mounted / f"renamed{n}")
+        top = os.open(mounted, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(top)
+        finally:
+            os.close(top)
+        saved = tmp_path / "saved.img"
+        saved.write_bytes(image.read_bytes())
+    finally:
+        subprocess.run(["umount", str(mounted)], check=True)
+    superblock = saved.read_bytes()[1024:1124]
+    assert int.from_bytes(superblock[0x60:0x64], "little") & 0x4, "no journal to replay"
+    return saved
+
+
+def test_a_disk_saved_while_its_guest_ran_is_unpacked_with_its_journal_replayed(
+    real: Pool, tmp_path: Path
+) -> None:
+    """debugfs reads what is in place: without the replay the tree missed the files
+    only the journal held, or debugfs refused the image's bitmaps (seen in CI)."""
+    luks = tmp_path / "layer.luks"
+    real.run(encrypt_image(_saved_while_mounted(tmp_path), luks, PASSPHRASE))
+    luks.chmod(0o600)
+    before = luks.read_bytes()
+    tree = _make(real, luks) / TREE_ROOT
+    assert (tree / "early").read_text() == "before\n"
+    assert sorted(os.listdir(tree)) == sorted(
+        ["early", "lost+found", "usr"] + [f"renamed{n}" for n in range(40)]
+    )
+    assert [(tree / f"renamed{n}").read_text() for n in range(40)] == [f"{n}\n" for n in range(40)]
+    assert luks.read_bytes() == before  # replayed in the decrypted copy alone
+    real.run(real.pool.delete_tree(DIGEST))
+    _nothing_left(real)
+
+
+def test_an_image_to_replay_is_replayed_as_its_owner_and_only_if_opened_for_writing(
+    real: Pool, tmp_path: Path
+) -> None:
+    """Root writes only to an image the agent opened for writing (a plain image is
+    handed over read-only: the base image's, which is never saved running), and
+    e2fsck runs as the image's owner (the agent's own uid in production)."""
+    saved = _saved_while_mounted(tmp_path)
+    os.chown(saved, 4321, 4321)
+    saved.chmod(0o600)
+    before = saved.read_bytes()
+    tree = real.pool.tree_path(DIGEST)
+    tree.parent.mkdir(mode=0o700, exist_ok=True)
+    broker = broker_for(real.pool.root.parent / "run")
+    for flags in (os.O_RDONLY, os.O_RDWR):
+        fd = os.open(saved, flags)
+        try:
+            if flags == os.O_RDONLY:
+                with pytest.raises(Unavailable, match="needs replaying and it was given read-only"):
+                    real.run(broker.call(MakeGuestTree(str(tree)), fds=(fd,)))
+                assert saved.read_bytes() == before
+                _nothing_left(real)
+            else:
+                real.run(broker.call(MakeGuestTree(str(tree)), fds=(fd,)))
+        finally:
+            os.close(fd)
+    assert (tree / TREE_ROOT / "renamed39").read_text() == "39\n"
+    assert saved.stat().st_uid == 4321
+    real.run(real.pool.delete_tree(DIGEST))
+    _nothing_left(real)
+
+
 def _deleted_files_held() -> int:
     held = 0
     for fd in os.listdir("/proc/self/fd"):
