@@ -56,6 +56,17 @@ def gvisor_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeHarnes
         yield harness
 
 
+#: A DNS query on a connected UDP socket to the gateway, which hears an ICMP error.
+_UDP_TO_GATEWAY = """
+import socket
+sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+sock.settimeout(5)
+sock.connect(("192.0.2.1", 53))
+sock.send(b"query")
+sock.recv(512)
+"""
+
+
 def _run(h: NodeHarness, sandbox_id: str, request: ExecRequest) -> tuple[str, str, int | None]:
     async def collect() -> tuple[str, str, int | None]:
         out, err, code = b"", b"", None
@@ -205,6 +216,10 @@ def test_gvisor_sandbox_exec_files_egress_and_delete(gvisor_node: NodeHarness) -
                 h, "gv-basic", ExecRequest(argv=["python3", "/tmp/probe.py", json.dumps(attempt)])
             )
             assert_no_answer(json.loads(out))
+        # Refused, not dropped, so a resolver gives up at once: gVisor's stack ignores
+        # an ICMP admin-prohibited for UDP (a lookup then waited out its timeouts, 8 s).
+        out, err, code = _run(h, "gv-basic", ExecRequest(argv=["python3", "-c", _UDP_TO_GATEWAY]))
+        assert code == 1 and "ConnectionRefusedError" in err, err
         name = netns.netns_name(h.config.effective_run_dir / "gv-basic")
         rules = ruleset_of(name)
         assert "hook output priority filter; policy drop;" in rules

@@ -146,7 +146,10 @@ def ruleset(is_open: bool) -> str:
 
     One ruleset for both guest types, whose packets arrive on the tap (a VM's) or on
     the veth's end of the same name (a gVisor guest's): the prerouting chain sends
-    them to the gateway and the input chain admits only those. Nothing in the
+    them to the gateway and the input chain admits only those. The rest it refuses
+    (TCP with a reset, UDP with port unreachable: gVisor's stack ignores an ICMP
+    admin-prohibited for UDP), so a guest's client fails at once instead of waiting
+    out its timeouts, whatever the guest type. Nothing in the
     namespace originates traffic but the gateway's replies (a reply conntrack finds
     invalid, out of window under load, is dropped, never answered with a reset that
     would cut the guest's connection).
@@ -178,6 +181,7 @@ table inet {_TABLE} {{
     iif "lo" accept
     {accept}
     iifname "{TAP}" meta l4proto tcp reject with tcp reset
+    iifname "{TAP}" meta l4proto udp reject with icmpx port-unreachable
     iifname "{TAP}" reject with icmpx admin-prohibited
   }}
   chain forward {{
