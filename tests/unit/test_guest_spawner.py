@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from space.guest import _spawner
+from space.guest import _spawn_helper, _spawner
 from space.guest._errors import OpError
 from space.guest._request import Account
 from space.guest._spawner import _Helper
@@ -286,3 +286,27 @@ def test_a_pid_that_leads_no_session_of_its_own_is_refused() -> None:
         for process in (inside, leader):
             process.kill()
             process.wait()
+
+
+def test_a_helper_finds_a_program_by_stats_where_execvp_would_and_leaves_the_rest_to_it(
+    tmp_path: Path,
+) -> None:
+    first, second, third = (tmp_path / name for name in ("first", "second", "third"))
+    for directory in (first, second, third):
+        directory.mkdir()
+    (first / "tool").write_text("#!/bin/sh\n")  # not executable: execvp goes on
+    (first / "dir-tool").mkdir()  # a directory: so does execvp
+    (second / "tool").write_text("#!/bin/sh\n")
+    (second / "tool").chmod(0o755)
+    (third / "dir-tool").write_text("#!/bin/sh\n")
+    (third / "dir-tool").chmod(0o755)
+    path = {"PATH": f"{first}:{second}:{third}"}
+    assert _spawn_helper._program_path(["tool", "-x"], path) == str(second / "tool")
+    assert _spawn_helper._program_path(["dir-tool"], path) == str(third / "dir-tool")
+    # Left to execvp: not found (its error is the answer), a path, a relative
+    # directory (the child's cwd's, not the helper's), no argv.
+    assert _spawn_helper._program_path(["missing"], path) is None
+    assert _spawn_helper._program_path(["./tool"], path) is None
+    assert _spawn_helper._program_path(["tool"], {"PATH": f"bin:{second}"}) is None
+    assert _spawn_helper._program_path([], path) is None
+    assert _spawn_helper._program_path(["sh"], {}) in ("/bin/sh", "/usr/bin/sh")  # os.defpath
