@@ -72,19 +72,48 @@ if ! dpkg --compare-versions "$(dpkg-query -W -f='${Version}' runsc 2>/dev/null 
     -t "${codename}-backports" runsc
 fi
 
-# The venv is rebuilt only when pyproject.toml changes (its hash is the stamp).
-stamp=".venv/.space-setup-$(sha256sum pyproject.toml | cut -c1-16)"
+# The venv is rebuilt only when pyproject.toml or the Python changes (their hash is the
+# stamp). Its 480 MB take 1.5 minutes to install, so a machine keeps one built venv per
+# hash in /var/cache/space/venvs, and a checkout links it (seconds), points its
+# scripts at its own copy, and installs only its own code (editable) into it.
+key="$( (cat pyproject.toml; /usr/bin/python3 --version) | sha256sum | cut -c1-16)"
+stamp=".venv/.space-setup-$key"
 if [ ! -e "$stamp" ]; then
-  say "creating .venv with $(/usr/bin/python3 --version)"
-  rm -rf .venv
-  /usr/bin/python3 -m venv .venv
-  .venv/bin/pip install -q --upgrade pip
-  .venv/bin/pip install -q -e '.[dev]'
-  # Wheels of the base install's dependencies (the SDK and client CLI) and of the build
-  # backend, so tests/unit/test_sdk_alone.py installs the SDK alone without a network.
-  .venv/bin/python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' \
-    > .venv/sdk-requirements.txt
-  .venv/bin/pip download -q -d .venv/sdk-wheels -r .venv/sdk-requirements.txt 'setuptools>=70.1'
+  cached="/var/cache/space/venvs/$key"
+  mkdir -p /var/cache/space/venvs
+  (
+    flock 9  # one setup builds it; another waits and copies
+    if [ ! -e "$cached/.complete" ]; then
+      say "building the venv of $(/usr/bin/python3 --version) and the dependencies in $cached"
+      rm -rf "$cached"
+      /usr/bin/python3 -m venv "$cached"
+      "$cached/bin/pip" install -q --upgrade pip
+      "$cached/bin/pip" install -q -e '.[dev]'
+      # Wheels of the base install's dependencies (the SDK and client CLI) and of the
+      # build backend, so tests/unit/test_sdk_alone.py installs the SDK alone offline.
+      "$cached/bin/python" -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' \
+        > "$cached/sdk-requirements.txt"
+      "$cached/bin/pip" download -q -d "$cached/sdk-wheels" -r "$cached/sdk-requirements.txt" 'setuptools>=70.1'
+      touch "$cached/.complete"
+      # The two newest are kept (another checkout may be on the previous pyproject).
+      find /var/cache/space/venvs -mindepth 1 -maxdepth 1 -type d -printf '%T@ %p\n' \
+        | sort -rn | tail -n +3 | cut -d' ' -f2- | xargs -r rm -rf
+    fi
+    say "copying .venv from $cached"
+    rm -rf .venv
+    # Hard links: pip and sed -i replace a file, never write into it, so the cache's
+    # files stay as built.
+    cp -al "$cached" .venv
+  ) 9>/var/cache/space/venvs/.lock
+  rm .venv/.complete
+  # A venv names its own path in its scripts' first lines: this copy's now.
+  for script in .venv/bin/*; do
+    if [ -f "$script" ] && grep -qI "^#!$cached/bin/" "$script"; then
+      sed -i "1s|^#!$cached/|#!$PWD/.venv/|" "$script"
+    fi
+  done
+  sed -i "s|$cached|$PWD/.venv|g" .venv/bin/activate*
+  .venv/bin/pip install -q --no-deps -e .  # this checkout's code, not the builder's
   touch "$stamp"
 fi
 
