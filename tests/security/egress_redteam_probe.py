@@ -325,6 +325,24 @@ def spoofed_syn(address: str, port: int, source: str, count: int = 1) -> str:
                 return f"TCP flags {packet[header + 13]:#x} from {address}:{port}"
 
 
+def udp_errors(address: str, port: int, count: int) -> list[str]:
+    """Send ``count`` datagrams one after the other on a socket connected to
+    ``address``:``port``, each waiting for an answer: what each wait ended with (the
+    ICMP error the kernel reports on a connected socket, or a timeout)."""
+    ended = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(TIMEOUT_S)
+        sock.connect((address, port))
+        for _ in range(count):
+            try:
+                sock.send(b"exfil")
+                sock.recv(512)
+                ended.append("answered")
+            except OSError as exc:
+                ended.append(type(exc).__name__)
+    return ended
+
+
 def raw_sockets() -> dict[str, str]:
     """Which raw and packet sockets root in the guest may open: each kind's name ->
     "opened" or the error that refused it. Nothing is sent on them."""
@@ -415,6 +433,7 @@ KINDS: dict[str, Callable[..., object]] = {
         hold,
         take_listener,
         spoofed_syn,
+        udp_errors,
         raw_sockets,
     )
 }

@@ -134,6 +134,16 @@ def test_negative_udp_other_than_dns_is_dropped(
     assert not guest.world.hits_of("udp")
 
 
+def test_negative_udp_to_the_gateway_is_refused_at_once_every_time(guest: Guest) -> None:
+    """Each datagram to a port the gateway does not serve is answered with port
+    unreachable, which a connected socket reports at once: a client (a closed
+    sandbox's resolver) fails fast, never waiting out its timeouts. gVisor's stack
+    ignored the admin-prohibited sent before, and past the kernel's per-peer ICMP
+    limit (a burst of 6) none came at all: a resolver waited 2 s for every name."""
+    answer = attack(guest, "udp_errors", address=GATEWAY, port=9999, count=20)
+    assert answer == {"ok": True, "detail": ["ConnectionRefusedError"] * 20}
+
+
 @pytest.mark.parametrize(
     "address", [UPSTREAM, GATEWAY, HOST_SIDE], ids=["upstream", "gateway", "host"]
 )

@@ -80,7 +80,13 @@ async def create(name: str, *, veth: bool = False) -> bool:
             f"address add {GATEWAY_ADDRESS}/{PREFIX_LEN} dev {TAP}",
             f"link set {TAP} up",
         )
-        await _in_netns(name, "sysctl", "-q", "-w", f"net.ipv6.conf.{TAP}.disable_ipv6=1")
+        # What the ruleset refuses is answered at once, every time: past the kernel's
+        # per-peer ICMP limit (a burst of 6, then one a second) a guest's resolver,
+        # its queries unanswered, waited out its timeouts (2 s each) for every name.
+        await _in_netns(
+            name, "sysctl", "-q", "-w", f"net.ipv6.conf.{TAP}.disable_ipv6=1",
+            "net.ipv4.icmp_ratelimit=0",
+        )  # fmt: skip
         if veth:
             await _in_netns(
                 guest, "sysctl", "-q", "-w", f"net.ipv6.conf.{GUEST_LINK}.disable_ipv6=1"
