@@ -82,7 +82,7 @@ if [ ! -e "$stamp" ]; then
   cached="/var/cache/space/venvs/$key"
   mkdir -p /var/cache/space/venvs
   (
-    flock 9  # one setup builds it; another waits and copies
+    flock 9  # one setup builds it; another waits and links it
     if [ ! -e "$cached/.complete" ]; then
       say "building the venv of $(/usr/bin/python3 --version) and the dependencies in $cached"
       rm -rf "$cached"
@@ -99,7 +99,7 @@ if [ ! -e "$stamp" ]; then
       find /var/cache/space/venvs -mindepth 1 -maxdepth 1 -type d -printf '%T@ %p\n' \
         | sort -rn | tail -n +3 | cut -d' ' -f2- | xargs -r rm -rf
     fi
-    say "copying .venv from $cached"
+    say "linking .venv from $cached"
     rm -rf .venv
     # Hard links: pip and sed -i replace a file, never write into it, so the cache's
     # files stay as built.
