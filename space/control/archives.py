@@ -48,7 +48,7 @@ async def archive_round(ctx: ControlContext, *, budget_s: float) -> None:
     starting no upload after ``budget_s`` (the rest is next round's: a round must end
     inside its job lease). A node that fails is logged and asked again next round."""
     deadline = time.monotonic() + budget_s
-    records = await ctx.db.run(node_rows.list_nodes)
+    records = await ctx.db.read(node_rows.list_nodes)
     nodes = archiving_nodes(records, ctx.nodes.ids())
     for node_id in nodes:
         node = ctx.nodes.get(node_id)
@@ -102,7 +102,7 @@ async def rehome_round(ctx: ControlContext) -> list[str]:
         lost = rows.lost_archived(session)
         return lost, node_rows.list_nodes(session), repo.active_counts(session)
 
-    lost, records, load = await ctx.db.run(read)
+    lost, records, load = await ctx.db.read(read)
     if not lost:
         return []
     with_store = set(archiving_nodes(records, ctx.nodes.ids()))

@@ -135,13 +135,26 @@ async def background_round(ctx: ControlContext, *, reconcile_nodes: bool = False
 
 
 async def _holds(ctx: ControlContext, job: str) -> bool:
+    """Whether this replica holds ``job``'s lease now. It is renewed (a write) only once
+    a quarter of it has run: no other replica can take a lease before it runs out, so
+    one held with three quarters left needs no write, and a job starting then still
+    ends its round's budget (half a lease) inside it. A lease lost is asked for again
+    every round."""
     now, ttl = ctx.clock(), job_lease_s(ctx.settings.reaper_interval_s)
-    return await ctx.db.run(lambda s: job_leases.take(s, job, ctx.replica_id, now, ttl))
+    if ctx.held_jobs.get(job, now) - now > 0.75 * ttl:
+        return True
+    held = await ctx.db.run(lambda s: job_leases.take(s, job, ctx.replica_id, now, ttl))
+    if held:
+        ctx.held_jobs[job] = now + ttl
+    else:
+        ctx.held_jobs.pop(job, None)
+    return held
 
 
 async def release_jobs(ctx: ControlContext) -> None:
     """Give up this replica's job leases (at shutdown: another replica takes them at
     its next round)."""
+    ctx.held_jobs.clear()
     await ctx.db.run(lambda s: job_leases.release(s, ctx.replica_id))
 
 
@@ -191,7 +204,7 @@ async def _came_back(ctx: ControlContext, node_id: str) -> None:
 async def refresh_nodes(ctx: ControlContext) -> None:
     """Attach the remote nodes the database knows and this replica does not (another
     replica registered them), and tell the registry which nodes are lost."""
-    records = await ctx.db.run(node_rows.list_nodes)
+    records = await ctx.db.read(node_rows.list_nodes)
     for record in records:
         if record.url != LOCAL_URL and ctx.nodes.url_of(record.id) != record.url:
             await ctx.nodes.register_remote(record.id, record.url, ctx.node_token)

@@ -295,7 +295,7 @@ async def sync_restarted_nodes(ctx: ControlContext) -> None:
 
 async def _granted_on(ctx: ControlContext, node_id: str) -> list[SandboxRecord]:
     """The node's sandboxes that have a gateway and secret bindings."""
-    records = await ctx.db.run(lambda s: repo.on_node(s, node_id))
+    records = await ctx.db.read(lambda s: repo.on_node(s, node_id))
     return [record for record in records if record.secrets and record.state in _GRANTED]
 
 

@@ -49,6 +49,8 @@ class ControlContext:
     node_token: str
     #: This replica's name in the job leases it holds (space.control.background).
     replica_id: str = field(default_factory=lambda: f"replica-{secrets.token_hex(8)}")
+    #: The job leases it holds, and until when (space.control.background).
+    held_jobs: dict[str, float] = field(init=False, default_factory=dict)
     activity: Activity = field(init=False)
     #: API keys this replica found valid recently (space.control.keys).
     key_verdicts: KeyVerdicts = field(init=False)

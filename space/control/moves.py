@@ -87,7 +87,7 @@ async def move_sandbox(ctx: ControlContext, record: SandboxRecord, target: str) 
 async def drain_round(ctx: ControlContext) -> list[str]:
     """Move every movable sandbox off every draining node it can; returns the ids
     moved. One that no node takes is logged and left for the next round."""
-    records, load = await ctx.db.run(_draining)
+    records, load = await ctx.db.read(_draining)
     moved = []
     for node in (n for n in records if n.state == node_rows.DRAINING):
         for record in await ctx.db.run(functools.partial(repo.on_node, node_id=node.id)):

@@ -53,7 +53,7 @@ async def reap_expired(ctx: ControlContext) -> list[str]:
     """
     now = ctx.clock()
     deleted = []
-    for record in await ctx.db.run(lambda s: repo.expired(s, now)):
+    for record in await ctx.db.read(lambda s: repo.expired(s, now)):
         try:
             await delete_sandbox(ctx, record)
         except (NodeError, ApiError) as exc:
@@ -75,7 +75,7 @@ async def hibernate_idle(ctx: ControlContext) -> list[str]:
     await ctx.activity.write()  # this replica's marks not written yet count too
     busy = ctx.activity.streaming()
     hibernated = []
-    for record in await ctx.db.run(lambda s: repo.idle(s, now)):
+    for record in await ctx.db.read(lambda s: repo.idle(s, now)):
         if record.id in busy:
             continue
         try:

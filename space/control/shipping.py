@@ -167,7 +167,7 @@ def ship_after_build(ctx: ControlContext, digest: str) -> None:
 
 async def _shipping_nodes(ctx: ControlContext) -> list[str]:
     """The active nodes that other nodes reach (not embedded), registered here."""
-    records = await ctx.db.run(node_rows.list_nodes)
+    records = await ctx.db.read(node_rows.list_nodes)
     reachable = set(ctx.nodes.ids())
     return [
         r.id

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from space.control import ControlSettings, NodeRegistry
+from space.control import ControlSettings, NodeRegistry, background
 from space.control.background import background_round, job_lease_s
 from space.control.deps import ControlContext
 from space.control.reconcile import hibernate_idle, reconcile
@@ -364,6 +364,35 @@ async def test_a_replica_takes_the_jobs_of_one_that_stopped_renewing(tmp_path: P
     finally:
         for stack in stacks:
             await stack.aclose()
+
+
+async def test_a_replica_renews_its_job_leases_once_a_quarter_of_them_has_run(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock()
+    async with _replica(tmp_path, {"n1": FakeNode("n1")}, clock) as h:
+        ctx, ttl = _ctx(h), job_lease_s(h.settings.reaper_interval_s)
+
+        async def expiries() -> dict[str, float]:
+            """Of the jobs of every round (reconciling is due once a minute)."""
+            rows = await ctx.db.run(lambda s: s.query(JobLeaseRow).all())
+            assert {row.holder for row in rows} == {ctx.replica_id}
+            return {row.name: row.expires_at for row in rows if row.name != "reconcile"}
+
+        await background_round(ctx)
+        taken = await expiries()
+        assert len(taken) >= 5 and set(taken.values()) == {clock.now + ttl}
+        clock.now += 0.25 * ttl - 0.5
+        await background_round(ctx)
+        assert await expiries() == taken  # three quarters left: no write
+        clock.now += 1.0
+        await background_round(ctx)
+        assert set((await expiries()).values()) == {clock.now + ttl}
+        # Given up at shutdown, they are taken again at once, by a write.
+        await background.release_jobs(ctx)
+        assert await ctx.db.run(lambda s: s.query(JobLeaseRow).count()) == 0
+        await background_round(ctx)
+        assert set((await expiries()).values()) == {clock.now + ttl}
 
 
 async def test_a_stream_open_in_one_replica_keeps_the_sandbox_from_anothers_idle_reaper(
