@@ -35,6 +35,7 @@ import pytest
 from space import Sandbox
 from space.node.agent.node_user import DEFAULT_USER
 
+from ..guest_programs import COUNTER_FILE, counter
 from ..ports import free_port
 from ..postgres import PostgresCluster
 from ..unit._moto import ACCESS_KEY_ID, REGION, SECRET_ACCESS_KEY, moto_server
@@ -266,9 +267,7 @@ def _lose_and_bring_back(hosts: Cluster, key: str, survivor: str, opened: list[S
     _wait("nothing left on the nodes", lambda: _on_nodes(hosts, hosts.hosts) == {})
 
 
-_COUNTER = (
-    "i=0; while true; do i=$((i+1)); echo $i > /tmp/c.new; mv -f /tmp/c.new /tmp/c; sleep 0.2; done"
-)
+_COUNTER = counter(0.2)
 
 
 def _space_node(hosts: Cluster, command: str, node_id: str) -> str:
@@ -290,7 +289,7 @@ def _node_states(hosts: Cluster) -> dict[str, str]:
 
 def _count(sandbox: Sandbox) -> int:
     """The counter's value (0 before it first wrote it)."""
-    result = sandbox.commands.run("cat /tmp/c 2>/dev/null || echo 0")
+    result = sandbox.commands.run(f"cat {COUNTER_FILE} 2>/dev/null || echo 0")
     assert result.exit_code == 0, result
     return int(result.stdout.strip() or 0)
 

@@ -27,13 +27,12 @@ from space.node.api import (
     Unavailable,
 )
 
+from ..guest_programs import COUNTER_FILE, counter
 from .moves_nodes import TwoNodes, ship_origin, two_nodes
 
 pytestmark = pytest.mark.vm
 
-_COUNTER = (
-    "i=0; while true; do i=$((i+1)); echo $i > /tmp/c.new; mv -f /tmp/c.new /tmp/c; sleep 0.2; done"
-)
+_COUNTER = counter(0.2)
 
 
 async def _run(node: Node, sandbox_id: str, request: ExecRequest) -> tuple[str, int | None]:
@@ -52,7 +51,7 @@ async def _one(data: bytes) -> AsyncIterator[bytes]:
 
 
 def _counter(nodes: TwoNodes, node: Node, sandbox_id: str) -> int:
-    out, code = nodes.run(_run(node, sandbox_id, ExecRequest(argv=["cat", "/tmp/c"])))
+    out, code = nodes.run(_run(node, sandbox_id, ExecRequest(argv=["cat", COUNTER_FILE])))
     assert code == 0, out
     return int(out)
 

@@ -28,16 +28,13 @@ from space.node.api import (
 )
 from space.node.vmm.qemu import QemuVM
 
+from ..guest_programs import COUNTER_FILE, counter
 from .conftest import NodeHarness
 from .platform import qemu_pids
 
 pytestmark = pytest.mark.vm
 
-# Written to a side file and renamed: `echo > /tmp/c` truncates first, so a reader could
-# otherwise catch the file empty between the truncation and the write.
-_COUNTER = (
-    "i=0; while true; do i=$((i+1)); echo $i > /tmp/c.new; mv -f /tmp/c.new /tmp/c; sleep 0.1; done"
-)
+_COUNTER = counter(0.1)
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
@@ -77,7 +74,7 @@ def _cpu_s(pid: int) -> float:
 
 
 def _counter(h: NodeHarness, sandbox_id: str) -> int:
-    out, code = h.run(_run(h.node, sandbox_id, ExecRequest(argv=["cat", "/tmp/c"])))
+    out, code = h.run(_run(h.node, sandbox_id, ExecRequest(argv=["cat", COUNTER_FILE])))
     assert code == 0
     return int(out)
 
