@@ -16,6 +16,7 @@ import pytest
 
 from tests import logs
 from tests.postgres import PostgresCluster
+from tests.schema import migrated_sqlite
 
 #: The control plane's database backends; ``database_url`` runs a test on each.
 BACKENDS = ("sqlite", "postgresql")
@@ -117,11 +118,16 @@ def postgres() -> Iterator[PostgresCluster]:
 
 @pytest.fixture(params=BACKENDS)
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A fresh, empty database of each backend in turn: SQLite in the test's directory,
-    then a new database on the session's PostgreSQL server (dropped afterwards)."""
+    """A fresh database of each backend in turn, at the newest schema (tests/schema.py),
+    or empty for a test marked ``empty_database``: SQLite in the test's directory, then
+    a new database on the session's PostgreSQL server (dropped afterwards)."""
+    migrated = request.node.get_closest_marker("empty_database") is None
     if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'db' / 'space.db'}"
+        path = tmp_path / "db" / "space.db"
+        if migrated:
+            migrated_sqlite(path)
+        yield f"sqlite:///{path}"
         return
     cluster: PostgresCluster = request.getfixturevalue("postgres")
-    with cluster.database() as url:
+    with cluster.database(migrated=migrated) as url:
         yield url

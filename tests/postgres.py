@@ -30,6 +30,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from space.control.store import Database
 from tests.ports import free_port
 
 __all__ = ["PostgresCluster", "postgres_bin"]
@@ -78,6 +79,8 @@ class PostgresCluster:
         self.socket_dir = self.root / "run"
         self.port = free_port()
         self._pid: int | None = None
+        #: A database at the newest schema that ``database(migrated=True)`` copies.
+        self._template: str | None = None
 
     def _run(self, *argv: str) -> subprocess.CompletedProcess[str]:
         command = [str(self.bin / argv[0]), *argv[1:]]
@@ -131,14 +134,29 @@ class PostgresCluster:
             connection.execute(statement)
 
     @contextlib.contextmanager
-    def database(self) -> Iterator[str]:
-        """A new empty database's URL, dropped on exit (its connections closed by force)."""
+    def database(self, *, migrated: bool = False) -> Iterator[str]:
+        """A new database's URL, dropped on exit (its connections closed by force):
+        empty, or with ``migrated`` a copy of one at the newest schema (tests/schema.py
+        says why), made by the server from a template migrated on first use."""
         name = "t_" + secrets.token_hex(6)
-        self._admin(f'CREATE DATABASE "{name}"')
+        template = f' TEMPLATE "{self._migrated_template()}"' if migrated else ""
+        self._admin(f'CREATE DATABASE "{name}"{template}')
         try:
             yield self.url(name)
         finally:
             self._admin(f'DROP DATABASE "{name}" WITH (FORCE)')
+
+    def _migrated_template(self) -> str:
+        if self._template is None:
+            name = "template_" + secrets.token_hex(6)
+            self._admin(f'CREATE DATABASE "{name}"')
+            db = Database(self.url(name))
+            try:
+                db.upgrade()
+            finally:
+                db.dispose()  # CREATE DATABASE … TEMPLATE wants no one connected to it
+            self._template = name
+        return self._template
 
     def stop(self) -> None:
         """Stop the server (killed if a fast shutdown fails) and remove its directory.

@@ -59,6 +59,7 @@ class LiveApi:
         self.settings = ControlSettings(
             data_dir=data_dir, reaper_interval_s=3600.0, database_url=fakes.DATABASE_URL
         )
+        fakes.at_newest_schema(self.settings)
         registry = NodeRegistry()
         registry.register(self.node.node_id, self.node)
         self.app = create_app(self.settings, registry)

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from space.control import NodeRegistry
+from space.control import NodeRegistry, background
 from space.control.routers import pools as pools_route
 from space.control.template_names import tenant_prefix
 from space.node.api import NodeError, NodeInfo, PoolInfo, Unavailable, encode
@@ -119,6 +119,7 @@ async def test_negative_a_node_slower_than_the_deadline_is_skipped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(pools_route, "NODE_INFO_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(background, "INFO_TIMEOUT_S", 0.05)  # its heartbeat at the start
     good, hung = FakeNode("n1"), _SilentNode("n2", None)
     good.pools = [_BASE]
     caplog.set_level(logging.WARNING, logger=pools_route.__name__)

@@ -26,6 +26,7 @@ from tests.unit.fakes import FakeClock, FakeNode, control_app, wait_for
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("on_both_databases")]
 
 
+@pytest.mark.empty_database
 def test_migrations_produce_exactly_the_models_schema(
     tmp_path: Path, on_both_databases: str
 ) -> None:
@@ -41,6 +42,7 @@ def test_migrations_produce_exactly_the_models_schema(
         db.dispose()
 
 
+@pytest.mark.empty_database
 def test_migrations_are_idempotent(tmp_path: Path, on_both_databases: str) -> None:
     db = Database(on_both_databases)
     try:
@@ -170,6 +172,7 @@ async def test_the_reaper_loop_runs_rounds_until_cancelled(tmp_path: Path) -> No
         await wait_for(lambda: short["id"] not in h.node.boxes)
 
 
+@pytest.mark.empty_database
 def test_migrations_downgrade_to_the_initial_schema_and_back(
     tmp_path: Path, on_both_databases: str
 ) -> None:

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from space.control import NodeRegistry
+from space.control import NodeRegistry, background
 from space.control import prometheus as prometheus_route
 from space.node.api import EgressEvent, NodeInfo, PoolInfo, Unavailable
 from space.node.egress.audit import AuditLog
@@ -128,6 +128,7 @@ async def test_negative_a_node_slower_than_the_deadline_is_left_out_of_the_scrap
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(prometheus_route, "NODE_SCRAPE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(background, "INFO_TIMEOUT_S", 0.2)  # its heartbeat at the start
     fast = FakeNode("fast")
     fast.egress_decisions = {"allow": 1}
     registry = NodeRegistry()
