@@ -11,9 +11,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from sqlalchemy.engine import make_url
+
 from space.control.store import Database
 
-__all__ = ["migrated_sqlite"]
+__all__ = ["at_newest_schema", "migrated_sqlite"]
 
 _template: Path | None = None
 
@@ -25,6 +27,14 @@ def migrated_sqlite(path: Path) -> None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(_sqlite_template(), path)
+
+
+def at_newest_schema(database_url: str) -> None:
+    """A SQLite database at ``database_url`` not made yet is made at the newest schema;
+    the app's start then finds nothing to migrate. Another backend is left alone."""
+    url = make_url(database_url)
+    if url.get_backend_name() == "sqlite" and url.database and url.database != ":memory:":
+        migrated_sqlite(Path(url.database))
 
 
 def _sqlite_template() -> Path:

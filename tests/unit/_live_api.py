@@ -36,6 +36,7 @@ from space.node.api import (
     Unavailable,
 )
 from space.sdk._sync import _LOOP
+from tests.schema import at_newest_schema
 from tests.unit import fakes
 from tests.unit.fakes import FakeNode
 
@@ -59,7 +60,7 @@ class LiveApi:
         self.settings = ControlSettings(
             data_dir=data_dir, reaper_interval_s=3600.0, database_url=fakes.DATABASE_URL
         )
-        fakes.at_newest_schema(self.settings)
+        at_newest_schema(self.settings.database_url)
         registry = NodeRegistry()
         registry.register(self.node.node_id, self.node)
         self.app = create_app(self.settings, registry)

@@ -42,7 +42,7 @@ from space.node.api import (
     Unavailable,
     check_grants,
 )
-from tests.schema import migrated_sqlite
+from tests.schema import at_newest_schema
 from tests.unit._fake_archives import FakeArchives, FakeArchiveStore
 from tests.unit._fake_egress import FakeEgress
 from tests.unit._fake_moves import FakeMoves
@@ -558,14 +558,6 @@ class Harness:
         return {"Authorization": f"Bearer {create_key(self.settings, tenant)}"}
 
 
-def at_newest_schema(settings: ControlSettings) -> None:
-    """A SQLite database of ``settings`` not made yet is made at the newest schema
-    (tests/schema.py); the app's start then finds nothing to migrate."""
-    url = settings.database_url
-    if url.startswith("sqlite:///"):
-        migrated_sqlite(Path(url.removeprefix("sqlite:///")))
-
-
 @contextlib.asynccontextmanager
 async def control_app(
     data_dir: Path,
@@ -588,7 +580,7 @@ async def control_app(
         egress_operator_ranges=egress_operator_ranges,
         sandbox_domain=sandbox_domain,
     )
-    at_newest_schema(settings)
+    at_newest_schema(settings.database_url)
     if registry is None:
         registry = NodeRegistry()
         registry.register("local", node)
