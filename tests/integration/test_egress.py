@@ -289,7 +289,8 @@ s.sendall(b"Host: held\\r\\n\\r\\n")
 data = b""
 while chunk := s.recv(4096):
     data += chunk
-open("/tmp/held.out", "wb").write(data)
+open("/tmp/held.new", "wb").write(data)
+os.replace("/tmp/held.new", "/tmp/held.out")  # never read half-written
 """
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from space.node.agent import _builds
+from space.node.agent import _builder, _builds
 from space.node.agent._builder import MAX_LINE, _lines, _shape
 from space.node.agent._builds import _Log
 from space.node.api import (
@@ -16,6 +16,10 @@ from space.node.api import (
     ExecEvent,
     ExecExited,
     ExecOutput,
+    InsufficientCapacity,
+    NodeError,
+    Timeout,
+    Unavailable,
 )
 from space.node.core.template import BASE, READY_SHAPE, Shape, Template
 from space.node.storage.btrfs import TemplateVolume
@@ -119,3 +123,38 @@ def test_negative_a_template_on_a_built_one_keeps_its_disk(tmp_path: Path) -> No
     with pytest.raises(TemplateSpecError) as caught:
         _shape(_spec("[resources]\ndisk_mib = 4096\n"), built)
     assert caught.value.key == "resources.disk_mib"
+
+
+async def test_a_build_vm_dying_at_boot_is_booted_again_once_and_said(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    booted: list[str] = []
+
+    async def boot(node: object, vm_id: str, *args: object, **kwargs: object) -> str:
+        booted.append(vm_id)
+        if len(booted) <= failures:
+            raise error
+        return vm_id
+
+    monkeypatch.setattr(_builder, "boot_hidden", boot)
+    source = TemplateVolume("base", "d" * 12, Path("/nowhere"))
+    shape = Shape(2, 1024, 1024)
+    said: list[str] = []
+
+    error: NodeError = Unavailable("guest HELLO failed: reset; console tail:\npanic")
+    failures = 1
+    vm: object = await _builder._boot_build_vm(None, source, shape, False, said.append)  # type: ignore[arg-type]
+    assert vm == booted[1] != booted[0]
+    assert said == ["the build VM died at boot; booting another (the node's log has its console)"]
+
+    booted.clear()
+    failures = 2
+    with pytest.raises(Unavailable, match="reset"):
+        await _builder._boot_build_vm(None, source, shape, False, said.append)  # type: ignore[arg-type]
+    assert len(booted) == 2
+
+    for error in (InsufficientCapacity("no room"), Timeout("no HELLO within 60 s")):
+        booted.clear()
+        with pytest.raises(type(error)):
+            await _builder._boot_build_vm(None, source, shape, False, said.append)  # type: ignore[arg-type]
+        assert len(booted) == 1

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import secrets
 import time
 from collections import deque
@@ -31,7 +32,15 @@ from space.node.agent._build_cache import restore_layer, store_layer
 from space.node.agent._build_network import BuildNetwork
 from space.node.agent._catalog import Build, Catalog
 from space.node.agent._hidden import boot_hidden, channel_of
-from space.node.api import ExecExited, ExecOutput, ExecRequest, ExecStream, NodeError, Unavailable
+from space.node.api import (
+    ExecExited,
+    ExecOutput,
+    ExecRequest,
+    ExecStream,
+    InsufficientCapacity,
+    NodeError,
+    Unavailable,
+)
 from space.node.channel import GuestChannel
 from space.node.core.sandbox import LiveSandbox
 from space.node.core.template import READY_SHAPE, Shape, Template, image_mib
@@ -58,6 +67,8 @@ if TYPE_CHECKING:
 __all__ = ["BuildStepFailed", "Planned", "build_layers", "plan_build"]
 
 Say = Callable[[str], None]
+
+log = logging.getLogger(__name__)
 
 #: The environment of run steps and package installs (not the spec's ``env``).
 BUILD_ENV = {
@@ -195,14 +206,13 @@ async def build_layers(node: Registry, planned: Planned, say: Say) -> TemplateVo
     todo = disk_steps[done:]
     if not todo:
         return source
-    vm_id = f"build-{secrets.token_hex(6)}"
     say(f"booting a build VM from {'the base' if source is planned.base.volume else 'the cache'}")
     # The build VM's memory is never kept, so it may be larger than the template's:
     # package installs and compilers need room. Its disk is the template's.
     shape = planned.shape
     build_shape = Shape(max(shape.cpus, 2), max(shape.memory_mib, BUILD_MEMORY_MIB), shape.disk_mib)
     grow = planned.base.pristine and source is planned.base.volume
-    vm = await boot_hidden(node, vm_id, source, build_shape, grow=grow)
+    vm = await _boot_build_vm(node, source, build_shape, grow, say)
     try:
         async with node.build_network(vm, planned.spec.build_egress) as network:
             if network.ca_file is not None:
@@ -215,6 +225,21 @@ async def build_layers(node: Registry, planned: Planned, say: Say) -> TemplateVo
         await asyncio.shield(node.destroy(vm))
     await store_layer(node, source, say)
     return source
+
+
+async def _boot_build_vm(
+    node: Registry, source: TemplateVolume, shape: Shape, grow: bool, say: Say
+) -> LiveSandbox:
+    """Boot a build VM; one that dies before its guest answers is the node's loss, not
+    the spec's fault, so another is booted once before the build fails."""
+    try:
+        return await boot_hidden(node, f"build-{secrets.token_hex(6)}", source, shape, grow=grow)
+    except InsufficientCapacity:
+        raise
+    except Unavailable as exc:
+        log.warning("a build VM died at boot; booting another: %s", exc.message)
+        say("the build VM died at boot; booting another (the node's log has its console)")
+    return await boot_hidden(node, f"build-{secrets.token_hex(6)}", source, shape, grow=grow)
 
 
 async def _keep_layer(node: Registry, vm: LiveSandbox, step: Step) -> TemplateVolume:

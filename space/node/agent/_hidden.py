@@ -22,7 +22,7 @@ from space.node.api import (
 )
 from space.node.channel import GuestChannel
 from space.node.core.capacity import Claim, volume_limit_mib
-from space.node.core.sandbox import MEMORY_FILE, LiveSandbox
+from space.node.core.sandbox import MEMORY_FILE, LiveSandbox, with_console
 from space.node.core.state import SandboxRecord
 from space.node.core.template import BASE, Shape, Template
 from space.node.storage.btrfs import TemplateVolume
@@ -129,7 +129,8 @@ async def boot_hidden(
     guest wrote). ``ram_in_volume`` maps its RAM shared from a file in its volume, to be
     captured as an image. Admitted like a sandbox of ``shape`` (InsufficientCapacity if
     the node has no room) and counted as the node's own running VM until ``destroy``.
-    On failure nothing of it remains."""
+    On failure nothing of it remains; a VM that died or fell silent at boot raises
+    Unavailable or Timeout with its console's tail."""
     life = node.life
     spec = SandboxSpec(
         sandbox_id=vm_id,
@@ -165,9 +166,13 @@ async def boot_hidden(
             life.save(vm, SandboxState.CREATING)
             await vm.connect(hello_timeout_s=life.config.boot_timeout_s)
             life.save(vm, SandboxState.RUNNING)
-        except BaseException:
+        except BaseException as exc:
+            tail = vm.console_tail()
             await asyncio.shield(node.destroy(vm))
-            raise
+            error = with_console(exc, vm_id, tail)
+            if error is exc:
+                raise
+            raise error from exc
     return vm
 
 
