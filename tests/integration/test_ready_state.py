@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from space.node.api import SandboxSpec, SandboxState
+from space.node.vmm.qemu import TCG_CPU, guest_cpu
 
 from .conftest import NodeHarness
 from .test_lifecycle import _sh
@@ -68,6 +69,27 @@ def test_a_restarted_node_reuses_the_ready_state(node: NodeHarness) -> None:
     node.restart()
     after = node.node.templates.catalog.resolve("base").ready
     assert after is not None and _field(after, "UUID") == before
+
+
+def test_a_ready_state_booted_on_another_cpu_is_made_again_at_start(node: NodeHarness) -> None:
+    """A ready state an earlier version booted with ``-cpu max`` (its mark says only
+    "ready") is made again on the CPU VMs get now: its sandboxes' kernels then copy
+    memory without ``rep movsb``, which TCG emulates a byte at a time."""
+    template = node.node.templates.catalog.resolve("base")
+    assert template.ready is not None
+    cpu = guest_cpu(node.node.accelerator)
+    assert template.ready_mark.read_text() == f"ready cpu={cpu}\n"
+    before = _field(template.ready, "UUID")
+    template.ready_mark.write_text("ready\n")
+    node.restart()
+    after = node.node.templates.catalog.resolve("base")
+    assert after.ready is not None and _field(after.ready, "UUID") != before
+    assert after.ready_mark.read_text() == f"ready cpu={cpu}\n"
+    node.run(node.node.create_sandbox(SandboxSpec("no-fast-strings", memory_mib=256)))
+    flags = _sh(node, "no-fast-strings", "grep -m1 '^flags' /proc/cpuinfo").split()
+    assert "sse2" in flags
+    if cpu == TCG_CPU:
+        assert "erms" not in flags and "fsrm" not in flags
 
 
 def test_gvisor_sandboxes_of_the_ready_shape_restore_the_gvisor_ready_state(

@@ -76,9 +76,12 @@ def test_command_line_has_no_default_devices_and_no_display() -> None:
     assert _option(argv, "-display") == ["none"]
 
 
-def test_tcg_uses_a_64_mib_translation_cache() -> None:
+def test_tcg_uses_a_64_mib_translation_cache_and_a_cpu_without_fast_strings() -> None:
     argv = build_command(_config(accel="tcg"))
     assert _option(argv, "-accel") == ["tcg,tb-size=64"]
+    (cpu,) = _option(argv, "-cpu")
+    model, *features = cpu.split(",")
+    assert model == "max" and {"-erms", "-fsrm"} <= set(features)
 
 
 def test_kvm_uses_the_host_cpu() -> None:

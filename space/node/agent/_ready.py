@@ -30,25 +30,44 @@ from space.node.agent._hidden import (
 from space.node.core.capacity import Claim
 from space.node.core.template import Template, ready_paths
 from space.node.storage.btrfs import snapshot_subvolume
+from space.node.vmm.qemu import guest_cpu
 
 if TYPE_CHECKING:
     from space.node.agent._registry import Registry
 
-__all__ = ["ensure_gvisor_ready", "ensure_ready", "is_ready"]
+__all__ = ["ensure_gvisor_ready", "ensure_ready", "is_ready", "vm_ready"]
 
 
-def is_ready(template: Template, guest: str = "qemu") -> bool:
+def is_ready(template: Template, guest: str = "qemu", *, cpu: str | None = None) -> bool:
+    """Whether ``template``'s ready state for ``guest`` is published; given ``cpu``, a
+    VM's must have been booted on that CPU (its mark says which)."""
     image, mark = ready_paths(template.volume, guest)
-    return image.is_dir() and mark.is_file()
+    if not (image.is_dir() and mark.is_file()):
+        return False
+    return cpu is None or mark.read_text()[:256] == _mark_text(cpu)
+
+
+def vm_ready(node: Registry, template: Template) -> bool:
+    """Whether ``template``'s VM ready state is published and booted on the CPU this
+    node's VMs get."""
+    return is_ready(template, cpu=guest_cpu(node.accelerator))
+
+
+def _mark_text(cpu: str | None) -> str:
+    return "ready\n" if cpu is None else f"ready cpu={cpu}\n"
 
 
 async def ensure_ready(node: Registry, template: Template) -> Path:
     """The ready state of ``template``, made now unless it exists; returns its volume.
 
+    A ready state booted on another CPU than this node's VMs get (one an earlier
+    version made, space.node.vmm.qemu.TCG_CPU) is made again: its guest would keep the
+    routines its kernel chose for that CPU in every sandbox woken from it.
+
     Raises NodeError (the boot, the start command or the capture failed; nothing of it
     is left then).
     """
-    if is_ready(template):
+    if vm_ready(node, template):
         return template.ready_image
     pool = node.life.pool
     await pool.delete_template_image(template.ready_image)
@@ -65,7 +84,7 @@ async def ensure_ready(node: Registry, template: Template) -> Path:
         await wait_ready(channel_of(vm), template)
         await warm_up(channel_of(vm))
         await node.life.capture_image(vm, template.ready_image)
-        await asyncio.to_thread(_write_mark, template.ready_mark)
+        await asyncio.to_thread(_write_mark, template.ready_mark, guest_cpu(node.accelerator))
     except BaseException:
         await asyncio.shield(pool.delete_template_image(template.ready_image))
         raise
@@ -92,7 +111,7 @@ async def ensure_gvisor_ready(node: Registry, template: Template) -> Path:
             await warm_up(channel_of(vm))
             await vm.save_state()  # paused, its checkpoint in its volume
             await snapshot_subvolume(vm.volume, image)
-            await asyncio.to_thread(_write_mark, mark)
+            await asyncio.to_thread(_write_mark, mark, None)
     except BaseException:
         await asyncio.shield(pool.delete_template_image(image))
         raise
@@ -101,10 +120,10 @@ async def ensure_gvisor_ready(node: Registry, template: Template) -> Path:
     return image
 
 
-def _write_mark(path: Path) -> None:
+def _write_mark(path: Path, cpu: str | None) -> None:
     """Publish what ``path`` marks: written, fsynced, with its directory."""
     with open(path, "w") as file:
-        file.write("ready\n")
+        file.write(_mark_text(cpu))
         file.flush()
         os.fsync(file.fileno())
     fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)

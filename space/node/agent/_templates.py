@@ -18,7 +18,7 @@ from space.node.agent._builds import Builds
 from space.node.agent._catalog import Build
 from space.node.agent._gvisor_trees import drop_tree
 from space.node.agent._pool import Pools
-from space.node.agent._ready import ensure_gvisor_ready, ensure_ready
+from space.node.agent._ready import ensure_gvisor_ready, ensure_ready, vm_ready
 from space.node.agent._registry import Registry
 from space.node.api import GUEST_TYPES, BuildStream, InsufficientCapacity, NodeError, TemplateInfo
 from space.node.core.template import Template, failed_mark, ready_paths
@@ -78,7 +78,7 @@ class Templates:
     async def ready_at_start(self, template: Template, say: Callable[[str], None]) -> None:
         """Make (or find) a template's ready state and start its pool; a failure is
         logged and its sandboxes boot instead."""
-        if self._registry.config.ready_state and not template.ready_mark.is_file():
+        if self._registry.config.ready_state and not vm_ready(self._registry, template):
             say(f"template {template.name}: making its ready state (one boot)")
         try:
             await self._make_ready(template)
