@@ -75,7 +75,7 @@ def line(name: str, values: list[float], unit: str) -> str:
 
 
 async def bench(data_dir: Path, runs: int, mib: int) -> None:
-    node = await Node.start(NodeConfig(data_dir=data_dir, pool_size_gib=4, boot_timeout_s=120.0))
+    node = await Node.start(NodeConfig(data_dir=data_dir, pool_size_gib=8, boot_timeout_s=120.0))
     try:
         await node.create_sandbox(SandboxSpec(sandbox_id=SANDBOX, memory_mib=256))
         blob = os.urandom(mib * MIB)
