@@ -84,10 +84,11 @@ def test_tcg_uses_a_64_mib_translation_cache_and_a_cpu_without_fast_strings() ->
     assert model == "max" and {"-erms", "-fsrm"} <= set(features)
 
 
-def test_kvm_uses_the_host_cpu() -> None:
+def test_kvm_uses_the_host_cpu_and_the_image_s_command_line_as_it_is() -> None:
     argv = build_command(_config(accel="kvm"))
     assert _option(argv, "-accel") == ["kvm"]
     assert _option(argv, "-cpu") == ["host"]
+    assert _option(argv, "-append") == ["console=ttyS0 space.hostname=sb-1"]
 
 
 def test_resources_kernel_and_cmdline_come_from_the_config() -> None:
@@ -96,7 +97,7 @@ def test_resources_kernel_and_cmdline_come_from_the_config() -> None:
     assert _option(argv, "-m") == ["512"]
     assert _option(argv, "-kernel") == ["/pool/sandboxes/sb-1/kernel"]
     assert _option(argv, "-initrd") == ["/pool/sandboxes/sb-1/initrd"]
-    assert _option(argv, "-append") == ["console=ttyS0 space.hostname=sb-1"]
+    assert _option(argv, "-append") == ["console=ttyS0 space.hostname=sb-1 no_timer_check"]
 
 
 def test_rootfs_is_a_raw_virtio_blk_disk() -> None:
