@@ -59,7 +59,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
     """The VM lane's ``--dist loadgroup``, scheduled here by test file: a file is one
     group (its module fixtures, a booted VM or platform, are made once), unless the
     module splits itself with ``xdist_group_of(nodeid)`` (the conformance matrix: its
-    parts run on both workers at once). xdist 3.8's own loadgroup grouped nothing under
+    parts run on several workers at once). xdist 3.8's own loadgroup grouped nothing under
     pytest 9.2 (seen: a marked module's tests ran on two workers), so it is not used."""
     if config.getoption("dist") != "loadgroup":
         return None
