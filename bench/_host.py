@@ -1,4 +1,4 @@
-"""What the host's kernel says about the whole machine, read from /proc.
+"""What the host's kernel says about the whole machine (and one process), read from /proc.
 
 ``HostSample.take()`` reads /proc/stat, /proc/vmstat and /proc/meminfo at one moment; the
 difference of two samples (``later.since(earlier)``) gives the CPU split and the pages
@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["PAGE_BYTES", "HostSample", "Interval", "mem_available_bytes"]
+__all__ = ["PAGE_BYTES", "HostSample", "Interval", "mem_available_bytes", "process_cpu_ms"]
 
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 #: /proc/stat's "cpu" columns, in order (proc(5)); guest times are already in user.
@@ -105,3 +105,15 @@ class HostSample:
             dirtied_bytes=pages("nr_dirtied") * PAGE_BYTES,
             written_bytes=pages("nr_written") * PAGE_BYTES,
         )
+
+
+def process_cpu_ms(pid: int) -> float:
+    """CPU time every thread of process ``pid`` has run, in ms (schedstat's ns): what
+    that process spent, however loaded the machine is (wall times are not)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread that ended meanwhile
+    return total / 1e6

@@ -7,10 +7,10 @@ fresh data directory; two 256 MiB sandboxes are cold-booted, one on each CPU (a 
 little larger than the ready state's, so neither wakes from it), ``--boots`` times in
 turn for the boot figure; then, alternately on the two, each workload runs ``--runs``
 times and the bench prints medians, p90s and the ratio of ``max`` to ``TCG_CPU``, and
-the QEMU process's host CPU per run. ``--loads`` repeats the workloads with that many
-idle sandboxes beside them (from the ready state, on ``TCG_CPU``): the figure with a few
-sandboxes on the node and with dozens. Everything is removed at the end, also on
-failure.
+the QEMU process's host CPU per run (schedstat, all its threads). ``--loads`` repeats
+the workloads with that many idle sandboxes beside them (from the ready state, on
+``TCG_CPU``): the figure with a few sandboxes on the node and with dozens. Everything
+is removed at the end, also on failure.
 
 Usage: `.venv/bin/python bench/bench_guest_cpu.py [--runs 15] [--boots 3]
 [--loads 0,16] [--user space]` as root.
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench._host import process_cpu_ms
 from bench._node_child import node_child
 from bench._stats import summary
 from space.node.agent import Node
@@ -47,13 +47,6 @@ _WORKLOADS = {
     "write 64 MiB": "dd if=/dev/zero of=/tmp/z bs=1M count=64 status=none",
     "interpreted loop (no copies)": "python3 -c 'sum(range(2000000))'",
 }
-_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) * _TICK_S
 
 
 async def _run(node: Node, sandbox_id: str, cmd: str) -> None:
@@ -63,15 +56,16 @@ async def _run(node: Node, sandbox_id: str, cmd: str) -> None:
         raise RuntimeError(f"{cmd!r} did not exit 0: {exits}")
 
 
-async def _boot(node: Node, sandbox_id: str, model: str) -> tuple[float, int]:
-    """Cold-boot ``sandbox_id`` on ``model``; the time until it answers, and its pid."""
+async def _boot(node: Node, model: str) -> tuple[float, int]:
+    """Cold-boot a sandbox named ``model`` on that CPU; the time until it answers, and
+    its QEMU's pid."""
     qemu.TCG_CPU = _MODELS[model]  # read by build_command at launch
     try:
         start = time.perf_counter()
         status = await node.create_sandbox(
-            SandboxSpec(sandbox_id, memory_mib=256, disk_mib=READY_SHAPE.disk_mib + 256)
+            SandboxSpec(model, memory_mib=256, disk_mib=READY_SHAPE.disk_mib + 256)
         )
-        await _run(node, sandbox_id, "true")
+        await _run(node, model, "true")
         elapsed = (time.perf_counter() - start) * 1000
     finally:
         qemu.TCG_CPU = _MODELS["TCG_CPU"]
@@ -86,13 +80,13 @@ async def _workloads(
     for _ in range(runs):
         for name, cmd in _WORKLOADS.items():
             for model, pid in pids.items():
-                cpu = _cpu_s(pid)
+                cpu = process_cpu_ms(pid)
                 start = time.perf_counter()
                 await _run(node, model, cmd)
                 wall = (time.perf_counter() - start) * 1000
                 results.setdefault(f"{load}|{model}|{name}", []).append(wall)
                 results.setdefault(f"{load}|{model}|{name}|cpu", []).append(
-                    (_cpu_s(pid) - cpu) * 1000
+                    process_cpu_ms(pid) - cpu
                 )
     return results
 
@@ -110,10 +104,10 @@ async def run(
     try:
         for _ in range(boots):
             for model in _MODELS:
-                elapsed, _pid = await _boot(node, model, model)
+                elapsed, _pid = await _boot(node, model)
                 results.setdefault(f"boot|{model}", []).append(elapsed)
                 await node.delete_sandbox(model)
-        pids = {model: (await _boot(node, model, model))[1] for model in _MODELS}
+        pids = {model: (await _boot(node, model))[1] for model in _MODELS}
         idle = 0
         for load in loads:
             while idle < load:

@@ -43,6 +43,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench._host import process_cpu_ms
 from bench._platform import Api, say
 from bench._stats import percentile
 from bench.bench_e2b import Paths
@@ -216,26 +217,14 @@ def _timed(call: Callable[[], object]) -> float:
     return (time.perf_counter() - start) * 1000
 
 
-def _cpu_ms(pid: int) -> float:
-    """CPU time every thread of process ``pid`` has run, in ms (schedstat's ns): what
-    the platform's process spent, however loaded the machine is (wall times are not)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            continue  # a worker thread that ended meanwhile
-    return total / 1e6
-
-
 def _measured(p: Platform, figures: Figures, name: str, call: Callable[[], object]) -> None:
     """Run ``call``; record its wall time as ``name`` and the platform's CPU for it as
     ``name (cpu)`` (a node call is timed by the child itself)."""
-    cpu = _cpu_ms(p.process.pid)
+    cpu = process_cpu_ms(p.process.pid)
     start = time.perf_counter()
     timed = call()
     wall = (time.perf_counter() - start) * 1000
-    figures.setdefault(f"{name} (cpu)", []).append(_cpu_ms(p.process.pid) - cpu)
+    figures.setdefault(f"{name} (cpu)", []).append(process_cpu_ms(p.process.pid) - cpu)
     figures.setdefault(name, []).append(timed if isinstance(timed, float) else wall)
 
 
