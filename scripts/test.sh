@@ -25,19 +25,16 @@ fi
 # ports or directories. The VM lane's share none either (host-wide addresses are the
 # worker's own: tests/workers.py); it hands out groups (--dist loadgroup,
 # tests/conftest.py): a whole file, so a module's shared VM boots once, or a part of
-# the conformance matrix.
+# the conformance matrix; the longest first, by tests/vm_lane_seconds.json.
 echo "== pytest: the fast lane (-m 'not vm', two workers)"
 fast=0
 "${pytest[@]}" -m "not vm" -n 2 || fast=$?
-echo "== pytest: the VM lane (-m 'vm and not heavy_build and not solo', three workers)"
-echo "!! NOT RUN HERE: the heavy_build tests (the code interpreter through the real"
-echo "!! e2b_code_interpreter SDK): a first build of its template takes about 30 minutes"
-echo "!! under TCG, past what CI can add. Run them with: .venv/bin/pytest -m heavy_build"
+echo "== pytest: the VM lane (-m 'vm and not solo', three workers)"
 vm=0
-"${pytest[@]}" -m "vm and not heavy_build and not solo" -n 3 --dist loadgroup || vm=$?
+"${pytest[@]}" -m "vm and not solo" -n 3 --dist loadgroup || vm=$?
 echo "== pytest: the VM lane's solo tests (-m 'vm and solo', alone: a hundred VMs, a pace)"
 solo=0
-"${pytest[@]}" -m "vm and solo and not heavy_build" || solo=$?
+"${pytest[@]}" -m "vm and solo" || solo=$?
 echo "== fast lane exit $fast, VM lane exit $vm, solo exit $solo"
 for code in "$fast" "$vm" "$solo"; do
   if [ "$code" -ne 0 ]; then exit "$code"; fi

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import os
 import time
 from collections.abc import Callable, Generator, Iterator
@@ -55,19 +56,80 @@ def _umask_restored() -> Generator[None]:
     os.umask(before)
 
 
+#: Seconds each VM-lane group took in a recent run (``--record-group-seconds``), so the
+#: longest are handed out first: in collection order, a file of one long test (a hundred
+#: lifecycle cycles) could start last and hold a worker while the others idled.
+GROUP_SECONDS = Path(__file__).with_name("vm_lane_seconds.json")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--record-group-seconds",
+        metavar="PATH",
+        help="write the seconds each xdist group took (setup, call, teardown) to PATH as "
+        "JSON; tests/vm_lane_seconds.json is such a file, of the VM lane",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    out = config.getoption("record_group_seconds")
+    if out and not hasattr(config, "workerinput"):  # the controller sees every report
+        config.pluginmanager.register(GroupSeconds(Path(out)), "space-group-seconds")
+
+
+class GroupSeconds:
+    """Sums each group's test durations as reports arrive; writes them at the end."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.seconds: dict[str, float] = {}
+        self.tests: dict[str, set[str]] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        group = xdist_group(report.nodeid)
+        self.seconds[group] = self.seconds.get(group, 0.0) + report.duration
+        self.tests.setdefault(group, set()).add(report.nodeid)
+
+    def pytest_sessionfinish(self) -> None:
+        ranked = sorted(self.seconds, key=lambda group: -self.seconds[group])
+        table = {g: {"s": round(self.seconds[g], 1), "tests": len(self.tests[g])} for g in ranked}
+        self.out.write_text(json.dumps(table, indent=1) + "\n")
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
     """The VM lane's ``--dist loadgroup``, scheduled here by test file: a file is one
     group (its module fixtures, a booted VM or platform, are made once), unless the
     module splits itself with ``xdist_group_of(nodeid)`` (the conformance matrix: its
     parts run on several workers at once). xdist 3.8's own loadgroup grouped nothing under
-    pytest 9.2 (seen: a marked module's tests ran on two workers), so it is not used."""
+    pytest 9.2 (seen: a marked module's tests ran on two workers), so it is not used.
+    Groups go out longest first (GROUP_SECONDS; one it lacks is guessed from its count of
+    tests), which keeps the lane's end from waiting on one long file."""
     if config.getoption("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
 
+    known: dict[str, dict[str, float]] = json.loads(GROUP_SECONDS.read_text())
+    seconds = {group: row["s"] for group, row in known.items()}
+    tests = sum(row["tests"] for row in known.values())
+    per_test = sum(seconds.values()) / tests if tests else 1.0
+
     class Groups(LoadScopeScheduling):  # type: ignore[misc]  # xdist has no types
+        ranked = False
+
         def _split_scope(self, nodeid: str) -> str:
             return xdist_group(nodeid)
+
+        def _assign_work_unit(self, node: object) -> None:
+            # schedule() fills the whole queue before its first assignment.
+            if not self.ranked:
+                units = sorted(
+                    self.workqueue.items(),
+                    key=lambda unit: -seconds.get(unit[0], per_test * len(unit[1])),
+                )
+                self.workqueue.clear()
+                self.workqueue.update(units)
+                self.ranked = True
+            super()._assign_work_unit(node)
 
     return Groups(config, log)
 

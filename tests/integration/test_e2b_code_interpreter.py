@@ -8,7 +8,7 @@ the template through our own SDK, its packages coming from the closure scripts/s
 cached (tests.code_interpreter_debs) as the node's only apt source (apt's ``copy:``
 method: nothing is fetched from the internet). The node keeps its build cache in
 BUILD_CACHE (space/node/agent/_build_cache.py) with a node key of its own there, so the
-first run builds (10-20 minutes under TCG) and later runs receive the built layer, as
+first run builds (about 5 minutes under TCG) and later runs receive the built layer, as
 long as nothing that goes into the build changed. Every SDK call goes through its own HTTP
 client to port 49999 of the sandbox (E2b-Sandbox-Id / E2b-Sandbox-Port headers to
 E2B_SANDBOX_URL), configured by environment variables only. One sandbox serves every
@@ -35,8 +35,8 @@ from tests.e2b_sdk import run_e2b
 
 from .platform import Platform, running_platform
 
-# The template build installs about 140 packages in a TCG build VM: minutes.
-pytestmark = [pytest.mark.vm, pytest.mark.heavy_build, pytest.mark.timeout(2400)]
+# A first build installs about 140 packages in a TCG build VM: about 5 minutes alone.
+pytestmark = [pytest.mark.vm, pytest.mark.timeout(2400)]
 
 DOMAIN = "e2b.test"
 TENANT = "acme"
