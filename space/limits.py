@@ -11,6 +11,7 @@ from typing import Final, NamedTuple
 
 __all__ = [
     "CPUS",
+    "DEFAULT_BUILD_CACHE_GIB",
     "DEFAULT_BUILD_SLOTS",
     "DEFAULT_CPUS",
     "DEFAULT_DISK_MIB",
@@ -187,6 +188,9 @@ DEFAULT_POOL_SIZE_GIB: Final = 20
 #: Template builds a node runs at once unless the operator sets it (issue 17): each in
 #: its own build VM, shared fairly between tenants (space/node/agent/_build_slots.py).
 DEFAULT_BUILD_SLOTS: Final = 2
+#: Most GiB of layers a node's build cache (``--build-cache``) keeps unless the operator
+#: sets it: the least recently used go first (space/node/agent/_build_cache.py).
+DEFAULT_BUILD_CACHE_GIB: Final = 20
 
 
 class Quota(NamedTuple):

@@ -21,6 +21,7 @@ import click
 from space.cli._cluster import cluster_files, cluster_options, cluster_settings
 from space.cli._common import ProgressPrinter, fail
 from space.limits import (
+    DEFAULT_BUILD_CACHE_GIB,
     DEFAULT_BUILD_SLOTS,
     DEFAULT_MEMORY_OVERCOMMIT,
     DEFAULT_POOL_SIZE_GIB,
@@ -84,8 +85,8 @@ def capacity_options(command: Callable[..., Any]) -> Callable[..., Any]:
     as ``max_sandboxes``, ``memory_reserve_mib``, ``memory_overcommit``, ``pool_reserve_mib``,
     ``pool_size_gib``, its build slots as ``build_slots``, its apt sources as
     ``apt_sources`` (left out when none is given: the node's default), its build cache
-    as ``build_cache_dir``, and what ``auto`` means on a host without KVM as
-    ``guest_without_kvm`` (issue 21)."""
+    as ``build_cache_dir`` and its bound as ``build_cache_gib``, and what ``auto`` means
+    on a host without KVM as ``guest_without_kvm`` (issue 21)."""
     low, high = MEMORY_RESERVE_MIB
     pool_low, pool_high = POOL_RESERVE_MIB
     options = (
@@ -135,6 +136,12 @@ def capacity_options(command: Callable[..., Any]) -> Callable[..., Any]:
             default=None,
             help="Keep built layers here, by content, for a later build on a fresh pool"
             " (default: none; docs/templates.md).",
+        ),
+        click.option(
+            "--build-cache-gib", "build_cache_gib", type=click.FloatRange(min=0, min_open=True),
+            default=DEFAULT_BUILD_CACHE_GIB, show_default=True,
+            help="Most GiB of layers the build cache keeps; past it the least recently used"
+            " go.",
         ),
     )  # fmt: skip
     for option in reversed(options):

@@ -6,8 +6,10 @@ test_template_ready.py (and test_e2b_code_interpreter.py at scale)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import stat
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,7 +17,7 @@ from typing import Any, cast
 
 import pytest
 
-from space.node.agent._build_cache import cache_key, restore_layer, store_layer
+from space.node.agent._build_cache import _prune, cache_key, restore_layer, store_layer
 from space.node.agent._registry import Registry
 from space.node.storage.btrfs import BtrfsPool, TemplateVolume
 
@@ -81,7 +83,7 @@ def test_a_kept_layer_comes_back_and_a_damaged_one_is_refused_dropped_and_replac
 ) -> None:
     cache = tmp_path / "cache"
     cache.mkdir()
-    config = SimpleNamespace(build_cache_dir=cache, apt_sources=SOURCES)
+    config = SimpleNamespace(build_cache_dir=cache, apt_sources=SOURCES, build_cache_gib=20)
     node = cast(
         Registry, SimpleNamespace(config=config, keys=SimpleNamespace(key_id=KEY_ID), pool=pool)
     )
@@ -97,9 +99,11 @@ def test_a_kept_layer_comes_back_and_a_damaged_one_is_refused_dropped_and_replac
 
     _forget(layer)
     assert pool.layer(LAYER) is None
+    os.utime(record, (1000, 1000))
     back = runner.run(restore_layer(node, LAYER, 64, said.append))
     assert back is not None and back.rootfs.read_bytes() == b"built " * 1000
     assert any(line.startswith("receiving layer") for line in said), said
+    assert record.stat().st_mtime > time.time() - 60  # a hit is a use: the bound keeps it
 
     _forget(back)
     data = bytearray(stream.read_bytes())
@@ -116,3 +120,37 @@ def test_a_kept_layer_comes_back_and_a_damaged_one_is_refused_dropped_and_replac
     runner.run(store_layer(node, layer, said.append))
     _forget(layer)
     assert runner.run(restore_layer(node, LAYER, 64, said.append)) is not None
+
+
+def _entry(cache: Path, key: str, size: int, used: float) -> None:
+    (cache / f"{key}.stream").write_bytes(b"s" * size)
+    (cache / f"{key}.json").write_text("{}")
+    os.utime(cache / f"{key}.json", (used, used))
+
+
+def test_the_bound_drops_the_least_recently_used_entries_but_never_the_one_just_kept(
+    tmp_path: Path,
+) -> None:
+    now = time.time()
+    for key, size, age in (("old", 400, 300), ("older", 300, 400), ("recent", 200, 100)):
+        _entry(tmp_path, key, size, now - age)
+    _entry(tmp_path, "new", 500, now)
+    # 1000 bytes: the new entry's 500 and, of the others, what fits in the rest by use.
+    assert _prune(tmp_path, 1000, "new") == [("older", 300), ("old", 400)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "new.json", "new.stream", "recent.json", "recent.stream",
+    ]  # fmt: skip
+    # One entry larger than the bound stays: a build would otherwise store it for nothing.
+    assert _prune(tmp_path, 100, "new") == [("recent", 200)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.json", "new.stream"]
+
+
+def test_a_stream_no_record_names_goes_only_once_no_store_can_be_writing_it(
+    tmp_path: Path,
+) -> None:
+    fresh, stale = tmp_path / "fresh.stream", tmp_path / "stale.stream"
+    fresh.write_bytes(b"x")
+    stale.write_bytes(b"x")
+    os.utime(stale, (time.time() - 2 * 24 * 3600,) * 2)
+    assert _prune(tmp_path, 1 << 30, "none") == []
+    assert fresh.exists() and not stale.exists()

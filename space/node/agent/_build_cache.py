@@ -18,6 +18,11 @@ shipped one: the SHA-256 the root broker took of what it fed to btrfs receive mu
 the record's, and the subvolume must be the layer it says it is; anything else is
 refused, said in the build log and dropped from the cache, and the steps run (their
 layer takes the entry's place).
+
+The cache is bounded (``NodeConfig.build_cache_gib``): after a layer is kept, the least
+recently used entries (a hit touches its record) are dropped until the rest fit, never
+the one just kept; a stream no record names (a store that died between the two) goes
+once it is older than any store could be in progress.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import contextlib
 import hashlib
 import json
 import os
+import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 
@@ -42,6 +48,8 @@ __all__ = ["cache_key", "restore_layer", "store_layer"]
 _FORMAT = 1
 _MAX_RECORD_BYTES = 4096
 _CHUNK_BYTES = 1 << 20
+#: A stream without a record older than this is the leftover of a store that died.
+_ORPHAN_AGE_S = 24 * 3600.0
 
 
 def cache_key(digest: str, key_id: str, apt_sources: Sequence[str]) -> str:
@@ -73,6 +81,8 @@ async def restore_layer(
     if record is None or record.get("layer") != digest:
         return None
     say(f"receiving layer {digest[:12]} from the build cache ({record['stream_bytes']} bytes)")
+    with contextlib.suppress(OSError):  # used: the last its bound drops
+        await asyncio.to_thread(os.utime, record_path)
     try:
         return await _receive(node, digest, stream_path, record, disk_mib)
     except (NodeError, OSError) as exc:
@@ -162,11 +172,47 @@ async def store_layer(node: Registry, layer: TemplateVolume, say: Callable[[str]
         record = {"format": _FORMAT, "layer": layer.digest, "sha256": digest.hexdigest()}
         await asyncio.to_thread(_write_record, record_path, record | {"stream_bytes": size})
         say(f"kept layer {layer.digest[:12]} in the build cache ({size} bytes)")
+        limit = int(node.config.build_cache_gib * (1 << 30))
+        for old, old_bytes in await asyncio.to_thread(_prune, directory, limit, key):
+            say(f"the build cache dropped entry {old[:12]} ({old_bytes} bytes), unused longest")
     except (NodeError, OSError) as exc:
         say(f"the build cache did not take layer {layer.digest[:12]}: {exc}")
     finally:
         with contextlib.suppress(OSError):
             partial.unlink()
+
+
+def _prune(directory: Path, max_bytes: int, keep: str) -> list[tuple[str, int]]:
+    """Drop the least recently used entries of ``directory`` until the others' streams
+    fit in ``max_bytes`` (``keep`` stays whatever its size), and streams no record has
+    named for _ORPHAN_AGE_S; returns the (key, stream bytes) of the entries dropped."""
+    entries: list[tuple[float, str, int]] = []
+    for record_path in directory.glob("*.json"):
+        key = record_path.stem
+        try:
+            used = record_path.stat().st_mtime
+            size = (directory / f"{key}.stream").stat().st_size
+        except OSError:
+            continue
+        if key == keep:
+            max_bytes -= size
+        else:
+            entries.append((used, key, size))
+    now = time.time()
+    for stream_path in directory.glob("*.stream"):
+        with contextlib.suppress(OSError):
+            orphan = not stream_path.with_suffix(".json").exists()
+            if orphan and now - stream_path.stat().st_mtime > _ORPHAN_AGE_S:
+                stream_path.unlink()
+    total = sum(size for _, _, size in entries)
+    dropped = []
+    for _, key, size in sorted(entries):
+        if total <= max_bytes:
+            break
+        _drop_entry(directory / f"{key}.json", directory / f"{key}.stream")
+        total -= size
+        dropped.append((key, size))
+    return dropped
 
 
 def _write_record(path: Path, record: dict[str, object]) -> None:

@@ -15,7 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from space.limits import DEFAULT_BUILD_SLOTS, DEFAULT_MEMORY_OVERCOMMIT, DEFAULT_POOL_SIZE_GIB
+from space.limits import (
+    DEFAULT_BUILD_CACHE_GIB,
+    DEFAULT_BUILD_SLOTS,
+    DEFAULT_MEMORY_OVERCOMMIT,
+    DEFAULT_POOL_SIZE_GIB,
+)
 from space.node.api import GUEST_TYPES, InvalidArgument, PolicyBounds
 from space.node.core.capacity import Policy
 from space.node.network.resolvers import parse_resolvers, system_resolvers
@@ -152,6 +157,8 @@ class NodeConfig:
     #: Where finished build layers are kept across pools, by content (None: nowhere);
     #: see space/node/agent/_build_cache.py. The node's user must be able to write it.
     build_cache_dir: Path | None = None
+    #: Most GiB of layers kept there; past it, the least recently used entries go.
+    build_cache_gib: float = DEFAULT_BUILD_CACHE_GIB
     #: DNS servers ("address" or "address:port", IPv4) the egress gateway resolves
     #: allowed names with; empty means the host's /etc/resolv.conf nameservers.
     egress_resolvers: tuple[str, ...] = ()
