@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import struct
+from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 from dns.edns import CookieOption
@@ -15,8 +19,11 @@ from mitmproxy import dns
 from mitmproxy.net.dns import classes, op_codes, response_codes, types
 
 from space.node.api import EgressEvent, EgressPolicy, closed_policy
+from space.node.egress.audit import AuditLog
+from space.node.egress.connection import Tracker
 from space.node.egress.dns import MAX_UDP_QUERY_BYTES, TTL_S, answer
 from space.node.egress.fakeip import FakeIps
+from space.node.egress.gateway import _DnsResponder
 
 POLICY = EgressPolicy.parse(
     {"allow": [{"domain": "*.example.com"}, {"domain": "pypi.org"}, {"domain": "xn--bcher-kva.de"}]}
@@ -359,3 +366,24 @@ def test_mutated_queries_never_raise(base: bytes, edits: list[tuple[int, int]], 
         if position < len(data):
             data[position] = value
     _check_any_outcome(bytes(data[: len(data) - cut]))
+
+
+def test_a_refusal_is_audited_before_the_guest_hears_it(tmp_path: Path) -> None:
+    """The gateway's responder: a guest that reads its egress log as soon as it has
+    the answer finds the refusal there (it was written after the reply, and a loaded
+    host let a test read first)."""
+    audit = AuditLog(tmp_path)
+    tracker = cast(Tracker, SimpleNamespace(sandbox_id="sb-1", policy=POLICY))
+    responder = _DnsResponder(tracker, FakeIps(), audit)
+    logged_at_reply: list[list[EgressEvent]] = []
+
+    class Transport:
+        def sendto(self, data: bytes, addr: object) -> None:
+            logged_at_reply.append(audit.read("sb-1"))
+
+    responder.connection_made(cast(asyncio.BaseTransport, Transport()))
+    responder.datagram_received(_query("tunnel.evil.test"), ("10.0.0.2", 5353))
+    ((event,),) = logged_at_reply
+    assert (event.host, event.decision, event.reason) == (
+        "tunnel.evil.test", "deny", "no rule for host",
+    )  # fmt: skip

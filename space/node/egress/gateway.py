@@ -290,10 +290,11 @@ class _DnsResponder(asyncio.DatagramProtocol):
         except Exception:  # the responder must outlive any query
             log.exception("DNS answer failed for sandbox %s", self._tracker.sandbox_id)
             return
-        if reply is not None and self._transport is not None:
-            self._transport.sendto(reply, addr)
+        # Audited before the guest hears the answer: what it learns is on record.
         if event is not None:
             self._write(event)
+        if reply is not None and self._transport is not None:
+            self._transport.sendto(reply, addr)
 
     def _write(self, event: EgressEvent) -> None:
         self._audit.write(self._tracker.sandbox_id, event)
