@@ -157,21 +157,27 @@ class Jail:
 
     def close(self) -> None:
         """The node stops (its broker ends the launcher and removes the cgroups'
-        parents); running VMMs are not touched."""
+        parents); running VMMs are not touched (they are this process's children
+        already). With no node left in the process it is no subreaper any more: an
+        orphan it took on later would be reaped by no one, and ``runsc delete`` waits
+        for a gVisor sandbox's process to be reaped (seen in tests: a node run in the
+        test process, then a `space serve` whose runsc processes it outlived)."""
         _JAILS.pop(self.run_root, None)
+        if not _JAILS:
+            _set_subreaper(False)
 
 
 def jail_for(run_root: Path) -> Jail:
     """The jail of the node whose run directories are under ``run_root``."""
     jail = _JAILS.get(run_root)
     if jail is None:
-        _become_subreaper()
+        _set_subreaper(True)
         jail = _JAILS[run_root] = Jail(run_root)
     return jail
 
 
-def _become_subreaper() -> None:
+def _set_subreaper(on: bool) -> None:
     """Jailed VMMs are orphaned by their launcher: make them this process's children,
     so they are reaped here (and watched with pidfds as before)."""
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    libc.prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0)
