@@ -37,11 +37,10 @@ from ._processes import (
     kill_group,
     new_process_id,
     spawn,
-    wait_exit,
 )
 from ._request import Accounts, Fields
 from ._session import Stream, send_batches
-from ._stdio import ByteSource, ProcessIo
+from ._stdio import FdSource, ProcessIo
 
 __all__ = [
     "op_attach",
@@ -150,37 +149,96 @@ async def _run_foreground(
     stream: Stream, proc: Spawned, io: ProcessIo, spec: ExecSpec
 ) -> dict[str, object]:
     stream.on_signal = lambda signum: kill_group(proc.pid, signum)
-    tasks = [asyncio.create_task(_pump(stream, source, channel)) for channel, source in io.sources]
     feeder = asyncio.create_task(_feed(stream, proc.stdin)) if spec.stdin and proc.stdin else None
     try:
-        timed_out = await wait_exit(proc, spec.timeout_s)
-        io.exited()
-        await _drain(stream, tasks)
+        timed_out = await _relay(stream, proc, io, spec.timeout_s)
     finally:
-        everything = [*tasks, feeder] if feeder else tasks
-        for task in everything:
-            task.cancel()
-        await asyncio.gather(*everything, return_exceptions=True)
+        if feeder is not None:
+            feeder.cancel()
+            await asyncio.gather(feeder, return_exceptions=True)
     if io.pty:  # one stream: the ERROR channel ends empty, as a client expects both ends
         await stream.send_eof(Channel.ERROR)
     exit_code, signum = exit_fields(proc.returncode)
     return {"ok": True, "exit_code": exit_code, "signal": signum, "timed_out": timed_out}
 
 
-async def _pump(stream: Stream, reader: ByteSource, channel: Channel) -> None:
-    while chunk := await reader.read(DATA_CHUNK_BYTES - 1):
-        await stream.send_data(channel, chunk)
-    await stream.send_eof(channel)
+async def _relay(stream: Stream, proc: Spawned, io: ProcessIo, timeout_s: float | None) -> bool:
+    """Send the output as it comes until the process has exited and its pipes are at EOF,
+    or, once it has exited, until DRAIN_IDLE_S pass with no output (a grandchild may
+    hold the pipes forever). On timeout the process group is killed. Returns whether
+    it timed out.
+
+    One coroutine, reading each pipe before any wait (a quick process has often ended
+    by the time it is looked at): no task per pipe, and no loop turn for pipes already
+    at EOF. Under TCG every bytecode and loop turn is emulated (issue 21).
+    """
+    loop = asyncio.get_running_loop()
+    timed_out = False
+
+    def time_out() -> None:
+        nonlocal timed_out
+        timed_out = True
+        kill_group(proc.pid)
+
+    timer = loop.call_later(timeout_s, time_out) if timeout_s is not None else None
+    sources = list(io.sources)
+    exited = proc.exited
+    try:
+        while sources:
+            moved = full = False
+            for item in list(sources):  # a chunk from each in turn: neither starves
+                channel, source = item
+                chunk = source.read_now(DATA_CHUNK_BYTES - 1)
+                if chunk is None:
+                    continue
+                moved = True
+                if chunk:
+                    full = full or len(chunk) == DATA_CHUNK_BYTES - 1
+                    await stream.send_data(channel, chunk)
+                else:
+                    sources.remove(item)
+                    await stream.send_eof(channel)
+            if full:
+                await asyncio.sleep(0)  # more may be there at once: let the loop run first
+            elif not moved and not await _readable([source for _, source in sources], exited):
+                break  # exited, and nothing came for DRAIN_IDLE_S
+        if not exited.done():
+            await asyncio.shield(exited)
+    finally:
+        if timer is not None:
+            timer.cancel()
+    io.exited()
+    return timed_out
 
 
-async def _drain(stream: Stream, pumps: list[asyncio.Task[None]]) -> None:
-    """Wait for the output pipes to close, unless nothing moves (a grandchild holds them)."""
-    pending = set(pumps)
-    while pending:
-        before = stream.sent_bytes
-        _, pending = await asyncio.wait(pending, timeout=DRAIN_IDLE_S)
-        if pending and stream.sent_bytes == before and not stream.waiting_credit:
-            return
+async def _readable(sources: list[FdSource], exited: asyncio.Future[int]) -> bool:
+    """Wait until one of ``sources`` may be read; False if the process has exited and
+    none became readable within DRAIN_IDLE_S."""
+    loop = asyncio.get_running_loop()
+    wake: asyncio.Future[bool] = loop.create_future()
+    idle: list[asyncio.TimerHandle] = []
+
+    def ready(readable: bool) -> None:
+        if not wake.done():
+            wake.set_result(readable)
+
+    def start_idle(_: object = None) -> None:
+        idle.append(loop.call_later(DRAIN_IDLE_S, ready, False))
+
+    if exited.done():
+        start_idle()
+    else:
+        exited.add_done_callback(start_idle)
+    for source in sources:
+        loop.add_reader(source.fd, ready, True)
+    try:
+        return await wake
+    finally:
+        for source in sources:
+            loop.remove_reader(source.fd)
+        exited.remove_done_callback(start_idle)
+        for handle in idle:
+            handle.cancel()
 
 
 async def _feed(stream: Stream, writer: asyncio.StreamWriter) -> None:

@@ -26,9 +26,10 @@ from space.protocol import DATA_CHUNK_BYTES, Channel, ErrorCode
 from ._errors import OpError
 from ._request import Account
 from ._spawner import Spawners
-from ._stdio import ByteSource, ProcessIo, open_pty, take_terminal
+from ._stdio import FdSource, ProcessIo, open_pty, take_terminal
 
 __all__ = [
+    "DirectProcess",
     "ExecSpec",
     "ManagedProcess",
     "ProcessTable",
@@ -74,7 +75,8 @@ def default_env(account: Account) -> dict[str, str]:
 
 
 class Spawned(Protocol):
-    """A started process as spaced uses it: asyncio's, or one a spawner helper started."""
+    """A started process as spaced uses it: one asyncio started (DirectProcess), or one
+    a spawner helper started; its output's pipes are read directly (FdSource)."""
 
     @property
     def pid(self) -> int: ...
@@ -83,15 +85,41 @@ class Spawned(Protocol):
     def stdin(self) -> asyncio.StreamWriter | None: ...
 
     @property
-    def stdout(self) -> asyncio.StreamReader | None: ...
+    def stdout(self) -> FdSource: ...
 
     @property
-    def stderr(self) -> asyncio.StreamReader | None: ...
+    def stderr(self) -> FdSource: ...
 
     @property
     def returncode(self) -> int | None: ...
 
+    @property
+    def exited(self) -> asyncio.Future[int]:
+        """Done with the returncode once the process has ended (never cancel it)."""
+        ...
+
     async def wait(self) -> int: ...
+
+
+class DirectProcess:
+    """A process asyncio started (root's own, a PTY's, or no spawner helper ready):
+    asyncio watches for its exit; its output comes through descriptors of ours (pipes,
+    or the PTY's master side), not asyncio's transports."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, stdout: FdSource, stderr: FdSource):
+        self._proc = proc
+        self.pid = proc.pid
+        self.stdin = proc.stdin
+        self.stdout = stdout
+        self.stderr = stderr
+        self.exited: asyncio.Future[int] = asyncio.ensure_future(proc.wait())
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self.exited)
 
 
 async def spawn(spec: ExecSpec, spawners: Spawners) -> tuple[Spawned, ProcessIo]:
@@ -104,22 +132,33 @@ async def spawn(spec: ExecSpec, spawners: Spawners) -> tuple[Spawned, ProcessIo]
         spec.account, spec.argv, spec.env, spec.cwd, piped=piped
     )
     if proc is None:
+        proc = await _spawn_direct(spec, piped)
+    sources = [(Channel.OUTPUT, proc.stdout), (Channel.ERROR, proc.stderr)]
+    return proc, ProcessIo(sources, stdin=proc.stdin if spec.open_stdin else None)
+
+
+async def _spawn_direct(spec: ExecSpec, piped: bool) -> DirectProcess:
+    out_read, out_write = os.pipe()
+    err_read, err_write = os.pipe()
+    try:
         proc = await asyncio.create_subprocess_exec(
             *spec.argv,
             stdin=subprocess.PIPE if piped else subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stdout=out_write,
+            stderr=err_write,
             cwd=spec.cwd,
             env=spec.env,
             start_new_session=True,
             **spec.account.spawn_kwargs(),  # type: ignore[arg-type]
         )
-    assert proc.stdout is not None and proc.stderr is not None
-    sources: list[tuple[Channel, ByteSource]] = [
-        (Channel.OUTPUT, proc.stdout),
-        (Channel.ERROR, proc.stderr),
-    ]
-    return proc, ProcessIo(sources, stdin=proc.stdin if spec.open_stdin else None)
+    except BaseException:
+        os.close(out_read)
+        os.close(err_read)
+        raise
+    finally:
+        os.close(out_write)
+        os.close(err_write)
+    return DirectProcess(proc, FdSource(out_read), FdSource(err_read))
 
 
 async def _spawn_pty(spec: ExecSpec, rows: int, cols: int) -> tuple[Spawned, ProcessIo]:
@@ -141,7 +180,7 @@ async def _spawn_pty(spec: ExecSpec, rows: int, cols: int) -> tuple[Spawned, Pro
         raise
     finally:
         os.close(slave)  # the child holds it now; its EOF (EIO) is the child's exit
-    return proc, ProcessIo([(Channel.OUTPUT, master)], pty=master)
+    return DirectProcess(proc, master, master), ProcessIo([(Channel.OUTPUT, master)], pty=master)
 
 
 def kill_group(pid: int, signum: int = signal.SIGKILL) -> None:
@@ -279,7 +318,7 @@ class ManagedProcess:
         finally:
             self.io.release()
 
-    async def _pump(self, reader: ByteSource, channel: Channel) -> None:
+    async def _pump(self, reader: FdSource, channel: Channel) -> None:
         ring = self.rings[channel]
         while chunk := await reader.read(DATA_CHUNK_BYTES - 1):
             ring += chunk

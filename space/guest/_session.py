@@ -78,8 +78,6 @@ class Stream:
         self.task: asyncio.Task[None] | None = None
         self.cancel_requested = False
         self.on_signal: Callable[[int], None] | None = None
-        self.waiting_credit = False
-        self.sent_bytes = 0
         self._send_credit = INITIAL_WINDOW_BYTES
         self._credit_changed = asyncio.Event()
         self._recv_allowed = INITIAL_WINDOW_BYTES
@@ -125,7 +123,6 @@ class Stream:
             chunk = view[start : start + step]
             await self._take_credit(len(chunk) + 1)
             await self.session.send_raw(encode_data_frame(self.id, channel, chunk))
-            self.sent_bytes += len(chunk) + 1
 
     async def send_data_frame(self, channel: Channel, frame: bytearray) -> None:
         """Send a DATA frame whose data the caller put at ``frame[DATA_HEADER_BYTES:]``.
@@ -136,16 +133,11 @@ class Stream:
         pack_data_header(frame, self.id, channel, size)
         await self._take_credit(size + 1)
         await self.session.send_raw(frame)
-        self.sent_bytes += size + 1
 
     async def _take_credit(self, size: int) -> None:
         while self._send_credit < size:
-            self.waiting_credit = True
             self._credit_changed.clear()
-            try:
-                await self._credit_changed.wait()
-            finally:
-                self.waiting_credit = False
+            await self._credit_changed.wait()
         self._send_credit -= size
 
     async def send_eof(self, channel: Channel) -> None:

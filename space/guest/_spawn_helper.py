@@ -32,6 +32,10 @@ MAX_REQUEST_BYTES = 64 * 1024
 #: sandbox pass it by.
 NAME = b"spaced-spawner"
 _PR_SET_NAME = 15
+#: What Popen's restore_signals resets in a child: Python ignores them, an exec keeps that.
+_RESTORED_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ)
+#: A child of ours: Popen's (which must learn the exit we reap) or posix_spawn's (None).
+_Child = subprocess.Popen[bytes] | None
 
 
 def serve(sock: socket.socket) -> None:
@@ -43,7 +47,10 @@ def serve(sock: socket.socket) -> None:
     os.set_blocking(wake_write, False)
     signal.set_wakeup_fd(wake_write)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)
-    children: dict[int, subprocess.Popen[bytes]] = {}
+    # posix_spawn closes no descriptor: the socket (passed to us inheritable) must not
+    # reach the children, nor must the pipe ends spaced sends (set so below).
+    os.set_inheritable(sock.fileno(), False)
+    children: dict[int, _Child] = {}
     _answer(sock, {"ready": True})
     while True:
         readable, _, _ = select.select([sock.fileno(), wake_read], [], [])
@@ -54,6 +61,8 @@ def serve(sock: socket.socket) -> None:
             _reap(sock, children)
         if sock.fileno() in readable:
             data, fds, _, _ = socket.recv_fds(sock, MAX_REQUEST_BYTES, 3)
+            for fd in fds:  # (recv_fds drops a MSG_CMSG_CLOEXEC flag)
+                os.set_inheritable(fd, False)
             if not data:
                 return  # spaced closed its end: the children live on
             try:
@@ -67,21 +76,10 @@ def _start(
     sock: socket.socket,
     request: dict[str, object],
     fds: list[int],
-    children: dict[int, subprocess.Popen[bytes]],
+    children: dict[int, _Child],
 ) -> None:
-    stdin: int = fds[0] if request["stdin"] else subprocess.DEVNULL
     try:
-        # No uid change, no preexec_fn: CPython vforks.
-        child = subprocess.Popen(
-            request["argv"],  # type: ignore[call-overload]
-            executable=_program_path(request["argv"], request["env"]),  # type: ignore[arg-type]
-            stdin=stdin,
-            stdout=fds[-2],
-            stderr=fds[-1],
-            cwd=request["cwd"],
-            env=request["env"],
-            start_new_session=True,
-        )
+        pid = _spawn(request, fds, children)
     except OSError as exc:
         filename = exc.filename if isinstance(exc.filename, str) else None
         text = (exc.strerror or str(exc))[:512]
@@ -89,8 +87,52 @@ def _start(
     except (ValueError, TypeError, subprocess.SubprocessError) as exc:
         _answer(sock, {"errno": errno.EINVAL, "error": str(exc)[:512], "filename": None})
     else:
-        children[child.pid] = child
-        _answer(sock, {"pid": child.pid})
+        _answer(sock, {"pid": pid})
+
+
+def _spawn(request: dict[str, object], fds: list[int], children: dict[int, _Child]) -> int:
+    """Start the request's process in a session of its own; its pid.
+
+    With its program found on PATH, by posix_spawn: a vfork without Popen's Python
+    around it (``true`` spawned and reaped under TCG: 3.7 ms, against 4.9 by Popen;
+    issue 21), in the request's cwd (we are single-threaded: a chdir of ours is the
+    child's, entered as the account). Else by Popen, whose execvpe semantics (a path
+    given, a relative PATH directory, a program not found) it is simplest to keep.
+    Either vforks: no uid change, no preexec_fn.
+    """
+    argv, env, cwd = request["argv"], request["env"], request["cwd"]
+    stdin: int = fds[0] if request["stdin"] else subprocess.DEVNULL
+    path = _program_path(argv, env)  # type: ignore[arg-type]
+    if path is None:
+        child = subprocess.Popen(
+            argv,  # type: ignore[call-overload]
+            stdin=stdin,
+            stdout=fds[-2],
+            stderr=fds[-1],
+            cwd=cwd,
+            env=env,
+            start_new_session=True,
+        )
+        popen_pid: int = child.pid
+        children[popen_pid] = child
+        return popen_pid
+    os.chdir(cwd)  # type: ignore[arg-type]
+    actions: list[tuple[int, ...] | tuple[int, int, str, int, int]]
+    if request["stdin"]:
+        actions = [(os.POSIX_SPAWN_DUP2, fds[0], 0)]
+    else:
+        actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)]
+    actions += [(os.POSIX_SPAWN_DUP2, fds[-2], 1), (os.POSIX_SPAWN_DUP2, fds[-1], 2)]
+    pid = os.posix_spawn(
+        path,
+        argv,  # type: ignore[arg-type]
+        env,  # type: ignore[arg-type]
+        file_actions=actions,
+        setsid=True,
+        setsigdef=_RESTORED_SIGNALS,
+    )
+    children[pid] = None
+    return pid
 
 
 def _program_path(argv: list[str], env: dict[str, str]) -> str | None:
@@ -115,7 +157,7 @@ def _program_path(argv: list[str], env: dict[str, str]) -> str | None:
     return None
 
 
-def _reap(sock: socket.socket, children: dict[int, subprocess.Popen[bytes]]) -> None:
+def _reap(sock: socket.socket, children: dict[int, _Child]) -> None:
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -38,6 +37,7 @@ from space.protocol import ErrorCode
 from . import PACKAGE_ROOT
 from ._errors import OpError
 from ._spawn_helper import MAX_REQUEST_BYTES
+from ._stdio import FdSource
 
 if TYPE_CHECKING:
     from ._request import Account
@@ -72,8 +72,8 @@ class HelperProcess:
         pid: int,
         exited: asyncio.Future[int],
         stdin: asyncio.StreamWriter | None,
-        stdout: asyncio.StreamReader,
-        stderr: asyncio.StreamReader,
+        stdout: FdSource,
+        stderr: FdSource,
     ) -> None:
         self.pid = pid
         self.stdin = stdin
@@ -84,6 +84,10 @@ class HelperProcess:
     @property
     def returncode(self) -> int | None:
         return self._exited.result() if self._exited.done() else None
+
+    @property
+    def exited(self) -> asyncio.Future[int]:
+        return self._exited
 
     async def wait(self) -> int:
         return await asyncio.shield(self._exited)
@@ -368,17 +372,12 @@ def _is_int(value: object) -> bool:
 async def _process(
     pid: int, exited: asyncio.Future[int], ends: list[int], piped: bool
 ) -> HelperProcess:
-    """Wrap our pipe ends in the loop's streams, as asyncio.subprocess does."""
-    loop = asyncio.get_running_loop()
+    """Our pipe ends: stdin's in the loop's stream (as asyncio.subprocess does), the
+    output's read directly (FdSource: no transport to set up per exec)."""
     writer = None
-    readers = []
     if piped:
+        loop = asyncio.get_running_loop()
         pipe = os.fdopen(ends[0], "wb", buffering=0)
         transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, pipe)
         writer = asyncio.StreamWriter(transport, protocol, None, loop)
-    for fd in ends[-2:]:
-        reader = asyncio.StreamReader(loop=loop)
-        make = functools.partial(asyncio.StreamReaderProtocol, reader)
-        await loop.connect_read_pipe(make, os.fdopen(fd, "rb", buffering=0))
-        readers.append(reader)
-    return HelperProcess(pid, exited, writer, readers[0], readers[1])
+    return HelperProcess(pid, exited, writer, FdSource(ends[-2]), FdSource(ends[-1]))

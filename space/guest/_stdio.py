@@ -21,13 +21,12 @@ import os
 import struct
 import termios
 from collections.abc import Callable
-from typing import Protocol
 
 from space.protocol import Channel, ErrorCode
 
 from ._errors import OpError
 
-__all__ = ["INPUT_TIMEOUT_S", "ByteSource", "ProcessIo", "PtyFd", "open_pty", "take_terminal"]
+__all__ = ["INPUT_TIMEOUT_S", "FdSource", "ProcessIo", "open_pty", "take_terminal"]
 
 #: How long a write of input may wait for the process to read (a pipe or terminal
 #: buffer holds 4-64 KiB): past it the write fails with ``timeout``.
@@ -36,12 +35,14 @@ INPUT_TIMEOUT_S = 30.0
 _CTRL_D = b"\x04"
 
 
-class ByteSource(Protocol):
-    async def read(self, n: int) -> bytes: ...
+class FdSource:
+    """A non-blocking file descriptor read (and written) through the loop directly: a
+    pipe a process writes its output to, or a PTY's master side.
 
-
-class PtyFd:
-    """The master side of a PTY, non-blocking, read and written through the loop."""
+    Cheaper than asyncio's pipe transports (no protocol, no connection callbacks, a
+    read tried before any wait): per exec that was loop turns and bytecode, all of it
+    emulated under TCG (issue 21). ``close`` closes it (ProcessIo.release).
+    """
 
     def __init__(self, fd: int) -> None:
         os.set_blocking(fd, False)
@@ -63,19 +64,26 @@ class PtyFd:
         finally:
             remove(self.fd)
 
+    def read_now(self, n: int) -> bytes | None:
+        """Up to ``n`` bytes if some are there now; None if none yet; b"" at EOF (a
+        PTY's: every holder of its slave side closed it, EIO)."""
+        if self.closed:
+            return b""
+        try:
+            return os.read(self.fd, n)
+        except BlockingIOError:
+            return None
+        except OSError as exc:
+            if exc.errno == errno.EIO:
+                return b""
+            raise
+
     async def read(self, n: int) -> bytes:
-        """Up to ``n`` bytes; b"" once every holder of the slave side closed it (EIO)."""
+        """Up to ``n`` bytes, waiting for some; b"" at EOF."""
         loop = asyncio.get_running_loop()
-        while not self.closed:
-            try:
-                return os.read(self.fd, n)
-            except BlockingIOError:
-                await self._ready(loop.add_reader, loop.remove_reader)
-            except OSError as exc:
-                if exc.errno == errno.EIO:
-                    return b""
-                raise
-        return b""
+        while (data := self.read_now(n)) is None:
+            await self._ready(loop.add_reader, loop.remove_reader)
+        return data
 
     async def write(self, data: bytes) -> None:
         loop = asyncio.get_running_loop()
@@ -95,11 +103,11 @@ class PtyFd:
             os.close(self.fd)
 
 
-def open_pty(rows: int, cols: int) -> tuple[PtyFd, int]:
+def open_pty(rows: int, cols: int) -> tuple[FdSource, int]:
     """A new PTY of ``rows`` x ``cols``: (master, slave fd). The caller closes the slave
     once the process holds it."""
     master, slave = os.openpty()
-    pty = PtyFd(master)
+    pty = FdSource(master)
     pty.resize(rows, cols)
     return pty, slave
 
@@ -115,10 +123,10 @@ class ProcessIo:
 
     def __init__(
         self,
-        sources: list[tuple[Channel, ByteSource]],
+        sources: list[tuple[Channel, FdSource]],
         *,
         stdin: asyncio.StreamWriter | None = None,
-        pty: PtyFd | None = None,
+        pty: FdSource | None = None,
     ) -> None:
         self.sources = sources
         self.lock = asyncio.Lock()
@@ -189,7 +197,7 @@ class ProcessIo:
                 self._stdin.close()
 
     def release(self) -> None:
-        """Close the PTY once its output is drained (or given up)."""
+        """Close the output's fds (a PTY's too) once drained (or given up)."""
         self.exited()
-        if self._pty is not None:
-            self._pty.close()
+        for _, source in self.sources:
+            source.close()

@@ -107,12 +107,12 @@ class Transport:
     def _on_readable(self) -> None:
         on_bytes, _, _ = self._callbacks
         view = self._read_view
-        size = 0
+        size = count = 0
         ended = False
         error: OSError | None = None
         while size < READ_BATCH_BYTES:
             try:
-                count = os.readv(self._read_fd, self._iovecs(size))
+                count = os.readv(self._read_fd, self._iovecs(size, count))
             except BlockingIOError:
                 break
             except InterruptedError:
@@ -130,14 +130,20 @@ class Transport:
         if ended:
             self._on_end(error)
 
-    def _iovecs(self, start: int) -> list[memoryview]:
+    def _iovecs(self, start: int, last: int) -> list[memoryview]:
         """The free part of the read buffer as 4 KiB pieces.
 
         A virtio-serial read returns at most one receive buffer (4 KiB, and full under
         load), but readv calls it once per piece until one comes up short: so one
-        syscall gathers many buffers. Pipes fill the pieces in one go anyway.
+        syscall gathers many buffers. Pipes fill the pieces in one go anyway. After a
+        short read (``last`` not whole pieces: the host had sent no more) the next read
+        most likely finds nothing: one piece then, not a list of sixty made per frame.
         """
-        return self._all_iovecs if start == 0 else self._iovecs_from(start)
+        if start == 0:
+            return self._all_iovecs
+        if last % _PIECE:
+            return [self._read_view[start:]]
+        return self._iovecs_from(start)
 
     def _iovecs_from(self, start: int) -> list[memoryview]:
         view = self._read_view

@@ -103,6 +103,41 @@ def test_exec_timeout_kills_the_process_group_and_reports_timed_out(tmp_path: Pa
     run_with_channel(tmp_path, body)
 
 
+def test_exec_output_beyond_the_window_arrives_whole_on_both_channels(tmp_path: Path) -> None:
+    expected_out = "".join(f"{i}\n" for i in range(1, 400_001)).encode()  # 2.7 MB
+    expected_err = "".join(f"{i}\n" for i in range(1, 100_001)).encode()
+
+    async def body(channel: GuestChannel, guest: Guest) -> None:
+        request = ExecRequest(cmd="seq 1 400000 & seq 1 100000 >&2; wait")
+        out, err, exited = await collect(await channel.exec(request))
+        assert (out, err, exited.exit_code) == (expected_out, expected_err, 0)
+
+    run_with_channel(tmp_path, body)
+
+
+def test_exec_ends_after_the_process_when_a_grandchild_holds_its_pipes(tmp_path: Path) -> None:
+    """Output goes on while it moves after the exit; silence ends the exec, not EOF."""
+    pid_file = tmp_path / "holder.pid"
+
+    async def body(channel: GuestChannel, guest: Guest) -> None:
+        cmd = "(for i in 1 2 3; do sleep 0.2; echo late$i; done) & echo early; exit 4"
+        out, _, exited = await collect(await channel.exec(ExecRequest(cmd=cmd)))
+        assert (out, exited.exit_code) == (b"early\nlate1\nlate2\nlate3\n", 4)
+
+        cmd = f"sleep 60 & echo $! > '{pid_file}'; echo before; exit 3"
+        started = time.monotonic()
+        out, _, exited = await collect(await channel.exec(ExecRequest(cmd=cmd)))
+        assert (out, exited.exit_code) == (b"before\n", 3)
+        assert time.monotonic() - started < 5  # not the 60 s the holder lives
+        os.kill(int(pid_file.read_text()), 0)  # it still runs, and holds the pipes
+
+    try:
+        run_with_channel(tmp_path, body)
+    finally:
+        if pid_file.exists():
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
 def test_negative_exec_with_a_missing_cwd_or_program_raises_not_found(tmp_path: Path) -> None:
     async def body(channel: GuestChannel, guest: Guest) -> None:
         with pytest.raises(NotFound) as missing_cwd:

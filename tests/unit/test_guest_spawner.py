@@ -21,7 +21,7 @@ from space.guest import _spawn_helper, _spawner
 from space.guest._errors import OpError
 from space.guest._request import Account
 from space.guest._spawner import _Helper
-from space.node.api import ExecRequest, NotFound
+from space.node.api import ExecRequest, NotFound, PermissionDenied
 from space.node.channel import GuestChannel
 
 from ._guest_harness import Guest, run_with_channel
@@ -102,6 +102,38 @@ def test_another_account_s_processes_run_through_its_helper_with_everything_an_e
         big = {"BIG": "é" * 20_000}
         out, _, exited = await collect(await channel.exec(as_nobody(argv=PARENT, env=big)))
         assert out.startswith(b"python") and exited.exit_code == 0
+
+    run_with_channel(tmp_path, body)
+
+
+#: Run as the helper's child: the descriptors the shell holds, and the signals it ignores.
+_INHERITED = "ls /proc/$$/fd; grep SigIgn /proc/$$/status"
+#: The signals Python ignores, which Popen restores for its children.
+_PYTHON_IGNORES = (1 << (signal.SIGPIPE - 1)) | (1 << (signal.SIGXFSZ - 1))
+
+
+@needs_root
+def test_a_helper_s_child_holds_only_its_own_streams_ignores_no_signal_and_cds_as_the_account(
+    tmp_path: Path,
+) -> None:
+    """The helper vforks by posix_spawn, which closes nothing and keeps ignored signals:
+    nothing of the helper's (its socket, other requests' pipe ends) may reach a child,
+    SIGPIPE and SIGXFSZ are restored as Popen does, and the cwd is entered as the
+    account (a directory it may not enter is refused)."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+
+    async def body(channel: GuestChannel, guest: Guest) -> None:
+        await until_the_helper_spawns(channel)
+        request = as_nobody(argv=["sh", "-c", _INHERITED], cwd="/tmp")
+        out, err, exited = await collect(await channel.exec(request))
+        *fds, ignored = out.decode().splitlines()
+        assert (fds, err, exited.exit_code) == (["0", "1", "2"], b"", 0)
+        assert int(ignored.split()[1], 16) & _PYTHON_IGNORES == 0, ignored
+        with pytest.raises(PermissionDenied, match="private"):
+            await channel.exec(as_nobody(argv=["true"], cwd=str(private)))
+        out, _, exited = await collect(await channel.exec(as_nobody(argv=PARENT, cwd="/tmp")))
+        assert (out, exited.exit_code) == (b"spaced-spawner\n", 0)  # the helper goes on
 
     run_with_channel(tmp_path, body)
 
