@@ -25,6 +25,7 @@ from space.protocol import PORT_NAME
 from ._daemon import Daemon
 from ._identity import system_for
 from ._request import Accounts
+from ._spawner import Spawners
 from ._transport import Transport, find_port
 
 __all__ = ["main"]
@@ -111,7 +112,11 @@ async def _serve(args: argparse.Namespace) -> None:
         transport = Transport(fd, fd, reconnecting=True)
     _use_child_watcher(init=args.gvisor and os.getpid() == 1)
     identity = system_for(args.stdio, args.identity_record, gvisor=args.gvisor)
-    daemon = Daemon(transport, Accounts(args.user_default, args.home_default), identity=identity)
+    accounts = Accounts(args.user_default, args.home_default)
+    # Under gVisor glibc's posix_spawn (a stack mapped per clone) costs more than
+    # CPython's own vfork: 5.0 ms against 4.0 for ``true``; in a VM it costs less.
+    spawners = Spawners(posix_spawn=not args.gvisor)
+    daemon = Daemon(transport, accounts, identity=identity, spawners=spawners)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, daemon.stopped.set)

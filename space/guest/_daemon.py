@@ -39,6 +39,7 @@ from ._metrics import MetricsSampler
 from ._processes import ProcessTable
 from ._request import Accounts, Fields
 from ._session import Session, Stream
+from ._spawner import Spawners
 from ._transport import Transport
 
 __all__ = ["Daemon"]
@@ -82,12 +83,17 @@ class Daemon:
     port_connections: _ports.PortConnections
 
     def __init__(
-        self, transport: Transport, accounts: Accounts, *, identity: IdentitySystem
+        self,
+        transport: Transport,
+        accounts: Accounts,
+        *,
+        identity: IdentitySystem,
+        spawners: Spawners | None = None,
     ) -> None:
         self.transport = transport
         self.accounts = accounts
         self.identity = identity
-        self.processes = ProcessTable()
+        self.processes = ProcessTable(spawners=spawners or Spawners())
         self.watches = _watch.Watches()
         #: Holds the previous CPU reading: a sample covers the time since the last one.
         self.metrics = MetricsSampler()

@@ -331,7 +331,7 @@ class ManagedProcess:
 class ProcessTable:
     """Background processes by id; outlives sessions; bounded to MAX_PROCESSES."""
 
-    def __init__(self, limit: int = MAX_PROCESSES) -> None:
+    def __init__(self, limit: int = MAX_PROCESSES, *, spawners: Spawners) -> None:
         self._limit = limit
         self._processes: dict[str, ManagedProcess] = {}
         #: Foreground processes by id, so process.kill reaches them too (not listed).
@@ -339,7 +339,7 @@ class ProcessTable:
         #: Their standard streams, so process.input and process.resize reach them too.
         self.foreground_io: dict[str, ProcessIo] = {}
         #: The helpers that start processes as other accounts than spaced's.
-        self.spawners = Spawners()
+        self.spawners = spawners
 
     def add(self, managed: ManagedProcess) -> None:
         if len(self._processes) >= self._limit:

@@ -1,7 +1,8 @@
 """The spawner helper: runs as one account and starts its processes for spaced.
 
-``python3 -m space.guest._spawn_helper FD`` (space.guest._spawner starts it and says
-why). It imports as little as it can: it lives as long as the sandbox, one per account.
+``python3 -m space.guest._spawn_helper FD [--popen]`` (space.guest._spawner starts it
+and says why; ``--popen`` under gVisor, see ``_spawn``). It imports as little as it
+can: it lives as long as the sandbox, one per account.
 Requests come from spaced (root) over the socket FD, one datagram each: JSON
 ``{"argv", "env", "cwd", "stdin"}`` with the child's pipe ends (stdin's only when
 ``stdin``, then stdout's and stderr's). Answers, in order: ``{"ready": true}`` once,
@@ -23,7 +24,7 @@ import stat
 import subprocess
 import sys
 
-__all__ = ["MAX_REQUEST_BYTES", "NAME", "serve"]
+__all__ = ["MAX_REQUEST_BYTES", "NAME", "POPEN_ONLY", "serve"]
 
 #: A request bigger than this (a huge environment) spaced spawns itself: a datagram of
 #: the socketpair must fit the socket's buffer.
@@ -31,6 +32,8 @@ MAX_REQUEST_BYTES = 64 * 1024
 #: The helper's process name (``comm``): ``pkill python3`` or ``killall python3`` in a
 #: sandbox pass it by.
 NAME = b"spaced-spawner"
+#: The helper's argument that makes it start every program with Popen (under gVisor).
+POPEN_ONLY = "--popen"
 _PR_SET_NAME = 15
 #: What Popen's restore_signals resets in a child: Python ignores them, an exec keeps that.
 _RESTORED_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ)
@@ -38,8 +41,9 @@ _RESTORED_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ)
 _Child = subprocess.Popen[bytes] | None
 
 
-def serve(sock: socket.socket) -> None:
-    """Answer spaced's requests until it closes the socket; report every child's exit."""
+def serve(sock: socket.socket, *, posix_spawn: bool = True) -> None:
+    """Answer spaced's requests until it closes the socket; report every child's exit.
+    ``posix_spawn``: start programs found on PATH with it (else all with Popen)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, NAME, 0, 0, 0)
     wake_read, wake_write = os.pipe()
@@ -66,7 +70,7 @@ def serve(sock: socket.socket) -> None:
             if not data:
                 return  # spaced closed its end: the children live on
             try:
-                _start(sock, json.loads(data), fds, children)
+                _start(sock, json.loads(data), fds, children, posix_spawn)
             finally:
                 for fd in fds:
                     os.close(fd)
@@ -77,9 +81,10 @@ def _start(
     request: dict[str, object],
     fds: list[int],
     children: dict[int, _Child],
+    posix_spawn: bool,
 ) -> None:
     try:
-        pid = _spawn(request, fds, children)
+        pid = _spawn(request, fds, children, posix_spawn)
     except OSError as exc:
         filename = exc.filename if isinstance(exc.filename, str) else None
         text = (exc.strerror or str(exc))[:512]
@@ -90,22 +95,25 @@ def _start(
         _answer(sock, {"pid": pid})
 
 
-def _spawn(request: dict[str, object], fds: list[int], children: dict[int, _Child]) -> int:
+def _spawn(
+    request: dict[str, object], fds: list[int], children: dict[int, _Child], posix_spawn: bool
+) -> int:
     """Start the request's process in a session of its own; its pid.
 
-    With its program found on PATH, by posix_spawn: a vfork without Popen's Python
-    around it (``true`` spawned and reaped under TCG: 3.7 ms, against 4.9 by Popen;
-    issue 21), in the request's cwd (we are single-threaded: a chdir of ours is the
-    child's, entered as the account). Else by Popen, whose execvpe semantics (a path
-    given, a relative PATH directory, a program not found) it is simplest to keep.
+    With its program found on PATH and ``posix_spawn``, by posix_spawn: a vfork without
+    Popen's Python around it (``true`` spawned and reaped under TCG: 3.7 ms, against 4.9
+    by Popen; issue 21), in the request's cwd (we are single-threaded: a chdir of ours
+    is the child's, entered as the account). Else by Popen, whose execvpe semantics (a
+    path given, a relative PATH directory, a program not found) it is simplest to keep.
     Either vforks: no uid change, no preexec_fn.
     """
     argv, env, cwd = request["argv"], request["env"], request["cwd"]
     stdin: int = fds[0] if request["stdin"] else subprocess.DEVNULL
     path = _program_path(argv, env)  # type: ignore[arg-type]
-    if path is None:
+    if path is None or not posix_spawn:
         child = subprocess.Popen(
             argv,  # type: ignore[call-overload]
+            executable=path,
             stdin=stdin,
             stdout=fds[-2],
             stderr=fds[-1],
@@ -177,4 +185,4 @@ def _answer(sock: socket.socket, answer: dict[str, object]) -> None:
 
 
 if __name__ == "__main__":
-    serve(socket.socket(fileno=int(sys.argv[1])))
+    serve(socket.socket(fileno=int(sys.argv[1])), posix_spawn=POPEN_ONLY not in sys.argv[2:])

@@ -36,7 +36,7 @@ from space.protocol import ErrorCode
 
 from . import PACKAGE_ROOT
 from ._errors import OpError
-from ._spawn_helper import MAX_REQUEST_BYTES
+from ._spawn_helper import MAX_REQUEST_BYTES, POPEN_ONLY
 from ._stdio import FdSource
 
 if TYPE_CHECKING:
@@ -96,8 +96,9 @@ class HelperProcess:
 class _Helper:
     """spaced's end of one account's helper."""
 
-    def __init__(self, account: Account) -> None:
+    def __init__(self, account: Account, posix_spawn: bool = True) -> None:
         self.account = account
+        self.posix_spawn = posix_spawn
         self.ready = False
         self.ended = False
         self.started_at = time.monotonic()
@@ -121,6 +122,7 @@ class _Helper:
                 "-m",
                 "space.guest._spawn_helper",
                 str(theirs.fileno()),
+                *([] if self.posix_spawn else [POPEN_ONLY]),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(),),
@@ -328,10 +330,14 @@ class _Helper:
 
 
 class Spawners:
-    """The helpers of the accounts spaced runs processes as (not its own)."""
+    """The helpers of the accounts spaced runs processes as (not its own).
 
-    def __init__(self) -> None:
+    ``posix_spawn``: whether the helpers start programs with it (space.guest.
+    _spawn_helper: cheaper than Popen in a VM, dearer under gVisor)."""
+
+    def __init__(self, *, posix_spawn: bool = True) -> None:
         self._helpers: dict[tuple[int, int, tuple[int, ...]], _Helper] = {}
+        self._posix_spawn = posix_spawn
 
     async def spawn(
         self, account: Account, argv: list[str], env: dict[str, str], cwd: str, *, piped: bool
@@ -345,7 +351,7 @@ class Spawners:
         if helper is None or (helper.ended and helper.retry_at <= time.monotonic()):
             if helper is None and len(self._helpers) >= _MAX_HELPERS:
                 return None
-            helper = self._helpers[key] = _Helper(account)
+            helper = self._helpers[key] = _Helper(account, self._posix_spawn)
             helper.spawn_soon()
         if not helper.ready:
             return None

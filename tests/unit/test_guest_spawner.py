@@ -342,3 +342,45 @@ def test_a_helper_finds_a_program_by_stats_where_execvp_would_and_leaves_the_res
     assert _spawn_helper._program_path(["tool"], {"PATH": f"bin:{second}"}) is None
     assert _spawn_helper._program_path([], path) is None
     assert _spawn_helper._program_path(["sh"], {}) in ("/bin/sh", "/usr/bin/sh")  # os.defpath
+
+
+@pytest.mark.parametrize("posix_spawn", [True, False], ids=["posix_spawn", "popen"])
+def test_both_ways_of_a_helper_start_a_program_alike(tmp_path: Path, posix_spawn: bool) -> None:
+    """posix_spawn (in a VM) and Popen (under gVisor, ``--popen``): the request's argv,
+    env and cwd, its pipes as the streams, its own session, Python's ignored signals
+    restored; and a program not found on PATH is Popen's error either way."""
+    children: dict[int, subprocess.Popen[bytes] | None] = {}
+    out_read, out_write = os.pipe()
+    err_read, err_write = os.pipe()
+    script = (
+        'echo "$0 $GREETING $(pwd)"; echo err >&2;'
+        ' grep SigIgn /proc/$$/status; cut -d" " -f6 /proc/$$/stat'
+    )
+    request: dict[str, object] = {
+        "argv": ["sh", "-c", script],
+        "env": {"PATH": "/usr/bin:/bin", "GREETING": "hello"},
+        "cwd": str(tmp_path),
+        "stdin": False,
+    }
+    try:
+        pid = _spawn_helper._spawn(request, [out_write, err_write], children, posix_spawn)
+    finally:
+        os.close(out_write)
+        os.close(err_write)
+    with os.fdopen(out_read, "rb") as out, os.fdopen(err_read, "rb") as err:
+        lines, error = out.read().decode().splitlines(), err.read()
+    _, status = os.waitpid(pid, 0)
+    child = children.pop(pid)
+    assert (child is None) == posix_spawn
+    if child is not None:
+        child.returncode = os.waitstatus_to_exitcode(status)  # reaped here, as the helper does
+    assert (lines[0], error, os.waitstatus_to_exitcode(status)) == (
+        f"sh hello {tmp_path}",
+        b"err\n",
+        0,
+    )
+    assert int(lines[1].split()[1], 16) & _PYTHON_IGNORES == 0, lines[1]
+    assert int(lines[2]) == pid  # a session of its own
+    missing = request | {"argv": ["no-such-program"]}
+    with pytest.raises(FileNotFoundError, match="no-such-program"):
+        _spawn_helper._spawn(missing, [1, 2], children, posix_spawn)
