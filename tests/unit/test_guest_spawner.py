@@ -345,10 +345,13 @@ def test_a_helper_finds_a_program_by_stats_where_execvp_would_and_leaves_the_res
 
 
 @pytest.mark.parametrize("posix_spawn", [True, False], ids=["posix_spawn", "popen"])
-def test_both_ways_of_a_helper_start_a_program_alike(tmp_path: Path, posix_spawn: bool) -> None:
+def test_both_ways_of_a_helper_start_a_program_alike(
+    tmp_path: Path, posix_spawn: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """posix_spawn (in a VM) and Popen (under gVisor, ``--popen``): the request's argv,
     env and cwd, its pipes as the streams, its own session, Python's ignored signals
     restored; and a program not found on PATH is Popen's error either way."""
+    monkeypatch.chdir(tmp_path)  # the helper enters the cwd itself: ours comes back after
     children: dict[int, subprocess.Popen[bytes] | None] = {}
     out_read, out_write = os.pipe()
     err_read, err_write = os.pipe()
