@@ -73,10 +73,14 @@ def test_hibernate_frees_the_vm_and_a_guest_call_wakes_it_with_processes_running
     assert qemu_pids(node.config.data_dir) == []
     assert (_volume(node, "hib") / "vmstate").stat().st_size > 0
     assert node.run(node.node.hibernate_sandbox("hib")).state == SandboxState.HIBERNATED
-    time.sleep(1.5)  # the host's clock runs on; the guest's must catch up on waking
+    time.sleep(3.0)  # the host's clock runs on; the guest's must catch up on waking
     after = _counter(node, "hib")  # any guest call wakes it
     assert _state(node, "hib") == SandboxState.RUNNING
-    assert before <= after <= before + 5, (before, after)  # carried on, did not restart
+    # Carried on, did not restart, and did not run while hibernated (those 3 s are 30
+    # ticks). The ticks it made are the guest's time until it stopped and from its wake
+    # to the exec: up to 0.6 s seen in a busy run (after a restore TCG translates the
+    # guest's code anew), so the bound is 1.5 s.
+    assert before <= after < before + 15, (before, after)
     assert node.run(_read(node.node, "hib", "/home/user/kept.txt")) == b"before hibernate"
     assert abs(_guest_clock_offset_s(node, "hib")) < 1.0
     time.sleep(0.5)
