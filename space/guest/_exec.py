@@ -183,6 +183,8 @@ async def _relay(stream: Stream, proc: Spawned, io: ProcessIo, timeout_s: float 
     timer = loop.call_later(timeout_s, time_out) if timeout_s is not None else None
     sources = list(io.sources)
     exited = proc.exited
+    # From the exit on, input is refused and stdin closed, while the output still drains.
+    exited.add_done_callback(lambda _: io.exited())
     try:
         while sources:
             moved = full = False
@@ -207,7 +209,6 @@ async def _relay(stream: Stream, proc: Spawned, io: ProcessIo, timeout_s: float 
     finally:
         if timer is not None:
             timer.cancel()
-    io.exited()
     return timed_out
 
 

@@ -64,8 +64,8 @@ class _HelperGone(Exception):
 
 
 class HelperProcess:
-    """A process a helper started, shaped as asyncio.subprocess.Process where spaced
-    uses it: ``pid``, ``returncode``, ``wait()`` and the parent's ends of its pipes."""
+    """A process a helper started, shaped as space.guest._processes.Spawned: ``pid``,
+    ``returncode``, ``exited``, ``wait()`` and the parent's ends of its pipes."""
 
     def __init__(
         self,
